@@ -1,0 +1,590 @@
+"""Benchmark ``mtc_loader.start_copy`` against the ways PyTorch users copy nested batches.
+
+Usage::
+
+    python3 bench/bench_copy.py [--device cuda:0] [--rounds N] [--quick] [--out DIR]
+                                [--only WORKLOAD ...]
+
+What is timed, per batch: from just before the call until the result is usable, i.e. the host
+clock (``time.perf_counter``) around the copy and a ``torch.cuda.synchronize()`` of every CUDA
+device involved (for ``start_copy`` that is ``start_copy(...).get()`` and then the
+synchronize, since ``get()`` returns once the copies are enqueued, like
+``.to(non_blocking=True)``).
+
+How: per workload, every method's output is first checked bitwise against ``.to()``; then every
+method runs a few warm-up rounds (so pinned slabs and caching-allocator blocks exist), then
+interleaved rounds: each round runs every method once on the same data, with the method order
+rotated from round to round, so that drifts of the machine (clocks, other tenants) hit all
+methods alike. Reported per workload and method: median, p10 and p90 in ms, and the ratio
+``median(.to()) / median(method)`` (above 1 means faster than ``.to()``).
+
+Outputs (in ``--out``, default ``bench/results``): ``bench_copy.json`` (machine info, every
+sample, ``mtc_loader.stats()``), ``bench_copy.png`` (ratio vs ``.to()`` per workload, with the
+targets), and a table on stdout.
+
+With ``--device cpu`` (no GPU needed, e.g. as a smoke test) only the CPU-meaningful case runs:
+numpy -> CPU tensor conversion of the seed workloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import WORKLOADS, count_tensors, iter_leaves, to_numpy, tree_map  # noqa: E402
+
+try:
+    import mtc_loader
+
+    MTC_IMPORT_ERROR: str | None = None
+except Exception as exc:  # the engine may not be built: still measure the baselines
+    mtc_loader = None
+    MTC_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+# Targets (ratio median(.to()) / median(mtc)) from the issue, drawn on the plot.
+TARGETS: dict[str, float] = {
+    "seed16": 9.0,
+    "seed64": 10.0,
+    "4096x64B": 12.0,
+    "16x16MB": 4.0,
+    "seed16_d2h": 5.0,
+}
+
+BASELINE = "to"
+BIG_WORKLOADS = {"16x16MB"}  # fewer rounds, and bandwidth is reported
+SEED = 0
+
+# A method copies a structure to a device and returns the result (not yet synchronized).
+Method = Callable[[Any, torch.device], Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Methods
+# --------------------------------------------------------------------------------------------
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    """A numpy leaf as a tensor (zero-copy); tensors unchanged."""
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def m_to(data: Any, device: torch.device) -> Any:
+    """Per-tensor ``.to(device)`` over the structure (a generic recursive tree map)."""
+    return tree_map(lambda t: _as_tensor(t).to(device), data)
+
+
+def m_to_nb(data: Any, device: torch.device) -> Any:
+    """Per-tensor ``.to(device, non_blocking=True)``."""
+    return tree_map(lambda t: _as_tensor(t).to(device, non_blocking=True), data)
+
+
+def m_pin_to_nb(data: Any, device: torch.device) -> Any:
+    """Per-tensor ``t.pin_memory().to(device, non_blocking=True)`` (CPU sources only)."""
+    return tree_map(lambda t: _as_tensor(t).pin_memory().to(device, non_blocking=True), data)
+
+
+def m_pytree_nb(data: Any, device: torch.device) -> Any:
+    """``torch.utils._pytree.tree_map`` with ``.to(device, non_blocking=True)``."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            return _as_tensor(x).to(device, non_blocking=True)
+        return x
+
+    return pytree.tree_map(leaf, data)
+
+
+def _mtc(**kwargs: Any) -> Method:
+    """A method running ``mtc_loader.start_copy(data, device, **kwargs).get()``."""
+
+    def run(data: Any, device: torch.device) -> Any:
+        return mtc_loader.start_copy(data, device, **kwargs).get()
+
+    run.__doc__ = f"mtc_loader.start_copy(data, device, {kwargs or 'defaults'}).get()"
+    return run
+
+
+BASELINE_METHODS: dict[str, Method] = {
+    "to": m_to,
+    "to_nb": m_to_nb,
+    "pin_to_nb": m_pin_to_nb,
+    "pytree_nb": m_pytree_nb,
+}
+MTC_METHODS: dict[str, Method] = {
+    "mtc": _mtc(),
+    "mtc_no_pack": _mtc(pack_cpu_tensors=False),
+    "mtc_no_pinned": _mtc(use_pinned_staging=False),
+    "mtc_no_thread": _mtc(use_background_thread=False),
+}
+ALL_METHODS: dict[str, Method] = {**BASELINE_METHODS, **MTC_METHODS}
+
+# Which methods make sense per copy direction (pinning a GPU tensor does not; packing and
+# pinned staging have no effect on GPU -> GPU copies).
+METHODS_BY_DIRECTION: dict[str, list[str]] = {
+    "H2D": list(ALL_METHODS),
+    "D2H": ["to", "to_nb", "pytree_nb", *MTC_METHODS],
+    "D2D": ["to", "to_nb", "pytree_nb", "mtc", "mtc_no_thread"],
+    "np2cpu": ["to", "pytree_nb", "mtc", "mtc_no_thread"],
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """One benchmark case: data on its source device, where it goes, and which methods run."""
+
+    name: str
+    direction: str  # "H2D", "D2H", "D2D" or "np2cpu"
+    data: Any
+    target: torch.device
+    methods: list[str]
+    rounds: int
+    sync_devices: list[torch.device] = field(default_factory=list)
+
+
+def build_workloads(args: argparse.Namespace) -> tuple[list[Workload], dict[str, str]]:
+    """The workloads to run (filtered by ``--only``) and the skipped ones with their reason."""
+    device = torch.device(args.device)
+    skipped: dict[str, str] = {}
+    specs: list[tuple[str, str, str]] = []  # (name, direction, builder name)
+
+    if device.type == "cpu":
+        # No GPU: the only copy worth timing is numpy -> CPU tensor; tensor -> CPU is reuse.
+        specs = [(f"{w}_np", "np2cpu", w) for w in ("seed16", "seed4", "seed64")]
+    else:
+        specs = [(w, "H2D", w) for w in WORKLOADS]
+        specs += [("seed16_d2h", "D2H", "seed16"), ("seed16_d2d", "D2D", "seed16")]
+
+    workloads = []
+    for name, direction, builder in specs:
+        if args.only and name not in args.only:
+            continue
+        methods = list(METHODS_BY_DIRECTION[direction])
+        if mtc_loader is None:
+            methods = [m for m in methods if m in BASELINE_METHODS]
+        rounds = rounds_for(name, args)
+        data = WORKLOADS[builder](SEED)
+
+        if direction == "np2cpu":
+            workloads.append(Workload(name, direction, to_numpy(data), device, methods, rounds))
+        elif direction == "H2D":
+            workloads.append(Workload(name, direction, data, device, methods, rounds, [device]))
+        elif direction == "D2H":
+            data = m_to(data, device)
+            torch.cuda.synchronize(device)
+            cpu = torch.device("cpu")
+            workloads.append(Workload(name, direction, data, cpu, methods, rounds, [device]))
+        elif direction == "D2D":
+            other = _other_cuda_device(device)
+            if other is None:
+                skipped[name] = (
+                    "needs 2 GPUs (a copy to the same device is reuse, meaningless to time); "
+                    f"{torch.cuda.device_count()} visible"
+                )
+                continue
+            data = m_to(data, device)
+            torch.cuda.synchronize(device)
+            workloads.append(
+                Workload(name, direction, data, other, methods, rounds, [device, other])
+            )
+
+    unknown = set(args.only or ()) - {w.name for w in workloads} - set(skipped)
+    if unknown:
+        names = ", ".join(name for name, _, _ in specs)
+        sys.exit(f"unknown workload(s) {sorted(unknown)} for device {device}; have: {names}")
+    return workloads, skipped
+
+
+def _other_cuda_device(device: torch.device) -> torch.device | None:
+    """A CUDA device other than ``device``, or None if there is only one."""
+    for i in range(torch.cuda.device_count()):
+        if i != (device.index or 0):
+            return torch.device("cuda", i)
+    return None
+
+
+def rounds_for(name: str, args: argparse.Namespace) -> int:
+    """Timed rounds for a workload: ``--rounds``, else 30 (10 for the 256 MB one); 5 if quick."""
+    if args.rounds:
+        return args.rounds
+    if args.quick:
+        return 3 if name in BIG_WORKLOADS else 5
+    return 10 if name in BIG_WORKLOADS else 30
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def synchronize(devices: list[torch.device]) -> None:
+    """Wait for all work on every given CUDA device."""
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+def time_once(method: Method, w: Workload) -> float:
+    """Seconds for one copy of ``w.data`` by ``method``, until its result is usable."""
+    t0 = time.perf_counter()
+    out = method(w.data, w.target)
+    synchronize(w.sync_devices)
+    t1 = time.perf_counter()
+    del out
+    return t1 - t0
+
+
+def check_correct(w: Workload) -> None:
+    """Abort unless every method's output equals ``.to()``'s, leaf by leaf, bitwise."""
+    ref = m_to(w.data, w.target)
+    synchronize(w.sync_devices)
+    ref_leaves = list(iter_leaves(ref))
+    for name in w.methods:
+        try:
+            out = ALL_METHODS[name](w.data, w.target)
+            synchronize(w.sync_devices)
+        except Exception as exc:
+            sys.exit(f"FAILED in workload {w.name!r}, method {name!r}: "
+                     f"{type(exc).__name__}: {exc}")
+        problem = _compare(ref, ref_leaves, out, w.target)
+        if problem:
+            sys.exit(f"MISMATCH in workload {w.name!r}, method {name!r}: {problem}")
+
+
+def _compare(ref: Any, ref_leaves: list, out: Any, target: torch.device) -> str | None:
+    """A description of the first difference between ``out`` and ``ref``, or None."""
+    if _skeleton(out) != _skeleton(ref):
+        return "output structure (containers, keys, leaf positions) differs from the input's"
+    out_leaves = list(iter_leaves(out))
+    for (path, r), (_, o) in zip(ref_leaves, out_leaves):
+        if not isinstance(o, torch.Tensor):
+            return f"{path} is a {type(o).__name__}, not a tensor"
+        if o.device != target and not (target.index is None and o.device.type == target.type):
+            return f"{path} is on {o.device}, expected {target}"
+        if o.dtype != r.dtype or o.shape != r.shape:
+            return f"{path}: {o.dtype}{tuple(o.shape)} vs expected {r.dtype}{tuple(r.shape)}"
+        if not torch.equal(o.cpu(), r.cpu()):
+            return f"{path}: values differ"
+    return None
+
+
+def _skeleton(data: Any) -> Any:
+    """The container skeleton of ``data`` with every leaf replaced by a marker."""
+    if isinstance(data, dict):
+        return (type(data), tuple((k, _skeleton(v)) for k, v in data.items()))
+    if isinstance(data, (list, tuple)):
+        return (type(data), tuple(_skeleton(v) for v in data))
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        return "leaf"
+    return ("other", repr(data))
+
+
+def run_workload(w: Workload, warmup: int) -> dict[str, list[float]]:
+    """Warm up, then time ``w.rounds`` interleaved rounds; seconds per method."""
+    methods = [(name, ALL_METHODS[name]) for name in w.methods]
+    for _ in range(warmup):
+        for _, method in methods:
+            time_once(method, w)
+
+    samples: dict[str, list[float]] = {name: [] for name, _ in methods}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # a collection inside one timed call would land on one method only
+    try:
+        for r in range(w.rounds):
+            k = r % len(methods)
+            for name, method in methods[k:] + methods[:k]:
+                samples[name].append(time_once(method, w))
+            gc.collect()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return samples
+
+
+def summarize(samples: list[float], baseline_median: float | None, nbytes: int) -> dict:
+    """Median / p10 / p90 in ms, ratio vs the baseline, GB/s, and the raw samples."""
+    ms = [s * 1e3 for s in samples]
+    med = statistics.median(ms)
+    return {
+        "median_ms": med,
+        "p10_ms": float(np.percentile(ms, 10)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "min_ms": min(ms),
+        "ratio_vs_to": (baseline_median / med) if baseline_median else None,
+        "gbps": nbytes / (med * 1e-3) / 1e9,
+        "samples_ms": ms,
+    }
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict:
+    """Reference H2D bandwidths in GB/s (median of ``reps``): pinned non_blocking, pageable."""
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    pinned.fill_(1)
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
+
+    def rate(fn: Callable[[], Any]) -> float:
+        fn()  # warm-up: allocator blocks, first-touch of pages
+        synchronize([device])
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            synchronize([device])
+            times.append(time.perf_counter() - t0)
+            del out
+        return nbytes / statistics.median(times) / 1e9
+
+    return {
+        "bytes": nbytes,
+        "h2d_pinned_nb_gbps": rate(lambda: pinned.to(device, non_blocking=True)),
+        "h2d_pageable_to_gbps": rate(lambda: pageable.to(device)),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "numpy": np.__version__,
+        "device": str(device),
+        "gpus": [],
+        "mtc_loader": getattr(mtc_loader, "__version__", None) if mtc_loader else None,
+        "mtc_loader_import_error": MTC_IMPORT_ERROR,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def print_table(results: dict[str, dict]) -> None:
+    """Workload | method | median ms | p10 | p90 | ratio vs .to() [| GB/s]."""
+    header = (
+        f"{'workload':<13} {'dir':<6} {'method':<14} {'median ms':>10} "
+        f"{'p10':>8} {'p90':>8} {'vs .to()':>9} {'GB/s':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for wname, res in results.items():
+        for mname, m in res["methods"].items():
+            ratio = f"{m['ratio_vs_to']:.2f}x" if m["ratio_vs_to"] else "-"
+            gbps = f"{m['gbps']:.2f}" if wname in BIG_WORKLOADS else ""
+            print(
+                f"{wname:<13} {res['direction']:<6} {mname:<14} {m['median_ms']:>10.3f} "
+                f"{m['p10_ms']:>8.3f} {m['p90_ms']:>8.3f} {ratio:>9} {gbps:>7}"
+            )
+        if "bandwidth" in res:
+            bw = res["bandwidth"]
+            print(
+                f"{'':<13} {'':<6} reference: 256 MB H2D pinned .to(nb) "
+                f"{bw['h2d_pinned_nb_gbps']:.2f} GB/s, pageable .to() "
+                f"{bw['h2d_pageable_to_gbps']:.2f} GB/s"
+            )
+        print()
+
+
+def plot(results: dict[str, dict], path: str, title: str) -> bool:
+    """Grouped horizontal bars of the ratio vs ``.to()``, log scale, targets as markers.
+
+    Returns False (after printing a notice) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("notice: matplotlib is not installed; skipping the plot")
+        return False
+
+    # .to() itself is the dashed line at 1x, not a bar.
+    methods = [
+        m for m in ALL_METHODS
+        if m != BASELINE and any(m in r["methods"] for r in results.values())
+    ]
+    workloads = list(results)
+    bar_h = 0.8 / max(len(methods), 1)
+    colors = plt.get_cmap("tab10")
+
+    def bar_y(i: int, m: str) -> float:
+        """Centre of method ``m``'s bar in workload group ``i``."""
+        return i + (methods.index(m) - (len(methods) - 1) / 2) * bar_h
+
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.22 * len(methods) * len(workloads)))
+    for j, m in enumerate(methods):
+        ys, xs = [], []
+        for i, w in enumerate(workloads):
+            r = results[w]["methods"].get(m)
+            if r and r["ratio_vs_to"]:
+                ys.append(bar_y(i, m))
+                xs.append(r["ratio_vs_to"])
+        ax.barh(ys, xs, height=bar_h, color=colors(j % 10), label=m)
+
+    # The issue's targets apply to the default start_copy: mark them on the "mtc" bar.
+    target_label = "target for mtc"
+    for i, w in enumerate(workloads):
+        target = TARGETS.get(w)
+        if target is None:
+            continue
+        y = bar_y(i, "mtc") if "mtc" in methods else i
+        ax.plot([target], [y], marker="D", color="black", markersize=7, linestyle="none",
+                label=target_label)
+        ax.annotate(f"target {target:g}x", (target, y), xytext=(7, -3),
+                    textcoords="offset points", fontsize="small")
+        target_label = "_nolegend_"
+
+    # Where bandwidth was measured, the pinned-source copy of the same bytes is the ceiling.
+    limit_label = "pinned-source limit"
+    for i, w in enumerate(workloads):
+        bw, base = results[w].get("bandwidth"), results[w]["methods"].get(BASELINE)
+        if not bw or not base:
+            continue
+        limit = bw["h2d_pinned_nb_gbps"] / base["gbps"]
+        ax.vlines(limit, i - 0.45, i + 0.45, color="black", linewidth=2, label=limit_label)
+        ax.annotate(f"limit {limit:.1f}x", (limit, i - 0.3), xytext=(5, 0),
+                    textcoords="offset points", fontsize="small")
+        limit_label = "_nolegend_"
+
+    ax.axvline(1.0, color="grey", linewidth=1, linestyle="--")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.set_yticks(range(len(workloads)))
+    ax.set_yticklabels([f"{w}\n({results[w]['direction']})" for w in workloads])
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up vs per-tensor .to()  (median(.to()) / median(method), log scale)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0", help="target device (default cuda:0)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="timed rounds per workload (default 30, 10 for 16x16MB)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up rounds per method (min 3)")
+    p.add_argument("--quick", action="store_true", help="few rounds: a fast smoke run")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                   help="output folder (default bench/results)")
+    p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
+    args = p.parse_args(argv)
+    args.warmup = max(args.warmup, 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"--device {device} asked for, but CUDA is not available (try --device cpu)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        args.device = str(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if MTC_IMPORT_ERROR:
+        print(f"WARNING: import mtc_loader failed ({MTC_IMPORT_ERROR}): baselines only")
+
+    workloads, skipped = build_workloads(args)
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}")
+
+    results: dict[str, dict] = {}
+    for w in workloads:
+        n, nbytes = count_tensors(w.data)
+        print(f"[{w.name}] {w.direction} -> {w.target}: {n} tensors, {nbytes / 1e3:.1f} KB, "
+              f"{len(w.methods)} methods x {w.rounds} rounds", flush=True)
+        check_correct(w)
+        samples = run_workload(w, args.warmup)
+        base = statistics.median(samples[BASELINE]) * 1e3 if BASELINE in samples else None
+        res = {
+            "direction": w.direction,
+            "source": str(next(iter_leaves(w.data))[1].device)
+            if w.direction != "np2cpu" else "numpy",
+            "target": str(w.target),
+            "tensors": n,
+            "bytes": nbytes,
+            "rounds": w.rounds,
+            "warmup": args.warmup,
+            "methods": {m: summarize(s, base, nbytes) for m, s in samples.items()},
+        }
+        if w.name in BIG_WORKLOADS and w.direction == "H2D":
+            res["bandwidth"] = measure_bandwidth(device)
+        results[w.name] = res
+
+    stats = None
+    if mtc_loader is not None:
+        try:
+            stats = mtc_loader.stats()
+        except Exception as exc:  # report, don't lose the timings
+            stats = {"error": f"{type(exc).__name__}: {exc}"}
+
+    print()
+    print_table(results)
+    if stats is not None:
+        print("mtc_loader.stats():", json.dumps(stats, indent=None, default=str))
+    if MTC_IMPORT_ERROR:
+        print(f"WARNING: mtc_loader was not measured: {MTC_IMPORT_ERROR}")
+
+    os.makedirs(args.out, exist_ok=True)
+    info = machine_info(device)
+    report = {
+        "machine": info,
+        "config": {k: v for k, v in vars(args).items()},
+        "targets": TARGETS,
+        "workloads": results,
+        "skipped": skipped,
+        "mtc_stats": stats,
+    }
+    json_path = os.path.join(args.out, "bench_copy.json")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"wrote {json_path}")
+
+    gpu = info["gpus"][0] if info["gpus"] else platform.processor() or "CPU"
+    title = f"mtc_loader vs .to() on {gpu}, torch {torch.__version__}"
+    png_path = os.path.join(args.out, "bench_copy.png")
+    if results and plot(results, png_path, title):
+        print(f"wrote {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

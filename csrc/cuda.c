@@ -1,0 +1,147 @@
+/*
+ * cuda.c - run-time loader for the CUDA driver API (see cuda.h).
+ */
+#include "cuda.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+mtc_cuda_api mtc_cu;
+
+static pthread_mutex_t _cu_lock = PTHREAD_MUTEX_INITIALIZER;
+static int _cu_state;          /* 0 not tried, 1 loaded, -1 failed */
+static int _cu_result;
+static void *_cu_lib;
+static CUcontext _cu_ctx[MTC_MAX_DEVICES];
+
+/* Versioned names first: the unversioned symbols of several entry points
+ * keep their CUDA 3.x ABI for old binaries. */
+#define _CU_SYM(field, name)                                             \
+    do {                                                                 \
+        *(void **)(&mtc_cu.field) = dlsym(_cu_lib, name);                \
+        if (!mtc_cu.field) return -ENOSYS;                               \
+    } while (0)
+
+static int _cu_resolve(void)
+{
+    _CU_SYM(cuInit, "cuInit");
+    _CU_SYM(cuDriverGetVersion, "cuDriverGetVersion");
+    _CU_SYM(cuDeviceGetCount, "cuDeviceGetCount");
+    _CU_SYM(cuDeviceGet, "cuDeviceGet");
+    _CU_SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    _CU_SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    _CU_SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+    _CU_SYM(cuCtxGetCurrent, "cuCtxGetCurrent");
+    _CU_SYM(cuMemHostAlloc, "cuMemHostAlloc");
+    _CU_SYM(cuMemFreeHost, "cuMemFreeHost");
+    _CU_SYM(cuMemHostRegister, "cuMemHostRegister_v2");
+    _CU_SYM(cuMemHostUnregister, "cuMemHostUnregister");
+    _CU_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    _CU_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+    _CU_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+    _CU_SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync");
+    _CU_SYM(cuEventCreate, "cuEventCreate");
+    _CU_SYM(cuEventDestroy, "cuEventDestroy_v2");
+    _CU_SYM(cuEventRecord, "cuEventRecord");
+    _CU_SYM(cuEventQuery, "cuEventQuery");
+    _CU_SYM(cuEventSynchronize, "cuEventSynchronize");
+    _CU_SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
+    _CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
+    _CU_SYM(cuGetErrorName, "cuGetErrorName");
+    _CU_SYM(cuGetErrorString, "cuGetErrorString");
+    return 0;
+}
+
+int mtc_cuda_load(void)
+{
+    pthread_mutex_lock(&_cu_lock);
+    if (_cu_state == 0) {
+        _cu_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        if (!_cu_lib) {
+            _cu_result = -ENOENT;
+        } else if ((_cu_result = _cu_resolve()) == 0) {
+            CUresult r = mtc_cu.cuInit(0);
+            _cu_result = r == MTC_CUDA_SUCCESS ? 0 : MTC_CUDA_ERR(r);
+        }
+        _cu_state = _cu_result == 0 ? 1 : -1;
+    }
+    int res = _cu_result;
+    pthread_mutex_unlock(&_cu_lock);
+    return res;
+}
+
+int mtc_cuda_device_count(void)
+{
+    int rc = mtc_cuda_load();
+    if (rc) return rc;
+    int n = 0;
+    CUresult r = mtc_cu.cuDeviceGetCount(&n);
+    return r ? MTC_CUDA_ERR(r) : n;
+}
+
+int mtc_cuda_set_device(int dev)
+{
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) return -EINVAL;
+    int rc = mtc_cuda_load();
+    if (rc) return rc;
+    pthread_mutex_lock(&_cu_lock);
+    CUcontext ctx = _cu_ctx[dev];
+    if (!ctx) {
+        CUdevice d;
+        CUresult r = mtc_cu.cuDeviceGet(&d, dev);
+        if (r == MTC_CUDA_SUCCESS) r = mtc_cu.cuDevicePrimaryCtxRetain(&ctx, d);
+        if (r != MTC_CUDA_SUCCESS) {
+            pthread_mutex_unlock(&_cu_lock);
+            return MTC_CUDA_ERR(r);
+        }
+        _cu_ctx[dev] = ctx;
+    }
+    pthread_mutex_unlock(&_cu_lock);
+    CUresult r = mtc_cu.cuCtxSetCurrent(ctx);
+    return r ? MTC_CUDA_ERR(r) : 0;
+}
+
+CUcontext mtc_cuda_context(int dev)
+{
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) return NULL;
+    pthread_mutex_lock(&_cu_lock);
+    CUcontext c = _cu_ctx[dev];
+    pthread_mutex_unlock(&_cu_lock);
+    return c;
+}
+
+void mtc_cuda_describe(int code, char *buf, size_t len)
+{
+    if (!len) return;
+    if (MTC_IS_CUDA_ERR(code)) {
+        CUresult res = MTC_CUDA_RES(code);
+        const char *name = NULL, *desc = NULL;
+        if (_cu_state == 1) {
+            mtc_cu.cuGetErrorName(res, &name);
+            mtc_cu.cuGetErrorString(res, &desc);
+        }
+        snprintf(buf, len, "%s (%d): %s", name ? name : "CUDA error", res,
+                 desc ? desc : "no description");
+    } else if (code == -ENOENT) {
+        snprintf(buf, len, "libcuda.so.1 could not be loaded (%s)", dlerror() ? "not found" : "missing");
+    } else if (code == -ENOSYS) {
+        snprintf(buf, len, "libcuda.so.1 lacks a driver entry point the engine needs (driver too old)");
+    } else {
+        snprintf(buf, len, "%s", strerror(-code));
+    }
+}
+
+void mtc_cuda_after_fork_child(void)
+{
+    /* The child inherits the parent's memory but not its CUDA contexts:
+     * forget them, and reinitialise the lock that another thread may have held. */
+    pthread_mutex_init(&_cu_lock, NULL);
+    memset(_cu_ctx, 0, sizeof _cu_ctx);
+    if (_cu_state == 1) {
+        _cu_state = -1;
+        _cu_result = MTC_CUDA_ERR(3); /* CUDA_ERROR_NOT_INITIALIZED: unusable after fork */
+    }
+}

@@ -1,0 +1,100 @@
+/*
+ * cuda.h - the CUDA driver API, loaded at run time.
+ *
+ * Nothing CUDA is needed to build or import the engine: libcuda.so.1 is
+ * dlopen()ed on first use and the few driver entry points the engine needs are
+ * resolved into a table. The types below mirror the driver's ABI (handles are
+ * pointers, device pointers are 64-bit integers, results are ints).
+ *
+ * Code here returns codes, never touches Python: 0 on success, a negative
+ * errno for loader problems, or MTC_CUDA_ERR(res) for a driver error `res`.
+ * Names starting with `_` are internal to cuda.c.
+ */
+#ifndef MTC_CUDA_H
+#define MTC_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef unsigned long long CUdeviceptr;
+
+#define MTC_CUDA_SUCCESS 0
+#define MTC_CUDA_ERROR_NOT_READY 600
+#define MTC_CUDA_ERROR_OUT_OF_MEMORY 2
+#define MTC_CU_EVENT_DISABLE_TIMING 0x2
+#define MTC_CU_MEMHOSTALLOC_PORTABLE 0x1
+#define MTC_CU_MEMHOSTREGISTER_PORTABLE 0x1
+
+/* Driver errors are reported as -(100000 + res) so that they never collide with -errno. */
+#define MTC_CUDA_ERR(res) (-(100000 + (int)(res)))
+#define MTC_IS_CUDA_ERR(code) ((code) <= -100000)
+#define MTC_CUDA_RES(code) (-(code) - 100000)
+
+#define MTC_MAX_DEVICES 64
+
+typedef struct mtc_cuda_api {
+    CUresult (*cuInit)(unsigned int);
+    CUresult (*cuDriverGetVersion)(int *);
+    CUresult (*cuDeviceGetCount)(int *);
+    CUresult (*cuDeviceGet)(CUdevice *, int);
+    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+    CUresult (*cuCtxSetCurrent)(CUcontext);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
+    CUresult (*cuMemFreeHost)(void *);
+    CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
+    CUresult (*cuMemHostUnregister)(void *);
+    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventDestroy)(CUevent);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventQuery)(CUevent);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+    CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuGetErrorName)(CUresult, const char **);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+} mtc_cuda_api;
+
+/* The loaded table; valid only after mtc_cuda_load() returned 0. */
+extern mtc_cuda_api mtc_cu;
+
+/*
+ * Loads libcuda.so.1 and calls cuInit(0), once per process (thread-safe).
+ * Returns 0, -ENOENT when the library is missing, -ENOSYS when a symbol is
+ * missing, or MTC_CUDA_ERR(res) when cuInit fails. Later calls return the
+ * first call's result.
+ */
+int mtc_cuda_load(void);
+
+/*
+ * Makes the primary context of `dev` current on the calling thread,
+ * retaining it on first use. Returns 0 or an error code as above.
+ */
+int mtc_cuda_set_device(int dev);
+
+/* Returns the primary context of `dev` (retained by mtc_cuda_set_device), or NULL. */
+CUcontext mtc_cuda_context(int dev);
+
+/* Number of devices the driver sees, or a negative error code. */
+int mtc_cuda_device_count(void);
+
+/*
+ * Writes "CUDA_ERROR_NAME: description" for `code` into buf (always
+ * NUL-terminated). Works for loader errors (-errno) too.
+ */
+void mtc_cuda_describe(int code, char *buf, size_t len);
+
+/* Forget everything after fork(): the child must not use the parent's contexts. */
+void mtc_cuda_after_fork_child(void);
+
+#endif /* MTC_CUDA_H */

@@ -1,0 +1,294 @@
+/*
+ * hostcopy.c - host copies and the helper-thread pool (see hostcopy.h).
+ */
+#include "hostcopy.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- futex ---- */
+
+void mtc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+{
+    struct timespec ts, *tp = NULL;
+    if (timeout_ns >= 0) {
+        ts.tv_sec = timeout_ns / 1000000000;
+        ts.tv_nsec = timeout_ns % 1000000000;
+        tp = &ts;
+    }
+    /* returns at once when *addr != expected: no lost wake-up between the
+     * caller's check and the sleep */
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, expected, tp, NULL, 0);
+}
+
+void mtc_futex_wake_all(_Atomic uint32_t *addr)
+{
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static int64_t _now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void mtc_flag_init(mtc_flag *f) { atomic_init(&f->v, 0); }
+
+void mtc_flag_set(mtc_flag *f)
+{
+    /* pairs with the acquire in mtc_flag_is_set/wait: what the setter wrote
+     * before (the copied piece) is visible to whoever sees the flag */
+    mtc_store_release(&f->v, 1);
+    mtc_futex_wake_all(&f->v);
+}
+
+int mtc_flag_is_set(mtc_flag *f)
+{
+    return mtc_load_acquire(&f->v) != 0; /* pairs with mtc_flag_set's release */
+}
+
+int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns)
+{
+    int64_t deadline = timeout_ns >= 0 ? _now_ns() + timeout_ns : 0;
+    for (int spin = 0; spin < 64; spin++) {
+        if (mtc_flag_is_set(f)) return 0;
+        mtc_cpu_relax();
+    }
+    while (!mtc_flag_is_set(f)) {
+        int64_t left = -1;
+        if (timeout_ns >= 0) {
+            left = deadline - _now_ns();
+            if (left <= 0) return -ETIMEDOUT;
+        }
+        mtc_futex_wait(&f->v, 0, left);
+    }
+    return 0;
+}
+
+/* ---- the helper pool ---- */
+
+#define _MAX_HELPERS 16
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    mtc_batch *head, *tail;   /* batches with tasks left to take */
+    pthread_t threads[_MAX_HELPERS];
+    int nthreads;
+    int stop;
+} _pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, {0}, 0, 0};
+
+/* Takes and runs tasks of b until none is left. Returns 1 if it ran any. */
+static int _run_tasks(mtc_batch *b)
+{
+    int ran = 0;
+    for (;;) {
+        uint32_t i = mtc_fetch_add_relaxed(&b->next, 1);
+        if (i >= b->n) break;
+        b->fn(b->arg, i);
+        ran = 1;
+        /* acq_rel: the last finisher sees every other task's writes before
+         * publishing `finished` (released to mtc_batch_wait's acquire) */
+        if (mtc_fetch_add_acq_rel(&b->done, 1) + 1 == b->n) {
+            mtc_store_release(&b->finished, 1);
+            mtc_futex_wake_all(&b->finished);
+        }
+    }
+    return ran;
+}
+
+static void *_helper_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&_pool.lock);
+    while (!_pool.stop) {
+        mtc_batch *b = _pool.head;
+        if (!b) {
+            pthread_cond_wait(&_pool.cond, &_pool.lock);
+            continue;
+        }
+        /* a batch whose tasks are all taken leaves the queue */
+        if (mtc_load_relaxed(&b->next) >= b->n) {
+            _pool.head = b->qnext;
+            if (!_pool.head) _pool.tail = NULL;
+            continue;
+        }
+        pthread_mutex_unlock(&_pool.lock);
+        _run_tasks(b);
+        pthread_mutex_lock(&_pool.lock);
+    }
+    pthread_mutex_unlock(&_pool.lock);
+    return NULL;
+}
+
+int mtc_pool_start(int nthreads)
+{
+    pthread_mutex_lock(&_pool.lock);
+    if (_pool.nthreads) {
+        pthread_mutex_unlock(&_pool.lock);
+        return 0;
+    }
+    if (nthreads <= 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        nthreads = cpus > 2 ? (int)(cpus / 2) : 1;
+        if (nthreads > 8) nthreads = 8;
+    }
+    if (nthreads > _MAX_HELPERS) nthreads = _MAX_HELPERS;
+    _pool.stop = 0;
+    int rc = 0;
+    for (int i = 0; i < nthreads; i++) {
+        if ((rc = pthread_create(&_pool.threads[i], NULL, _helper_main, NULL))) break;
+        _pool.nthreads++;
+    }
+    pthread_mutex_unlock(&_pool.lock);
+    return _pool.nthreads ? 0 : -rc;
+}
+
+int mtc_pool_size(void) { return _pool.nthreads; }
+
+void mtc_batch_submit(mtc_batch *b, mtc_task_fn fn, void *arg, uint32_t n)
+{
+    b->fn = fn;
+    b->arg = arg;
+    b->n = n;
+    atomic_init(&b->next, 0);
+    atomic_init(&b->done, 0);
+    atomic_init(&b->finished, n == 0);
+    b->qnext = NULL;
+    if (!n) return;
+    if (!_pool.nthreads) mtc_pool_start(0);
+    pthread_mutex_lock(&_pool.lock);
+    if (_pool.tail) _pool.tail->qnext = b;
+    else _pool.head = b;
+    _pool.tail = b;
+    pthread_cond_broadcast(&_pool.cond);
+    pthread_mutex_unlock(&_pool.lock);
+}
+
+void mtc_batch_help(mtc_batch *b) { _run_tasks(b); }
+
+void mtc_batch_wait(mtc_batch *b)
+{
+    /* pairs with the release of `finished` in _run_tasks */
+    while (!mtc_load_acquire(&b->finished)) mtc_futex_wait(&b->finished, 0, -1);
+    /* The batch may still sit in the queue (all tasks taken, not yet popped):
+     * unlink it before the caller frees it. */
+    pthread_mutex_lock(&_pool.lock);
+    mtc_batch **pp = &_pool.head, *prev = NULL;
+    while (*pp && *pp != b) {
+        prev = *pp;
+        pp = &(*pp)->qnext;
+    }
+    if (*pp) {
+        *pp = b->qnext;
+        if (_pool.tail == b) _pool.tail = prev;
+    }
+    pthread_mutex_unlock(&_pool.lock);
+}
+
+void mtc_parallel_for(mtc_task_fn fn, void *arg, uint32_t n)
+{
+    mtc_batch b;
+    mtc_batch_submit(&b, fn, arg, n);
+    mtc_batch_help(&b);
+    mtc_batch_wait(&b);
+}
+
+void mtc_pool_stop(void)
+{
+    pthread_mutex_lock(&_pool.lock);
+    _pool.stop = 1;
+    pthread_cond_broadcast(&_pool.cond);
+    int n = _pool.nthreads;
+    pthread_mutex_unlock(&_pool.lock);
+    for (int i = 0; i < n; i++) pthread_join(_pool.threads[i], NULL);
+    pthread_mutex_lock(&_pool.lock);
+    _pool.nthreads = 0;
+    pthread_mutex_unlock(&_pool.lock);
+}
+
+void mtc_pool_after_fork_child(void)
+{
+    pthread_mutex_init(&_pool.lock, NULL);
+    pthread_cond_init(&_pool.cond, NULL);
+    _pool.head = _pool.tail = NULL;
+    _pool.nthreads = 0;
+    _pool.stop = 0;
+}
+
+/* ---- copies ---- */
+
+void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t *shape,
+                            const int64_t *strides, int64_t elsize, int64_t begin, int64_t end)
+{
+    if (begin >= end) return;
+    /* Merge the innermost dims while they are contiguous: the run length. */
+    int inner = ndim;
+    int64_t run = elsize;
+    while (inner > 0 && (shape[inner - 1] == 1 || strides[inner - 1] == run)) {
+        run *= shape[inner - 1];
+        inner--;
+    }
+    if (inner == 0) {
+        memcpy(dst, (const char *)src + begin, (size_t)(end - begin));
+        return;
+    }
+    /* Walk runs: index over dims [0, inner), each run is `run` contiguous bytes. */
+    int64_t idx[64];
+    int64_t r = begin / run, within = begin % run;
+    for (int d = inner - 1; d >= 0; d--) {
+        idx[d] = r % shape[d];
+        r /= shape[d];
+    }
+    char *out = dst;
+    int64_t left = end - begin;
+    while (left > 0) {
+        const char *p = src;
+        for (int d = 0; d < inner; d++) p += idx[d] * strides[d];
+        int64_t n = run - within;
+        if (n > left) n = left;
+        memcpy(out, p + within, (size_t)n);
+        out += n;
+        left -= n;
+        within = 0;
+        for (int d = inner - 1; d >= 0; d--) {
+            if (++idx[d] < shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+void mtc_copy_strided(void *dst, const void *src, int ndim, const int64_t *shape,
+                      const int64_t *strides, int64_t elsize)
+{
+    int64_t total = elsize;
+    for (int d = 0; d < ndim; d++) total *= shape[d];
+    mtc_copy_strided_range(dst, src, ndim, shape, strides, elsize, 0, total);
+}
+
+typedef struct _pcopy { char *dst; const char *src; size_t n, piece; } _pcopy;
+
+static void _pcopy_task(void *arg, uint32_t i)
+{
+    _pcopy *c = arg;
+    size_t off = (size_t)i * c->piece;
+    size_t len = c->n - off < c->piece ? c->n - off : c->piece;
+    memcpy(c->dst + off, c->src + off, len);
+}
+
+void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes)
+{
+    if (nbytes < 2 * MTC_PIECE_BYTES || !mtc_pool_size()) {
+        memcpy(dst, src, nbytes);
+        return;
+    }
+    _pcopy c = {dst, src, nbytes, MTC_PIECE_BYTES};
+    mtc_parallel_for(_pcopy_task, &c, (uint32_t)((nbytes + c.piece - 1) / c.piece));
+}

@@ -1,0 +1,86 @@
+/*
+ * hostcopy.h - host memory copies: contiguous and strided copies, and a small
+ * pool of helper threads that splits large copies.
+ *
+ * The pool: any thread may submit a batch of `n` independent tasks; helpers
+ * take task indices from an atomic counter; the submitter can help, and waits
+ * for the batch with mtc_batch_wait(). Per-task completion can be observed
+ * with mtc_flag (a futex word), which is what lets the transfer thread issue
+ * the DMA of piece k while helpers still copy piece k+1.
+ *
+ * No Python here; functions return 0 or a negative errno. Names starting with
+ * `_` are internal to hostcopy.c.
+ */
+#ifndef MTC_HOSTCOPY_H
+#define MTC_HOSTCOPY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "atomics.h"
+
+/* A one-shot completion flag: set once, waited on by any number of threads. */
+typedef struct mtc_flag { _Atomic uint32_t v; } mtc_flag;
+void mtc_flag_init(mtc_flag *f);
+void mtc_flag_set(mtc_flag *f);
+int mtc_flag_is_set(mtc_flag *f);
+/* Waits until set or timeout_ns passes (<0: forever). 0 when set, -ETIMEDOUT. */
+int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns);
+
+/* futex helpers over a 32-bit word */
+void mtc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns);
+void mtc_futex_wake_all(_Atomic uint32_t *addr);
+
+typedef void (*mtc_task_fn)(void *arg, uint32_t index);
+
+typedef struct mtc_batch {
+    mtc_task_fn fn;
+    void *arg;
+    uint32_t n;
+    _Atomic uint32_t next;      /* next task index to take */
+    _Atomic uint32_t done;      /* tasks finished */
+    _Atomic uint32_t finished;  /* futex word: 1 once done == n */
+    struct mtc_batch *qnext;    /* internal: pool queue link */
+} mtc_batch;
+
+/* Starts the helpers (idempotent; at most `nthreads`, 0 = automatic). 0 or -errno. */
+int mtc_pool_start(int nthreads);
+/* Number of helper threads running. */
+int mtc_pool_size(void);
+/* Queues a batch for the helpers. The batch must outlive its completion. */
+void mtc_batch_submit(mtc_batch *b, mtc_task_fn fn, void *arg, uint32_t n);
+/* The caller takes tasks of b too, until none is left. */
+void mtc_batch_help(mtc_batch *b);
+/* Waits for every task of b to finish. */
+void mtc_batch_wait(mtc_batch *b);
+/* Runs fn over [0, n) on the helpers and the caller; returns when all finished. */
+void mtc_parallel_for(mtc_task_fn fn, void *arg, uint32_t n);
+
+/* Stops the helpers (tests; interpreter exit). */
+void mtc_pool_stop(void);
+/* After fork() in the child: the helpers did not survive the fork. */
+void mtc_pool_after_fork_child(void);
+
+/*
+ * Copies a strided host array into a contiguous destination. shape/strides
+ * (bytes) describe the source; elsize is the element size. The innermost
+ * contiguous run is copied with memcpy.
+ */
+void mtc_copy_strided(void *dst, const void *src, int ndim, const int64_t *shape,
+                      const int64_t *strides, int64_t elsize);
+
+/*
+ * Copies a byte range [begin, end) of the contiguous image of a strided
+ * source (begin/end multiples of elsize) into dst. Lets a large strided copy
+ * be split into pieces.
+ */
+void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t *shape,
+                            const int64_t *strides, int64_t elsize, int64_t begin, int64_t end);
+
+/* Copies nbytes, split over the helpers when large. */
+void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes);
+
+/* Piece size for splitting large copies, bytes. */
+#define MTC_PIECE_BYTES ((size_t)4 << 20)
+
+#endif /* MTC_HOSTCOPY_H */

@@ -1,0 +1,55 @@
+/*
+ * module.h - the state of the _engine module, shared by the files that talk
+ * to Python (module.c, traverse.c). Everything torch-specific arrives from
+ * mtc_loader/_setup.py through _engine._setup(): the engine never imports torch
+ * itself and never links against it.
+ */
+#ifndef MTC_MODULE_H
+#define MTC_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define MTC_MAX_DTYPES 64
+
+/* dtype flags */
+#define MTC_DT_FLOAT   0x1  /* may carry the negative bit (is_neg) */
+#define MTC_DT_COMPLEX 0x2  /* may carry the conjugate bit (is_conj) */
+
+typedef struct mtc_state {
+    PyTypeObject *handle_type;
+    int ready;                   /* _setup() ran */
+
+    /* torch objects */
+    PyObject *tensor_type;       /* torch.Tensor */
+    PyObject *torch_empty;       /* torch.empty */
+    PyObject *from_numpy;        /* torch.from_numpy */
+    PyObject *raw_stream;        /* torch._C._cuda_getCurrentRawStream, or None */
+    PyObject *uint8;             /* torch.uint8 */
+    PyObject *device_cpu;        /* torch.device("cpu") */
+    PyObject *dtype_codes;       /* {torch.dtype: code} */
+    PyObject *dtypes[MTC_MAX_DTYPES];   /* code -> torch.dtype */
+    int elsize[MTC_MAX_DTYPES];
+    int dtflags[MTC_MAX_DTYPES];
+    int ndtypes;
+    int np_to_code[32];          /* numpy type_num (< 32) -> dtype code, -1 unsupported */
+
+    /* Python helpers of mtc_loader._tree */
+    PyObject *type_cache;        /* {type: kind} for non-exact types */
+    PyObject *classify;          /* type -> kind */
+    PyObject *flatten;           /* obj -> (children list, context) */
+    PyObject *unflatten;         /* (context, values list) -> obj */
+    PyObject *diagnose;          /* (leaf, path, target) -> raises */
+    PyObject *cuda_device;       /* index -> torch.device("cuda:index") */
+    PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
+
+    /* interned names */
+    PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
+        *s_is_neg, *s_is_conj, *s_contiguous, *s_split_with_sizes, *s_view,
+        *s_as_strided, *s_unbind, *s_device, *s_pin_memory, *s_resolve;
+    PyObject *kw_dtype_device;   /* ("dtype", "device") */
+    PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
+} mtc_state;
+
+#endif /* MTC_MODULE_H */

@@ -1,0 +1,704 @@
+/*
+ * transfer.c - jobs, the per-device transfer threads and the op runner
+ * (see transfer.h).
+ */
+#include "transfer.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "hostcopy.h"
+#include "plan.h"
+#include "ring.h"
+
+int64_t mtc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- counters ---- */
+
+static struct {
+    _Atomic uint64_t jobs_submitted, jobs_inline, jobs_done, jobs_failed;
+    _Atomic uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
+    _Atomic uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
+    _Atomic uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
+    _Atomic uint64_t threads;
+} _st;
+
+#define _COUNT(field, v) mtc_fetch_add_relaxed(&_st.field, (uint64_t)(v))
+
+void mtc_engine_get_stats(mtc_engine_stats *o)
+{
+#define _G(f) o->f = mtc_load_relaxed(&_st.f)
+    _G(jobs_submitted); _G(jobs_inline); _G(jobs_done); _G(jobs_failed);
+    _G(items_copied); _G(bytes_h2d); _G(bytes_d2h); _G(bytes_d2d); _G(bytes_host);
+    _G(dma_calls); _G(chunks); _G(pieces); _G(ring_full_waits); _G(worker_wakeups);
+    _G(ns_stage); _G(ns_dma_issue); _G(ns_sync); _G(ns_queue); _G(threads);
+#undef _G
+}
+
+/* ---- jobs ---- */
+
+mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems)
+{
+    mtc_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->ops = calloc(nops ? nops : 1, sizeof *j->ops);
+    j->items = calloc(nitems ? nitems : 1, sizeof *j->items);
+    if (!j->ops || !j->items) {
+        free(j->ops);
+        free(j->items);
+        free(j);
+        return NULL;
+    }
+    atomic_init(&j->state, MTC_JOB_PENDING);
+    atomic_init(&j->refs, 1);
+    j->err_leaf = -1;
+    return j;
+}
+
+void mtc_job_release(mtc_job *j)
+{
+    /* acq_rel: the last owner sees every write of the other before freeing */
+    if (mtc_fetch_sub_acq_rel(&j->refs, 1) != 1) return;
+    free(j->ops);
+    free(j->items);
+    free(j);
+}
+
+int mtc_job_complete(mtc_job *j)
+{
+    /* pairs with the release in _publish: the job's results are visible */
+    return mtc_load_acquire(&j->state) != MTC_JOB_PENDING;
+}
+
+int mtc_job_wait(mtc_job *j, int64_t timeout_ns)
+{
+    int64_t deadline = timeout_ns >= 0 ? mtc_now_ns() + timeout_ns : 0;
+    for (int spin = 0; spin < 200; spin++) {
+        if (mtc_job_complete(j)) return 0;
+        mtc_cpu_relax();
+    }
+    while (!mtc_job_complete(j)) {
+        int64_t left = -1;
+        if (timeout_ns >= 0 && (left = deadline - mtc_now_ns()) <= 0) return -ETIMEDOUT;
+        mtc_futex_wait(&j->state, MTC_JOB_PENDING, left);
+    }
+    return 0;
+}
+
+static void _publish(mtc_job *j)
+{
+    j->t_end = mtc_now_ns();
+    _COUNT(jobs_done, 1);
+    if (j->err) _COUNT(jobs_failed, 1);
+    /* pairs with the acquire in mtc_job_complete: outputs and error fields
+     * written above are visible to the waiter */
+    mtc_store_release(&j->state, j->err ? MTC_JOB_FAILED : MTC_JOB_DONE);
+    mtc_futex_wake_all(&j->state);
+}
+
+/* ---- pinned slab pools, one per device ---- */
+
+static pthread_mutex_t _pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static mtc_slab_pool *_pools[MTC_MAX_DEVICES];
+static size_t _pinned_cap;
+
+static size_t _default_cap(void)
+{
+    const char *e = getenv("MTC_PINNED_CAP_BYTES");
+    if (e && *e) {
+        long long v = atoll(e);
+        if (v > 0) return (size_t)v;
+    }
+    return (size_t)1 << 30;
+}
+
+static int _cu(CUresult r) { return r == MTC_CUDA_SUCCESS ? 0 : MTC_CUDA_ERR(r); }
+
+static int _ops_alloc(void *ctx, size_t bytes, void **out)
+{
+    int rc = mtc_cuda_set_device((int)(intptr_t)ctx);
+    if (rc) return rc;
+    CUresult r = mtc_cu.cuMemHostAlloc(out, bytes, MTC_CU_MEMHOSTALLOC_PORTABLE);
+    return r == MTC_CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : _cu(r);
+}
+static void _ops_free(void *ctx, void *ptr, size_t bytes)
+{
+    (void)bytes;
+    if (mtc_cuda_set_device((int)(intptr_t)ctx) == 0) mtc_cu.cuMemFreeHost(ptr);
+}
+static int _ops_fence_create(void *ctx, void **out)
+{
+    int rc = mtc_cuda_set_device((int)(intptr_t)ctx);
+    if (rc) return rc;
+    return _cu(mtc_cu.cuEventCreate((CUevent *)out, MTC_CU_EVENT_DISABLE_TIMING));
+}
+static void _ops_fence_destroy(void *ctx, void *fence)
+{
+    if (mtc_cuda_set_device((int)(intptr_t)ctx) == 0) mtc_cu.cuEventDestroy(fence);
+}
+static int _ops_fence_query(void *ctx, void *fence)
+{
+    (void)ctx;
+    CUresult r = mtc_cu.cuEventQuery(fence);
+    return r == MTC_CUDA_SUCCESS ? 1 : r == MTC_CUDA_ERROR_NOT_READY ? 0 : MTC_CUDA_ERR(r);
+}
+static int _ops_fence_wait(void *ctx, void *fence)
+{
+    (void)ctx;
+    return _cu(mtc_cu.cuEventSynchronize(fence));
+}
+
+static mtc_slab_pool *_pool_of(int dev, int *err)
+{
+    pthread_mutex_lock(&_pools_lock);
+    mtc_slab_pool *p = _pools[dev];
+    if (!p) {
+        if (!_pinned_cap) _pinned_cap = _default_cap();
+        mtc_slab_ops ops = {(void *)(intptr_t)dev, _ops_alloc, _ops_free, _ops_fence_create,
+                            _ops_fence_destroy, _ops_fence_query, _ops_fence_wait};
+        p = calloc(1, sizeof *p);
+        if (!p) *err = -ENOMEM;
+        else if ((*err = mtc_slab_pool_init(p, &ops, _pinned_cap))) {
+            free(p);
+            p = NULL;
+        } else {
+            _pools[dev] = p;
+        }
+    }
+    pthread_mutex_unlock(&_pools_lock);
+    return p;
+}
+
+int mtc_engine_slab_stats(int dev, mtc_slab_stats *out)
+{
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) return -EINVAL;
+    pthread_mutex_lock(&_pools_lock);
+    mtc_slab_pool *p = _pools[dev];
+    pthread_mutex_unlock(&_pools_lock);
+    if (!p) return -ENOENT;
+    mtc_slab_get_stats(p, out);
+    return 0;
+}
+
+int mtc_engine_set_pinned_cap(size_t bytes)
+{
+    if (!bytes) return -EINVAL;
+    pthread_mutex_lock(&_pools_lock);
+    _pinned_cap = bytes;
+    for (int d = 0; d < MTC_MAX_DEVICES; d++)
+        if (_pools[d]) mtc_slab_set_cap(_pools[d], bytes);
+    pthread_mutex_unlock(&_pools_lock);
+    return 0;
+}
+
+size_t mtc_engine_pinned_cap(void)
+{
+    pthread_mutex_lock(&_pools_lock);
+    if (!_pinned_cap) _pinned_cap = _default_cap();
+    size_t c = _pinned_cap;
+    pthread_mutex_unlock(&_pools_lock);
+    return c;
+}
+
+size_t mtc_engine_trim(void)
+{
+    size_t freed = 0;
+    pthread_mutex_lock(&_pools_lock);
+    for (int d = 0; d < MTC_MAX_DEVICES; d++)
+        if (_pools[d]) freed += mtc_slab_trim(_pools[d]);
+    pthread_mutex_unlock(&_pools_lock);
+    return freed;
+}
+
+/* ---- the op runner ---- */
+
+typedef struct _run {
+    mtc_job *job;
+    int cur_dev;              /* device whose context is current, -2 none */
+    uint64_t sync_mask;       /* streams to wait for before completion */
+} _run;
+
+static _Thread_local CUevent _tl_ev[MTC_MAX_DEVICES];
+
+static int _use_dev(_run *r, int dev)
+{
+    if (r->cur_dev == dev) return 0;
+    int rc = mtc_cuda_set_device(dev);
+    if (!rc) r->cur_dev = dev;
+    return rc;
+}
+
+static int _fail(_run *r, int err, int32_t leaf, const char *where)
+{
+    mtc_job *j = r->job;
+    if (!j->err) {
+        j->err = err;
+        j->err_leaf = leaf;
+        snprintf(j->err_where, sizeof j->err_where, "%s", where);
+    }
+    return err;
+}
+
+static void _stage_item(char *base, const mtc_item *it)
+{
+    if (it->shape)
+        mtc_copy_strided(base + it->dst, (const void *)it->src, it->ndim, it->shape, it->strides,
+                         it->elsize);
+    else if (it->nbytes)
+        memcpy(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
+}
+
+/* Staging of one chunk's items, split over helpers when the chunk is large. */
+typedef struct _stage_ctx { char *base; const mtc_item *items; uint32_t n, per_task; } _stage_ctx;
+
+static void _stage_task(void *arg, uint32_t t)
+{
+    _stage_ctx *c = arg;
+    uint32_t a = t * c->per_task, b = a + c->per_task < c->n ? a + c->per_task : c->n;
+    for (uint32_t i = a; i < b; i++) _stage_item(c->base, &c->items[i]);
+}
+
+static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t bytes)
+{
+    int64_t t0 = mtc_now_ns();
+    if (bytes >= (int64_t)(2 * MTC_PIECE_BYTES) && n > 1 && mtc_pool_size()) {
+        /* about 1 MiB of items per task */
+        uint32_t tasks = (uint32_t)(bytes >> 20);
+        if (tasks > n) tasks = n;
+        _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks};
+        mtc_parallel_for(_stage_task, &c, (n + c.per_task - 1) / c.per_task);
+    } else if (n == 1 && !items[0].shape) {
+        mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes);
+    } else {
+        for (uint32_t i = 0; i < n; i++) _stage_item(base, &items[i]);
+    }
+    _COUNT(ns_stage, mtc_now_ns() - t0);
+}
+
+static int _dma_h2d(_run *r, CUdeviceptr dst, const void *src, size_t n, CUstream s, int32_t leaf)
+{
+    int64_t t0 = mtc_now_ns();
+    int rc = _cu(mtc_cu.cuMemcpyHtoDAsync(dst, src, n, s));
+    _COUNT(ns_dma_issue, mtc_now_ns() - t0);
+    _COUNT(dma_calls, 1);
+    if (rc) return _fail(r, rc, leaf, "host-to-device copy");
+    _COUNT(bytes_h2d, n);
+    return 0;
+}
+
+/* Records the slab's fence on s and gives the slab back: it is reused once
+ * the DMA that reads it has completed. */
+static int _release_after(_run *r, mtc_slab_pool *pool, mtc_slab *slab, CUstream s, int32_t leaf)
+{
+    void *fence;
+    int rc = mtc_slab_fence(pool, slab, &fence);
+    if (!rc) rc = _cu(mtc_cu.cuEventRecord((CUevent)fence, s));
+    if (rc) {
+        /* Without a fence the only safe reuse is after the stream drains. */
+        mtc_cu.cuStreamSynchronize(s);
+        mtc_slab_release(pool, slab, 0);
+        return _fail(r, rc, leaf, "recording a staging fence");
+    }
+    mtc_slab_release(pool, slab, 1);
+    return 0;
+}
+
+static int _op_h2d_chunk(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    const mtc_item *items = &j->items[op->first];
+    CUstream s = j->streams[op->dev];
+    int32_t leaf0 = op->count ? items[0].leaf : -1;
+    int rc = _use_dev(r, op->dev);
+    if (rc) return _fail(r, rc, leaf0, "selecting the device");
+    _COUNT(chunks, 1);
+    _COUNT(items_copied, op->count);
+    if (!j->staging) {
+        /* Pageable staging buffer: the driver copies it out before the call returns. */
+        char *buf = malloc(op->nbytes ? (size_t)op->nbytes : 1);
+        if (!buf) return _fail(r, -ENOMEM, leaf0, "allocating a staging buffer");
+        _stage_items(buf, items, op->count, op->nbytes);
+        rc = _dma_h2d(r, op->dst, buf, (size_t)op->nbytes, s, leaf0);
+        free(buf);
+        return rc;
+    }
+    mtc_slab_pool *pool = _pool_of(op->dev, &rc);
+    if (!pool) return _fail(r, rc, leaf0, "creating the pinned pool");
+    mtc_slab *slab;
+    if ((rc = mtc_slab_alloc(pool, (size_t)op->nbytes, &slab)))
+        return _fail(r, rc, leaf0, "allocating pinned staging memory");
+    _stage_items(slab->ptr, items, op->count, op->nbytes);
+    if ((rc = _dma_h2d(r, op->dst, slab->ptr, (size_t)op->nbytes, s, leaf0))) {
+        mtc_slab_release(pool, slab, 0);
+        return rc;
+    }
+    return _release_after(r, pool, slab, s, leaf0);
+}
+
+/* Large host -> device: pieces are copied into pinned slabs by the helpers,
+ * and each piece's DMA is issued as soon as its copy is done, so the copy of
+ * piece k+1 overlaps the DMA of piece k. Two windows of pieces are in flight,
+ * so the helpers never wait for the transfer thread between windows. */
+typedef struct _piece {
+    const char *src;
+    CUdeviceptr dst;
+    size_t n;
+    mtc_slab *slab;
+    mtc_flag done;
+} _piece;
+
+static void _piece_task(void *arg, uint32_t i)
+{
+    _piece *p = &((_piece *)arg)[i];
+    memcpy(p->slab->ptr, p->src, p->n);
+    mtc_flag_set(&p->done);
+}
+
+/* Allocates the slabs of window w and hands its copies to the helpers (b),
+ * or does them here when there are none (b NULL). After an error, no piece
+ * of the window gets a slab, and the batch is empty. */
+static void _submit_window(_run *r, mtc_slab_pool *pool, _piece *pc, uint32_t np, uint32_t W,
+                           uint32_t w, mtc_batch *b, int *err, int32_t leaf)
+{
+    uint32_t a = w * W, e = a + W < np ? a + W : np;
+    for (uint32_t i = a; i < e && !*err; i++)
+        if ((*err = mtc_slab_alloc(pool, pc[i].n, &pc[i].slab))) {
+            pc[i].slab = NULL;
+            _fail(r, *err, leaf, "allocating pinned staging memory");
+        }
+    if (*err) {
+        for (uint32_t i = a; i < e; i++)
+            if (pc[i].slab) {
+                mtc_slab_release(pool, pc[i].slab, 0);
+                pc[i].slab = NULL;
+            }
+        e = a;
+    }
+    if (b) mtc_batch_submit(b, _piece_task, &pc[a], e - a);
+    else
+        for (uint32_t i = a; i < e; i++) _piece_task(pc, i);
+}
+
+static int _op_h2d(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    const mtc_item *it = &j->items[op->first];
+    CUstream s = j->streams[op->dev];
+    int rc = _use_dev(r, op->dev);
+    if (rc) return _fail(r, rc, it->leaf, "selecting the device");
+    _COUNT(items_copied, 1);
+    if (!j->staging || it->nbytes == 0)
+        return it->nbytes ? _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf) : 0;
+    mtc_slab_pool *pool = _pool_of(op->dev, &rc);
+    if (!pool) return _fail(r, rc, it->leaf, "creating the pinned pool");
+
+    size_t piece = MTC_PIECE_BYTES, total = (size_t)it->nbytes;
+    uint32_t np = (uint32_t)((total + piece - 1) / piece);
+    uint32_t helpers = (uint32_t)mtc_pool_size();
+    uint32_t W = helpers ? 2 * helpers : 1;
+    if (W > np) W = np;
+    _piece *pc = calloc(np, sizeof *pc);
+    if (!pc) return _fail(r, -ENOMEM, it->leaf, "planning the staged copy");
+    for (uint32_t i = 0; i < np; i++) {
+        pc[i].src = (const char *)it->src + (size_t)i * piece;
+        pc[i].dst = it->dst + (CUdeviceptr)i * piece;
+        pc[i].n = total - (size_t)i * piece < piece ? total - (size_t)i * piece : piece;
+        mtc_flag_init(&pc[i].done);
+    }
+    _COUNT(pieces, np);
+    uint32_t nwin = (np + W - 1) / W;
+    mtc_batch batch[2];
+    int err = 0;
+    int64_t t0 = mtc_now_ns();
+    _submit_window(r, pool, pc, np, W, 0, helpers ? &batch[0] : NULL, &err, it->leaf);
+    for (uint32_t w = 0; w < nwin; w++) {
+        if (w + 1 < nwin)
+            _submit_window(r, pool, pc, np, W, w + 1, helpers ? &batch[(w + 1) & 1] : NULL, &err, it->leaf);
+        uint32_t a = w * W, b = a + W < np ? a + W : np;
+        for (uint32_t i = a; i < b; i++) {
+            if (!pc[i].slab) continue;
+            mtc_flag_wait(&pc[i].done, -1);
+            if (!err && (err = _dma_h2d(r, pc[i].dst, pc[i].slab->ptr, pc[i].n, s, it->leaf)) == 0)
+                err = _release_after(r, pool, pc[i].slab, s, it->leaf);
+            else
+                mtc_slab_release(pool, pc[i].slab, 0);
+            pc[i].slab = NULL;
+        }
+        if (helpers) mtc_batch_wait(&batch[w & 1]);
+    }
+    _COUNT(ns_stage, mtc_now_ns() - t0);
+    free(pc);
+    return err;
+}
+
+static int _op_d2h(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    for (uint32_t k = 0; k < op->count; k++) {
+        const mtc_item *it = &j->items[op->first + k];
+        int rc = _use_dev(r, it->dev);
+        if (rc) return _fail(r, rc, it->leaf, "selecting the device");
+        if (!it->nbytes) continue;
+        uintptr_t dst = op->kind == MTC_OP_D2H_CHUNK ? op->dst + it->dst : it->dst;
+        int64_t t0 = mtc_now_ns();
+        rc = _cu(mtc_cu.cuMemcpyDtoHAsync((void *)dst, it->src, (size_t)it->nbytes, j->streams[it->dev]));
+        _COUNT(ns_dma_issue, mtc_now_ns() - t0);
+        _COUNT(dma_calls, 1);
+        if (rc) return _fail(r, rc, it->leaf, "device-to-host copy");
+        r->sync_mask |= 1ull << it->dev;
+        _COUNT(bytes_d2h, it->nbytes);
+    }
+    if (op->kind == MTC_OP_D2H_CHUNK) _COUNT(chunks, 1);
+    _COUNT(items_copied, op->count);
+    return 0;
+}
+
+static int _op_d2d(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    const mtc_item *it = &j->items[op->first];
+    int src = it->dev, dst = op->dev;
+    int rc;
+    /* Order the copy after the work queued on the source's captured stream. */
+    if ((rc = _use_dev(r, src))) return _fail(r, rc, it->leaf, "selecting the source device");
+    CUevent ev = _tl_ev[src];
+    if (!ev && (rc = _cu(mtc_cu.cuEventCreate(&ev, MTC_CU_EVENT_DISABLE_TIMING))))
+        return _fail(r, rc, it->leaf, "creating an event");
+    _tl_ev[src] = ev;
+    if ((rc = _cu(mtc_cu.cuEventRecord(ev, j->streams[src])))) return _fail(r, rc, it->leaf, "recording an event");
+    if ((rc = _use_dev(r, dst))) return _fail(r, rc, it->leaf, "selecting the target device");
+    if ((rc = _cu(mtc_cu.cuStreamWaitEvent(j->streams[dst], ev, 0))))
+        return _fail(r, rc, it->leaf, "ordering the copy after the source stream");
+    _COUNT(items_copied, 1);
+    if (!it->nbytes) return 0;
+    rc = _cu(mtc_cu.cuMemcpyPeerAsync(it->dst, mtc_cuda_context(dst), it->src, mtc_cuda_context(src),
+                                      (size_t)it->nbytes, j->streams[dst]));
+    _COUNT(dma_calls, 1);
+    if (rc) return _fail(r, rc, it->leaf, "device-to-device copy");
+    _COUNT(bytes_d2d, it->nbytes);
+    /* get() returns once the source has been read (the input may be freed then) */
+    r->sync_mask |= 1ull << dst;
+    return 0;
+}
+
+static void _op_host_copy(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    int64_t t0 = mtc_now_ns();
+    for (uint32_t k = 0; k < op->count; k++) {
+        const mtc_item *it = &j->items[op->first + k];
+        if (it->shape)
+            mtc_copy_strided((void *)it->dst, (const void *)it->src, it->ndim, it->shape, it->strides, it->elsize);
+        else if (it->nbytes)
+            mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes);
+        _COUNT(bytes_host, it->nbytes);
+    }
+    _COUNT(items_copied, op->count);
+    _COUNT(ns_stage, mtc_now_ns() - t0);
+}
+
+/* Waits for the streams that carry reads of inputs or writes of CPU outputs. */
+static void _sync_streams(_run *r)
+{
+    mtc_job *j = r->job;
+    int64_t t0 = mtc_now_ns();
+    for (int d = 0; d < MTC_MAX_DEVICES && r->sync_mask; d++) {
+        if (!(r->sync_mask & (1ull << d))) continue;
+        r->sync_mask &= ~(1ull << d);
+        int rc = _use_dev(r, d);
+        CUevent ev = _tl_ev[d];
+        if (!rc && !ev && !(rc = _cu(mtc_cu.cuEventCreate(&ev, MTC_CU_EVENT_DISABLE_TIMING)))) _tl_ev[d] = ev;
+        if (!rc) rc = _cu(mtc_cu.cuEventRecord(ev, j->streams[d]));
+        if (!rc) rc = _cu(mtc_cu.cuEventSynchronize(ev));
+        if (rc) _fail(r, rc, -1, "waiting for the copies");
+    }
+    _COUNT(ns_sync, mtc_now_ns() - t0);
+}
+
+void mtc_job_run(mtc_job *j)
+{
+    _run r = {.job = j, .cur_dev = -2, .sync_mask = 0};
+    CUcontext saved = NULL;
+    int cuda = j->dev_mask != 0;
+    j->t_start = mtc_now_ns();
+    if (j->t_submit) _COUNT(ns_queue, j->t_start - j->t_submit);
+    if (cuda) {
+        int rc = mtc_cuda_load();
+        if (rc) _fail(&r, rc, -1, "loading the CUDA driver");
+        else mtc_cu.cuCtxGetCurrent(&saved);
+    }
+    for (uint32_t i = 0; i < j->nops && !j->err; i++) {
+        const mtc_op *op = &j->ops[i];
+        switch (op->kind) {
+        case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
+        case MTC_OP_H2D_CHUNK: _op_h2d_chunk(&r, op); break;
+        case MTC_OP_H2D: _op_h2d(&r, op); break;
+        case MTC_OP_D2H_CHUNK:
+        case MTC_OP_D2H: _op_d2h(&r, op); break;
+        case MTC_OP_D2D: _op_d2d(&r, op); break;
+        default: _fail(&r, -EINVAL, -1, "running an unknown operation");
+        }
+    }
+    /* Even after an error: copies already queued may read inputs or write
+     * outputs, and the handle must not release them before they finish. */
+    if (r.sync_mask) _sync_streams(&r);
+    if (cuda && !mtc_cuda_load()) mtc_cu.cuCtxSetCurrent(saved);
+    _publish(j);
+}
+
+/* ---- transfer threads ---- */
+
+#define _RING_CAP 1024
+#define _STOP ((void *)1)
+
+typedef struct _worker {
+    mtc_ring ring;
+    MTC_ALIGNED_CL _Atomic uint32_t doorbell; /* futex word, bumped to wake the thread */
+    _Atomic uint32_t sleeping;                /* the thread is (about to be) asleep */
+    pthread_t thread;
+    int dev;
+    int started;
+} _worker;
+
+static pthread_mutex_t _workers_lock = PTHREAD_MUTEX_INITIALIZER;
+static _worker *_workers[MTC_MAX_DEVICES + 1]; /* [0]: CPU targets, [d+1]: cuda:d */
+
+static void *_worker_main(void *arg)
+{
+    _worker *w = arg;
+    for (;;) {
+        void *item = mtc_ring_pop_sc(&w->ring);
+        if (!item) {
+            uint32_t bell = mtc_load_acquire(&w->doorbell); /* pairs with the release bump in _wake */
+            mtc_store_relaxed(&w->sleeping, 1);
+            /* Dekker handshake with mtc_job_submit: either the producer sees
+             * sleeping=1 and rings, or this re-check sees its item. */
+            mtc_fence_seq_cst();
+            item = mtc_ring_pop_sc(&w->ring);
+            if (!item) {
+                mtc_futex_wait(&w->doorbell, bell, -1);
+                mtc_store_relaxed(&w->sleeping, 0);
+                _COUNT(worker_wakeups, 1);
+                continue;
+            }
+            mtc_store_relaxed(&w->sleeping, 0);
+        }
+        if (item == _STOP) break;
+        mtc_job *j = item;
+        mtc_job_run(j);
+        mtc_job_release(j); /* the engine's reference: its last touch of the job */
+    }
+    return NULL;
+}
+
+static void _wake(_worker *w)
+{
+    mtc_fence_seq_cst(); /* the other half of the handshake in _worker_main */
+    if (mtc_load_relaxed(&w->sleeping)) {
+        mtc_fetch_add_acq_rel(&w->doorbell, 1);
+        mtc_futex_wake_all(&w->doorbell);
+    }
+}
+
+static _worker *_worker_of(int target, int *err)
+{
+    int idx = target + 1;
+    pthread_mutex_lock(&_workers_lock);
+    _worker *w = _workers[idx];
+    if (!w) {
+        /* the ring inside is cache-line aligned: so must the worker be */
+        size_t size = (sizeof *w + MTC_CACHELINE - 1) / MTC_CACHELINE * MTC_CACHELINE;
+        w = aligned_alloc(MTC_CACHELINE, size);
+        if (w) memset(w, 0, size);
+        if (!w) *err = -ENOMEM;
+        else if ((*err = mtc_ring_init(&w->ring, _RING_CAP))) {
+            free(w);
+            w = NULL;
+        } else {
+            w->dev = target;
+            atomic_init(&w->doorbell, 0);
+            atomic_init(&w->sleeping, 0);
+            int rc = pthread_create(&w->thread, NULL, _worker_main, w);
+            if (rc) {
+                *err = -rc;
+                mtc_ring_destroy(&w->ring);
+                free(w);
+                w = NULL;
+            } else {
+                w->started = 1;
+                _workers[idx] = w;
+                _COUNT(threads, 1);
+            }
+        }
+    }
+    pthread_mutex_unlock(&_workers_lock);
+    return w;
+}
+
+static void _push(_worker *w, void *item)
+{
+    while (mtc_ring_push_mp(&w->ring, item) == -EAGAIN) {
+        /* full: 1024 jobs queued; let the thread drain */
+        _COUNT(ring_full_waits, 1);
+        _wake(w);
+        sched_yield();
+    }
+    _wake(w);
+}
+
+int mtc_job_submit(mtc_job *j)
+{
+    int err = 0;
+    if (j->target < -1 || j->target >= MTC_MAX_DEVICES) return -EINVAL;
+    _worker *w = _worker_of(j->target, &err);
+    if (!w) return err;
+    j->t_submit = mtc_now_ns();
+    mtc_fetch_add_relaxed(&j->refs, 1); /* the engine's reference, dropped by the worker; the caller holds one, so no ordering is needed */
+    _COUNT(jobs_submitted, 1);
+    _push(w, j);
+    return 0;
+}
+
+void mtc_engine_shutdown(void)
+{
+    pthread_mutex_lock(&_workers_lock);
+    for (int i = 0; i <= MTC_MAX_DEVICES; i++) {
+        _worker *w = _workers[i];
+        if (!w) continue;
+        _push(w, _STOP);
+        pthread_join(w->thread, NULL);
+        mtc_ring_destroy(&w->ring);
+        free(w);
+        _workers[i] = NULL;
+    }
+    pthread_mutex_unlock(&_workers_lock);
+    mtc_pool_stop();
+}
+
+static void _after_fork_child(void)
+{
+    /* Only the forking thread survives: the transfer threads, the helpers and
+     * the CUDA contexts are gone. Forget them (their memory is the parent's
+     * copy, left alone); the child starts fresh threads on first use. CPU
+     * paths work in the child; CUDA does not survive a fork. */
+    pthread_mutex_init(&_workers_lock, NULL);
+    pthread_mutex_init(&_pools_lock, NULL);
+    for (int i = 0; i <= MTC_MAX_DEVICES; i++) _workers[i] = NULL;
+    for (int d = 0; d < MTC_MAX_DEVICES; d++) _pools[d] = NULL;
+    mtc_pool_after_fork_child();
+    mtc_cuda_after_fork_child();
+}
+
+static pthread_once_t _init_once = PTHREAD_ONCE_INIT;
+static void _init(void) { pthread_atfork(NULL, NULL, _after_fork_child); }
+void mtc_engine_init_once(void) { pthread_once(&_init_once, _init); }

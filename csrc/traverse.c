@@ -1,0 +1,548 @@
+/*
+ * traverse.c - the walk over a nested batch and its rebuild (see traverse.h).
+ */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL mtc_ARRAY_API
+#include "traverse.h"
+
+#include <numpy/arrayobject.h>
+#include <string.h>
+
+/* ---- growable arrays ---- */
+
+static int _grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize)
+{
+    if (need <= *cap) return 0;
+    uint32_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = PyMem_Realloc(*buf, (size_t)c * elsize);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buf = p;
+    *cap = c;
+    return 0;
+}
+
+static int32_t _add_node(mtc_tree *t, uint8_t kind, int32_t parent, int32_t pos)
+{
+    if (_grow((void **)&t->nodes, &t->cap_nodes, t->nnodes + 1, sizeof *t->nodes)) return -1;
+    mtc_node *n = &t->nodes[t->nnodes];
+    n->kind = kind;
+    n->parent = parent;
+    n->pos = pos;
+    n->nchildren = 0;
+    n->leaf = -1;
+    n->obj = NULL;
+    return (int32_t)t->nnodes++;
+}
+
+void mtc_tree_clear(mtc_tree *t)
+{
+    for (uint32_t i = 0; i < t->nnodes; i++) Py_XDECREF(t->nodes[i].obj);
+    for (uint32_t i = 0; i < t->nleaves; i++) Py_XDECREF(t->objs[i]);
+    PyMem_Free(t->nodes);
+    PyMem_Free(t->leaves);
+    PyMem_Free(t->objs);
+    PyMem_Free(t->leaf_node);
+    PyMem_Free(t->shape);
+    PyMem_Free(t->strides);
+    memset(t, 0, sizeof *t);
+}
+
+/* ---- paths ---- */
+
+/* Appends the path segment of node `ni` within its parent to `parts`. */
+static int _path_segment(const mtc_tree *t, int32_t ni, PyObject *parts)
+{
+    const mtc_node *n = &t->nodes[ni];
+    const mtc_node *p = &t->nodes[n->parent];
+    PyObject *seg = NULL;
+    if (p->kind == MTC_NODE_DICT) {
+        PyObject *key = PyList_GetItem(p->obj, n->pos);
+        seg = key ? PyUnicode_FromFormat("[%R]", key) : NULL;
+    } else if (p->kind == MTC_NODE_GENERIC) {
+        /* context tuple: (context, [segment strings]) */
+        PyObject *names = PyTuple_GetItem(p->obj, 1);
+        seg = names ? PySequence_GetItem(names, n->pos) : NULL;
+    } else {
+        seg = PyUnicode_FromFormat("[%d]", (int)n->pos);
+    }
+    if (!seg) return -1;
+    int rc = PyList_Append(parts, seg);
+    Py_DECREF(seg);
+    return rc;
+}
+
+static PyObject *_node_path(const mtc_tree *t, int32_t ni)
+{
+    PyObject *parts = PyList_New(0), *res = NULL, *empty = NULL;
+    if (!parts) return NULL;
+    for (; ni >= 0 && t->nodes[ni].parent >= 0; ni = t->nodes[ni].parent)
+        if (_path_segment(t, ni, parts)) goto done;
+    if (PyList_Reverse(parts)) goto done;
+    if (!(empty = PyUnicode_FromString(""))) goto done;
+    PyObject *joined = PyUnicode_Join(empty, parts);
+    if (joined) {
+        res = PyUnicode_FromFormat("data%U", joined);
+        Py_DECREF(joined);
+    }
+done:
+    Py_XDECREF(empty);
+    Py_DECREF(parts);
+    return res;
+}
+
+PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf)
+{
+    return _node_path(t, (int32_t)t->leaf_node[leaf]);
+}
+
+static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
+static int _diag_depth; /* guarded by the GIL */
+
+/* Hands a leaf that failed the fast checks to mtc_loader._tree.diagnose,
+ * which raises an exception naming the path and what to do, or returns a
+ * replacement tensor that is read instead. 0 or -1. */
+static int _diagnose(mtc_state *st, const mtc_tree *t, int32_t node, PyObject *obj)
+{
+    PyObject *exc = NULL;
+    if (PyErr_Occurred()) {
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+    }
+    PyObject *path = _node_path(t, node);
+    if (!path) {
+        Py_XDECREF(exc);
+        return -1;
+    }
+    PyObject *res = PyObject_CallFunctionObjArgs(st->diagnose, obj, path, exc ? exc : Py_None, NULL);
+    Py_DECREF(path);
+    Py_XDECREF(exc);
+    if (!res) return -1;
+    if (res == Py_None || _diag_depth) {
+        Py_DECREF(res);
+        PyErr_SetString(PyExc_RuntimeError, "mtc_loader: a leaf failed the engine's checks");
+        return -1;
+    }
+    /* A resolved replacement (e.g. a lazily conjugated view materialised):
+     * it takes the leaf's place. */
+    _diag_depth = 1;
+    int rc = _read_tensor(st, t, node, res);
+    _diag_depth = 0;
+    Py_DECREF(res);
+    return rc;
+}
+
+/* ---- leaves ---- */
+
+static int _reserve_leaf(mtc_tree *t, int ndim)
+{
+    if (_grow((void **)&t->leaves, &t->cap_leaves, t->nleaves + 1, sizeof *t->leaves)) return -1;
+    /* objs and leaf_node grow with the same capacity */
+    uint32_t cap = t->cap_leaves;
+    PyObject **o = PyMem_Realloc(t->objs, cap * sizeof *o);
+    if (!o) return PyErr_NoMemory(), -1;
+    t->objs = o;
+    uint32_t *ln = PyMem_Realloc(t->leaf_node, cap * sizeof *ln);
+    if (!ln) return PyErr_NoMemory(), -1;
+    t->leaf_node = ln;
+    uint32_t cap_dims = t->cap_dims;
+    if (_grow((void **)&t->shape, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->shape)) return -1;
+    cap_dims = t->cap_dims;
+    if (_grow((void **)&t->strides, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->strides)) return -1;
+    t->cap_dims = cap_dims;
+    return 0;
+}
+
+/* Row-major contiguity as torch defines it: dims of size 1 are ignored, an
+ * empty tensor is contiguous. Strides in bytes. */
+static int _is_contiguous(const int64_t *shape, const int64_t *strides, int ndim, int64_t elsize)
+{
+    int64_t expected = elsize;
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (shape[d] == 0) return 1;
+        if (shape[d] != 1 && strides[d] != expected) return 0;
+        expected *= shape[d];
+    }
+    return 1;
+}
+
+static int _finish_leaf(mtc_tree *t, mtc_leaf *l, int32_t node, PyObject *obj)
+{
+    int64_t numel = 1;
+    for (int d = 0; d < l->ndim; d++) numel *= t->shape[t->ndims + d];
+    l->nbytes = numel * l->elsize;
+    if (_is_contiguous(&t->shape[t->ndims], &t->strides[t->ndims], l->ndim, l->elsize))
+        l->flags |= MTC_LEAF_CONTIGUOUS;
+    t->ndims += (uint32_t)l->ndim;
+    Py_INCREF(obj);
+    t->objs[t->nleaves] = obj;
+    t->leaf_node[t->nleaves] = (uint32_t)node;
+    t->nodes[node].leaf = (int32_t)t->nleaves;
+    t->nleaves++;
+    if (l->dev >= 0) {
+        t->any_cuda = 1;
+        if (l->dev < 64) t->cuda_mask |= 1ull << l->dev;
+    }
+    return 0;
+}
+
+static inline PyObject *_call0(PyObject *obj, PyObject *name)
+{
+    return PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Reads the metadata of a tensor leaf into leaf slot t->nleaves, the slot
+ * reserved by the caller (ndim unknown yet: reserves again once it is). */
+static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
+{
+    PyObject *v = NULL, *shape = NULL, *stride = NULL;
+    mtc_leaf l;
+    memset(&l, 0, sizeof l);
+
+    /* dtype first: quantized and unknown dtypes leave the fast path here */
+    if (!(v = PyObject_GetAttr(obj, st->s_dtype))) goto diagnose;
+    PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
+    Py_CLEAR(v);
+    if (!code) goto diagnose;
+    long c = PyLong_AsLong(code);
+    l.dtype = (uint16_t)c;
+    l.elsize = (uint16_t)st->elsize[c];
+
+    if (!(shape = PyObject_GetAttr(obj, st->s_shape))) goto diagnose;
+    if (!PyTuple_Check(shape)) goto diagnose;
+    l.ndim = (int32_t)PyTuple_GET_SIZE(shape);
+    if (l.ndim > MTC_MAX_NDIM) goto diagnose;
+    if (!(stride = _call0(obj, st->s_stride))) goto diagnose;
+    if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l.ndim) goto diagnose;
+    if (_reserve_leaf(t, l.ndim)) goto error;
+    l.dims = t->ndims;
+    for (int d = 0; d < l.ndim; d++) {
+        /* symbolic sizes (jagged nested tensors) fail here and are diagnosed */
+        int64_t s = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        int64_t sd = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
+        if (PyErr_Occurred()) goto diagnose;
+        t->shape[t->ndims + d] = s;
+        t->strides[t->ndims + d] = sd * l.elsize;
+    }
+    Py_CLEAR(shape);
+    Py_CLEAR(stride);
+
+    if (!(v = _call0(obj, st->s_data_ptr))) goto diagnose;
+    l.data = (uintptr_t)PyLong_AsVoidPtr(v);
+    Py_CLEAR(v);
+    if (PyErr_Occurred()) goto diagnose;
+
+    if (!(v = _call0(obj, st->s_get_device))) goto diagnose;
+    l.dev = (int32_t)PyLong_AsLong(v);
+    Py_CLEAR(v);
+    if (PyErr_Occurred()) goto diagnose;
+    if (l.dev >= 0) {
+        /* get_device() gives an index for every accelerator: insist on CUDA */
+        if (!(v = PyObject_GetAttr(obj, st->s_is_cuda))) goto diagnose;
+        int cuda = v == Py_True;
+        Py_CLEAR(v);
+        if (!cuda) goto diagnose;
+    } else {
+        l.dev = -1;
+    }
+    /* Lazy negation / conjugation bits: the bytes are not the values. */
+    if (st->dtflags[c] & (MTC_DT_FLOAT | MTC_DT_COMPLEX)) {
+        PyObject *name = (st->dtflags[c] & MTC_DT_COMPLEX) ? st->s_is_conj : st->s_is_neg;
+        if (!(v = _call0(obj, name))) goto diagnose;
+        int bit = v == Py_True;
+        Py_CLEAR(v);
+        if (!bit && (st->dtflags[c] & MTC_DT_COMPLEX)) {
+            if (!(v = _call0(obj, st->s_is_neg))) goto diagnose;
+            bit = v == Py_True;
+            Py_CLEAR(v);
+        }
+        if (bit) goto diagnose;
+    }
+    if (l.data == 0) {
+        /* only an empty tensor may have no storage: a meta tensor, say, is diagnosed */
+        int64_t numel = 1;
+        for (int d = 0; d < l.ndim; d++) numel *= t->shape[t->ndims + d];
+        if (numel) goto diagnose;
+    }
+    t->leaves[t->nleaves] = l;
+    return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
+
+diagnose:
+    Py_XDECREF(v);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return _diagnose(st, t, node, obj);
+error:
+    Py_XDECREF(v);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return -1;
+}
+
+static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
+{
+    PyArrayObject *a = (PyArrayObject *)obj;
+    int tn = PyArray_TYPE(a);
+    if (tn < 0 || tn >= 32 || st->np_to_code[tn] < 0) return _diagnose(st, t, node, obj);
+    if (!PyArray_ISNOTSWAPPED(a)) return _diagnose(st, t, node, obj);
+    int ndim = PyArray_NDIM(a);
+    if (ndim > MTC_MAX_NDIM) return _diagnose(st, t, node, obj);
+    if (_reserve_leaf(t, ndim)) return -1;
+    mtc_leaf l;
+    memset(&l, 0, sizeof l);
+    l.dtype = (uint16_t)st->np_to_code[tn];
+    l.elsize = (uint16_t)PyArray_ITEMSIZE(a);
+    l.ndim = ndim;
+    l.dims = t->ndims;
+    l.dev = MTC_DEV_CPU;
+    l.data = (uintptr_t)PyArray_DATA(a);
+    l.flags = MTC_LEAF_NUMPY;
+    int zerocopy = PyArray_ISWRITEABLE(a) && PyArray_ISALIGNED(a);
+    for (int d = 0; d < ndim; d++) {
+        t->shape[t->ndims + d] = PyArray_DIM(a, d);
+        npy_intp s = PyArray_STRIDE(a, d);
+        t->strides[t->ndims + d] = s;
+        if (s < 0 || s % l.elsize) zerocopy = 0; /* torch.from_numpy refuses these */
+    }
+    if (zerocopy) l.flags |= MTC_LEAF_ZEROCOPY;
+    t->leaves[t->nleaves] = l;
+    return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
+}
+
+int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
+{
+    /* Metadata is re-read in place: the new object has the same shape, so its
+     * dims fit where the old ones were. */
+    mtc_leaf old = t->leaves[i];
+    uint32_t save_n = t->nleaves, save_d = t->ndims;
+    PyObject *obj = t->objs[i];
+    t->nleaves = i;
+    t->ndims = old.dims;
+    int rc = (old.flags & MTC_LEAF_NUMPY) ? _read_ndarray(st, t, (int32_t)t->leaf_node[i], obj)
+                                          : _read_tensor(st, t, (int32_t)t->leaf_node[i], obj);
+    if (rc == 0) Py_DECREF(obj); /* _finish_leaf took a second reference */
+    t->nleaves = save_n;
+    t->ndims = save_d;
+    return rc;
+}
+
+/* ---- the walk ---- */
+
+typedef struct _frame {
+    PyObject *container;  /* borrowed (the input keeps it alive); owned children list for GENERIC */
+    PyObject *children;   /* GENERIC: owned list of children */
+    int32_t node;
+    Py_ssize_t next;      /* next child index, or PyDict_Next position */
+    uint8_t kind;
+} _frame;
+
+typedef struct _stack {
+    _frame *f;
+    uint32_t n, cap;
+} _stack;
+
+static int _cycle_error(const mtc_tree *t, int32_t node)
+{
+    PyObject *path = _node_path(t, node);
+    if (path) {
+        PyErr_Format(PyExc_ValueError,
+                     "mtc_loader: %U contains itself (a reference cycle); start_copy copies "
+                     "trees of containers, not graphs: pass a structure without cycles",
+                     path);
+        Py_DECREF(path);
+    }
+    return -1;
+}
+
+/* Classifies a non-exact type through the per-type cache. Returns a kind or -1. */
+static int _classify(mtc_state *st, PyObject *obj)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(obj);
+    PyObject *k = PyDict_GetItemWithError(st->type_cache, tp);
+    if (!k) {
+        if (PyErr_Occurred()) return -1;
+        k = PyObject_CallOneArg(st->classify, tp);
+        if (!k) return -1;
+        int rc = PyDict_SetItem(st->type_cache, tp, k);
+        Py_DECREF(k); /* the cache holds it */
+        if (rc) return -1;
+    }
+    return (int)PyLong_AsLong(k);
+}
+
+/* Visits one object: adds its node, a leaf, or pushes a frame. */
+static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t parent, int32_t pos)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    int kind;
+    uint8_t nkind;
+    if ((PyObject *)tp == st->tensor_type) kind = MTC_KIND_TENSOR;
+    else if (tp == &PyArray_Type) kind = MTC_KIND_NDARRAY;
+    else if (tp == &PyList_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_LIST; goto container; }
+    else if (tp == &PyDict_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_DICT; goto container; }
+    else if (tp == &PyTuple_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_TUPLE; goto container; }
+    else if (tp == &PyUnicode_Type || tp == &PyLong_Type || tp == &PyFloat_Type ||
+             obj == Py_None || tp == &PyBool_Type || tp == &PyBytes_Type)
+        kind = MTC_KIND_LEAF;
+    else if ((kind = _classify(st, obj)) < 0) return -1;
+
+    if (kind == MTC_KIND_LEAF) {
+        int32_t n = _add_node(t, MTC_NODE_PASS, parent, pos);
+        if (n < 0) return -1;
+        Py_INCREF(obj);
+        t->nodes[n].obj = obj;
+        return 0;
+    }
+    if (kind == MTC_KIND_TENSOR || kind == MTC_KIND_NDARRAY) {
+        int32_t n = _add_node(t, MTC_NODE_LEAF, parent, pos);
+        if (n < 0) return -1;
+        if (_reserve_leaf(t, 0)) return -1;
+        return kind == MTC_KIND_TENSOR ? _read_tensor(st, t, n, obj) : _read_ndarray(st, t, n, obj);
+    }
+    nkind = MTC_NODE_GENERIC;
+
+container:;
+    int32_t n = _add_node(t, nkind, parent, pos);
+    if (n < 0) return -1;
+    for (uint32_t i = 0; i < s->n; i++)
+        if (s->f[i].container == obj) return _cycle_error(t, n);
+    if (_grow((void **)&s->f, &s->cap, s->n + 1, sizeof *s->f)) return -1;
+    _frame *f = &s->f[s->n];
+    f->container = obj;
+    f->children = NULL;
+    f->node = n;
+    f->next = 0;
+    f->kind = nkind;
+    if (nkind == MTC_NODE_DICT) {
+        if (!(t->nodes[n].obj = PyList_New(0))) return -1;
+    } else if (nkind == MTC_NODE_GENERIC) {
+        /* flatten(obj) -> (children list, (context, [path segments])) */
+        PyObject *r = PyObject_CallOneArg(st->flatten, obj);
+        if (!r) return -1;
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyList_Check(PyTuple_GET_ITEM(r, 0))) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_SystemError, "mtc_loader._tree.flatten returned a bad value");
+            return -1;
+        }
+        f->children = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+        t->nodes[n].obj = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+        Py_DECREF(r);
+    }
+    s->n++;
+    return 0;
+}
+
+int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
+{
+    _stack s = {0};
+    int rc = -1;
+    if (_visit(st, t, &s, data, -1, 0)) goto out;
+    while (s.n) {
+        _frame *f = &s.f[s.n - 1];
+        PyObject *child = NULL;
+        int32_t node = f->node, pos = (int32_t)t->nodes[node].nchildren;
+        switch (f->kind) {
+        case MTC_NODE_LIST:
+            /* re-read the size: a passthrough's Python code may have run meanwhile */
+            if (f->next < PyList_GET_SIZE(f->container)) child = PyList_GET_ITEM(f->container, f->next++);
+            break;
+        case MTC_NODE_TUPLE:
+            if (f->next < PyTuple_GET_SIZE(f->container)) child = PyTuple_GET_ITEM(f->container, f->next++);
+            break;
+        case MTC_NODE_GENERIC:
+            if (f->next < PyList_GET_SIZE(f->children)) child = PyList_GET_ITEM(f->children, f->next++);
+            break;
+        case MTC_NODE_DICT: {
+            PyObject *key;
+            if (PyDict_Next(f->container, &f->next, &key, &child))
+                if (PyList_Append(t->nodes[node].obj, key)) goto out;
+            break;
+        }
+        }
+        if (!child) { /* container done */
+            Py_XDECREF(f->children);
+            f->children = NULL;
+            s.n--;
+            continue;
+        }
+        t->nodes[node].nchildren++;
+        Py_INCREF(child); /* a visit may run Python code that drops the container's reference */
+        int v = _visit(st, t, &s, child, node, pos);
+        Py_DECREF(child);
+        if (v) goto out;
+    }
+    rc = 0;
+out:
+    for (uint32_t i = 0; i < s.n; i++) Py_XDECREF(s.f[i].children);
+    PyMem_Free(s.f);
+    return rc;
+}
+
+/* ---- the rebuild ---- */
+
+PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs)
+{
+    /* Nodes are in preorder; walking them backwards, a container's children
+     * are the top of the value stack, its first child topmost. */
+    PyObject **vals = PyMem_Malloc((t->nnodes + 1) * sizeof *vals);
+    if (!vals) return PyErr_NoMemory();
+    uint32_t top = 0;
+    for (uint32_t i = t->nnodes; i-- > 0;) {
+        const mtc_node *n = &t->nodes[i];
+        PyObject *v = NULL;
+        Py_ssize_t k = n->nchildren;
+        switch (n->kind) {
+        case MTC_NODE_LEAF:
+            v = Py_NewRef(outputs[n->leaf]);
+            break;
+        case MTC_NODE_PASS:
+            v = Py_NewRef(n->obj);
+            break;
+        case MTC_NODE_LIST:
+            if (!(v = PyList_New(k))) goto error;
+            for (Py_ssize_t j = 0; j < k; j++) PyList_SET_ITEM(v, j, vals[--top]);
+            break;
+        case MTC_NODE_TUPLE:
+            if (!(v = PyTuple_New(k))) goto error;
+            for (Py_ssize_t j = 0; j < k; j++) PyTuple_SET_ITEM(v, j, vals[--top]);
+            break;
+        case MTC_NODE_DICT:
+            if (!(v = PyDict_New())) goto error;
+            for (Py_ssize_t j = 0; j < k; j++) {
+                PyObject *x = vals[--top];
+                int rc = PyDict_SetItem(v, PyList_GET_ITEM(n->obj, j), x);
+                Py_DECREF(x);
+                if (rc) {
+                    for (Py_ssize_t r = j + 1; r < k; r++) Py_DECREF(vals[--top]);
+                    Py_DECREF(v);
+                    goto error;
+                }
+            }
+            break;
+        case MTC_NODE_GENERIC: {
+            PyObject *lst = PyList_New(k);
+            if (!lst) goto error;
+            for (Py_ssize_t j = 0; j < k; j++) PyList_SET_ITEM(lst, j, vals[--top]);
+            v = PyObject_CallFunctionObjArgs(st->unflatten, PyTuple_GET_ITEM(n->obj, 0), lst, NULL);
+            Py_DECREF(lst);
+            if (!v) goto error;
+            break;
+        }
+        }
+        vals[top++] = v;
+    }
+    PyObject *res = top == 1 ? vals[0] : NULL;
+    PyMem_Free(vals);
+    if (!res) PyErr_SetString(PyExc_SystemError, "mtc_loader: skeleton rebuild mismatch");
+    return res;
+error:
+    while (top) Py_DECREF(vals[--top]);
+    PyMem_Free(vals);
+    return NULL;
+}

@@ -1,0 +1,76 @@
+/*
+ * traverse.h - walks a nested batch (GIL held), collects its tensor and
+ * numpy leaves with their metadata for the planner, records a compact
+ * skeleton, and rebuilds the same structure around new leaves.
+ *
+ * Containers: exact list / tuple / dict are walked in C; every other type is
+ * classified once (mtc_loader._tree.classify, cached per type): subclasses of
+ * list/tuple/dict, namedtuples and dataclass instances are flattened and
+ * rebuilt by mtc_loader._tree; any other object is a passthrough leaf,
+ * returned as the same object. The walk is iterative, so depth is bounded by
+ * memory, not by the C stack; a container that contains itself is an error.
+ *
+ * Functions that touch Python return -1 with an exception set, or 0.
+ * Names starting with `_` are internal to traverse.c.
+ */
+#ifndef MTC_TRAVERSE_H
+#define MTC_TRAVERSE_H
+
+#include "module.h"
+#include "plan.h"
+
+enum {
+    MTC_NODE_LEAF = 1,   /* tensor / ndarray: leaf index in `leaf` */
+    MTC_NODE_PASS,       /* passthrough object: `obj` */
+    MTC_NODE_LIST,
+    MTC_NODE_TUPLE,
+    MTC_NODE_DICT,       /* exact dict: keys tuple in `obj` */
+    MTC_NODE_GENERIC,    /* flattened by Python: context in `obj` */
+};
+
+/* kinds returned by the Python classifier */
+enum { MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3 };
+
+typedef struct mtc_node {
+    uint8_t kind;
+    int32_t parent;      /* node index, -1 for the root */
+    int32_t pos;         /* position among the parent's children */
+    int32_t nchildren;
+    int32_t leaf;        /* MTC_NODE_LEAF */
+    PyObject *obj;       /* owned: PASS object, DICT keys tuple, GENERIC context */
+} mtc_node;
+
+typedef struct mtc_tree {
+    mtc_node *nodes;
+    uint32_t nnodes, cap_nodes;
+    mtc_leaf *leaves;
+    PyObject **objs;     /* owned: the tensor / ndarray of each leaf */
+    uint32_t *leaf_node; /* node of each leaf, for error paths */
+    uint32_t nleaves, cap_leaves;
+    int64_t *shape;      /* dims of all leaves */
+    int64_t *strides;    /* byte strides of all leaves */
+    uint32_t ndims, cap_dims;
+    int any_cuda;        /* a leaf lives on a CUDA device */
+    uint64_t cuda_mask;  /* bit d: a leaf lives on cuda:d (d < 64) */
+} mtc_tree;
+
+/* Walks `data` into t (zeroed by the caller). 0, or -1 with an exception
+ * naming the offending leaf. On error t holds what was collected; clear it. */
+int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t);
+
+/* Releases everything t owns and zeroes it. */
+void mtc_tree_clear(mtc_tree *t);
+
+/* Builds the output structure; outputs[i] (borrowed) replaces leaf i.
+ * Returns a new reference, or NULL with an exception set. */
+PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs);
+
+/* The path of leaf i in the structure, e.g. "data[3]['cams_gt'][2]". New
+ * reference, or NULL with an exception set. */
+PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf);
+
+/* Re-reads leaf i's metadata from t->objs[i] (after the binding layer
+ * replaced it by a contiguous copy). 0 or -1 with an exception. */
+int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i);
+
+#endif /* MTC_TRAVERSE_H */

@@ -1,0 +1,46 @@
+"""mtc_loader: fast asynchronous copies of nested batches of many small tensors.
+
+Three ways in, one C engine:
+
+- :func:`start_copy` / :class:`AsyncCopyHandle`: copy a nested structure to a device.
+- :func:`stats`, :func:`configure`, :func:`trim`: the engine's counters and settings.
+"""
+from __future__ import annotations
+
+import atexit
+from typing import Optional
+
+import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
+
+from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
+from .copy import AsyncCopyHandle, start_copy
+
+__all__ = ["AsyncCopyHandle", "start_copy", "stats", "configure", "trim"]
+__version__ = "0.1.0"
+
+
+def stats() -> dict:
+    """The engine's counters: calls, tensors by path (packed, reused, staged, ...), bytes per
+    direction, DMA calls, per-stage times in ns, pinned-memory use (held, in use, high water,
+    waits at the cap), threads."""
+    return _engine.stats()
+
+
+def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:
+    """Change engine settings.
+
+    Args:
+        pinned_cap_bytes: Cap on the pinned staging memory each CUDA device may hold (default
+            1 GiB, or the ``MTC_PINNED_CAP_BYTES`` environment variable). At the cap, staging
+            waits for earlier copies to finish with their slabs instead of pinning more.
+    """
+    if pinned_cap_bytes is not None:
+        _engine.set_pinned_cap(int(pinned_cap_bytes))
+
+
+def trim() -> int:
+    """Free the idle pinned slabs of every device; returns the bytes freed."""
+    return _engine.trim()
+
+
+atexit.register(_engine.shutdown)

@@ -1,0 +1,188 @@
+"""``start_copy`` and ``AsyncCopyHandle``: the explicit API (reference: api.txt)."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from . import _engine
+
+__all__ = ["AsyncCopyHandle", "start_copy"]
+
+_TARGETS: dict[Any, int] = {}
+
+
+class AsyncCopyHandle:
+    """Handle to an in-progress asynchronous copy started by :func:`start_copy`.
+
+    Use :meth:`ready` to poll for completion without blocking, or :meth:`get` to block until
+    the result is available. The handle must be kept alive until the copy is consumed or goes
+    out of scope; dropping it early triggers a synchronous wait in the destructor to ensure
+    staging buffers are not freed while transfers are in flight.
+    """
+
+    __slots__ = ("_h",)
+
+    def __init__(self, _h: Any) -> None:
+        self._h = _h
+
+    def ready(self) -> bool:
+        """Return whether the copy has completed.
+
+        Returns:
+            bool: ``True`` if the copy has completed (``get()`` would return without
+            blocking), ``False`` otherwise.
+        """
+        return self._h.ready()
+
+    def get(self) -> Any:
+        """Block until the copy is done and return the result.
+
+        The returned structure mirrors the input to :func:`start_copy`, with all tensors copied
+        to the target device. GPU-resident outputs are ready in order on the CUDA stream that
+        was current at ``start_copy`` (like ``tensor.to(device, non_blocking=True)``): work
+        queued on that stream sees the data; ``get()`` does not wait for the GPU to drain.
+
+        Raises:
+            RuntimeError: If the copy failed (``MemoryError`` when out of memory); the message
+                names the leaf by its path in the structure.
+        """
+        return self._h.get()
+
+    def __repr__(self) -> str:
+        return f"<AsyncCopyHandle ready={self.ready()}>"
+
+
+def _target_index(device: Union[str, torch.device, int]) -> int:
+    """-1 for the CPU, the CUDA index otherwise; raises for anything else."""
+    cached = _TARGETS.get(device)
+    if cached is not None:
+        return cached
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"mtc_loader: invalid device {device!r}: {e}") from None
+    if dev.type == "cpu":
+        index = -1
+    elif dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"mtc_loader: device {device!r} requested, but CUDA is not available "
+                "(torch.cuda.is_available() is False)")
+        count = torch.cuda.device_count()
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if not 0 <= index < count:
+            raise ValueError(
+                f"mtc_loader: invalid device {device!r}: this machine has {count} CUDA "
+                f"device(s) (cuda:0 .. cuda:{count - 1})")
+        if dev.index is None:
+            return index  # "cuda" follows the current device: not cached
+    else:
+        raise ValueError(
+            f"mtc_loader: unsupported device type {dev.type!r} in {device!r}; "
+            "mtc_loader copies to 'cpu' and 'cuda[:N]'")
+    if isinstance(device, (str, torch.device)):
+        _TARGETS[device] = index
+    return index
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"mtc_loader: {name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"mtc_loader: {name} must be positive, got {value}")
+    return int(value)
+
+
+def start_copy(
+    data: Union[list, tuple, dict, torch.Tensor, np.ndarray],
+    device: Union[str, torch.device],
+    *,
+    use_pinned_staging: bool = True,
+    pack_cpu_tensors: bool = True,
+    min_packed_alignment_bytes: int = 16,
+    max_packed_chunk_bytes: int = 33554432,
+    use_background_thread: bool = True,
+) -> AsyncCopyHandle:
+    """Asynchronously copy tensors in a nested structure to ``device``.
+
+    Traverses an arbitrarily nested combination of ``list``, ``tuple`` and ``dict`` containers,
+    copies every ``torch.Tensor`` and ``numpy.ndarray`` (automatically converted to PyTorch
+    tensors) leaf to ``device``, and returns an :class:`AsyncCopyHandle` whose
+    :meth:`~AsyncCopyHandle.get` method yields the copied structure. The output preserves
+    container types and passes through non-tensor, non-container leaves (e.g. strings)
+    unchanged (the same objects).
+
+    mtc_loader also traverses namedtuples, ``OrderedDict`` / ``defaultdict`` and other
+    list/tuple/dict subclasses, and dataclass instances, rebuilding each as the same type.
+
+    The primary optimization target is CPU → GPU transfers of many small tensors in non-pinned
+    memory. Other copy directions (GPU → CPU, GPU → GPU, CPU → CPU) are supported.
+
+    Note:
+        The input tensors do not need to all be on the same device. If some tensors are
+        already on the target device, they are re-used as is (the same objects). At the time
+        of the call, the current CUDA stream of every involved device is captured; all copy
+        work is enqueued on, or made to wait for, those streams.
+
+    Important:
+        Packing of small tensors (``pack_cpu_tensors``) is the major optimization against
+        per-tensor ``.to()`` calls. Non-contiguous small CPU tensors are packed too (gathered
+        by the staging copy).
+
+    Warning:
+        The caller must not free or modify in-place any input tensors until the copy has
+        completed (i.e. until ``get()`` returns or ``ready()`` returns ``True``).
+
+    Outputs are new tensors that do not require grad (``requires_grad=False``, no autograd
+    history), like the outputs of a DataLoader; a tensor already on ``device`` is returned as
+    is and keeps its flags. numpy leaves come back as tensors; for a CPU target they share
+    memory with the array (as ``torch.from_numpy``) unless the array is read-only or has
+    negative or unaligned strides, in which case they are copied.
+
+    Args:
+        data: The structure to copy: a single ``torch.Tensor`` or ``numpy.ndarray``, or nested
+            ``list`` / ``tuple`` / ``dict`` objects containing them.
+        device: Target PyTorch device (e.g. ``"cuda:0"``, ``"cpu"``).
+        use_pinned_staging: Stage CPU → CUDA copies through pinned (page-locked) buffers of
+            the engine's slab allocator, so that the DMA is asynchronous; for CUDA → CPU the
+            pinned buffer is the returned output. No effect on CPU → CPU or GPU → GPU copies.
+        pack_cpu_tensors: Pack small (≤ 256 KB) CPU tensors, mixed dtypes, into chunks of at
+            most ``max_packed_chunk_bytes`` and issue one H2D copy per chunk instead of one per
+            tensor; for CUDA → CPU with pinned staging, small GPU tensors are likewise copied
+            into one pinned chunk.
+        min_packed_alignment_bytes: Minimum byte alignment of each packed tensor's start. The
+            effective alignment is ``lcm(min_packed_alignment_bytes, element_size)``, which is
+            ``max(...)`` for powers of two.
+        max_packed_chunk_bytes: Maximum payload of each packed chunk (data plus alignment
+            padding; the allocation may be slightly larger to align the chunk's start).
+        use_background_thread: Run the copy (staging, allocation of pinned memory, copy
+            submission) on the engine's per-device transfer thread, so that this function
+            returns before the copies complete. When ``False``, the same work runs on the
+            calling thread (with the GIL released) before this function returns.
+
+    Returns:
+        AsyncCopyHandle: Call ``get()`` to block until completion and retrieve the result, or
+        ``ready()`` to poll without blocking.
+
+    Raises:
+        ValueError / TypeError: For invalid arguments, or a leaf that cannot be copied (the
+            message names it by its path, e.g. ``data[3]['cams_gt'][2]``).
+        RuntimeError: If the copy fails (raised by ``get()``).
+
+    Examples:
+        >>> data = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])]
+        >>> handle = start_copy(data, "cuda:0")  # doctest: +SKIP
+        >>> result = handle.get()                # doctest: +SKIP
+
+        >>> data = [np.array([1, 2, 3]), np.array([4, 5, 6])]
+        >>> start_copy(data, "cpu").get()
+        [tensor([1, 2, 3]), tensor([4, 5, 6])]
+    """
+    target = _target_index(device)
+    align = _positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
+    max_chunk = _positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
+    h = _engine.start_copy(data, target, bool(use_pinned_staging), bool(pack_cpu_tensors),
+                           align, max_chunk, bool(use_background_thread))
+    return AsyncCopyHandle(h)
