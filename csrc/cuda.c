@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 mtc_cuda_api mtc_cu;
@@ -52,6 +53,10 @@ static int _cu_resolve(void)
     _CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
     _CU_SYM(cuGetErrorName, "cuGetErrorName");
     _CU_SYM(cuGetErrorString, "cuGetErrorString");
+    /* optional: only the CUDA 13 form, whose ABI is the one declared */
+    *(void **)(&mtc_cu.cuMemcpyBatchAsync) = dlsym(_cu_lib, "cuMemcpyBatchAsync_v2");
+    /* opt-in until its ABI is verified on every driver we ship for */
+    if (!getenv("MTC_BATCH_MEMCPY")) mtc_cu.cuMemcpyBatchAsync = NULL;
     return 0;
 }
 

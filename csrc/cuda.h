@@ -37,6 +37,15 @@ typedef unsigned long long CUdeviceptr;
 
 #define MTC_MAX_DEVICES 64
 
+/* CUmemcpyAttributes of cuMemcpyBatchAsync (CUDA 12.8+) */
+typedef struct mtc_cu_memloc { int type; int id; } mtc_cu_memloc;
+typedef struct mtc_cu_memcpy_attrs {
+    int srcAccessOrder;          /* 1: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM */
+    mtc_cu_memloc srcLocHint, dstLocHint;
+    unsigned int flags;
+} mtc_cu_memcpy_attrs;
+#define MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM 1
+
 typedef struct mtc_cuda_api {
     CUresult (*cuInit)(unsigned int);
     CUresult (*cuDriverGetVersion)(int *);
@@ -63,6 +72,11 @@ typedef struct mtc_cuda_api {
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuGetErrorName)(CUresult, const char **);
     CUresult (*cuGetErrorString)(CUresult, const char **);
+    /* optional (NULL when the driver lacks it): one call for many copies.
+     * CUDA 13 ABI (cuMemcpyBatchAsync_v2): no failIdx argument. */
+    CUresult (*cuMemcpyBatchAsync)(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                                   mtc_cu_memcpy_attrs *attrs, size_t *attrsIdxs, size_t numAttrs,
+                                   CUstream stream);
 } mtc_cuda_api;
 
 /* The loaded table; valid only after mtc_cuda_load() returned 0. */

@@ -687,8 +687,17 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         _take(cfg, "uint8", &st->uint8) || _take(cfg, "device_cpu", &st->device_cpu) ||
         _take(cfg, "classify", &st->classify) || _take(cfg, "flatten", &st->flatten) ||
         _take(cfg, "unflatten", &st->unflatten) || _take(cfg, "diagnose", &st->diagnose) ||
-        _take(cfg, "cuda_device", &st->cuda_device))
+        _take(cfg, "cuda_device", &st->cuda_device) || _take(cfg, "d_dtype", &st->d_dtype) ||
+        _take(cfg, "d_shape", &st->d_shape) || _take(cfg, "d_is_cuda", &st->d_is_cuda) ||
+        _take(cfg, "m_data_ptr", &st->m_data_ptr) || _take(cfg, "m_get_device", &st->m_get_device) ||
+        _take(cfg, "m_is_contiguous", &st->m_is_contiguous) || _take(cfg, "m_stride", &st->m_stride) ||
+        _take(cfg, "m_is_neg", &st->m_is_neg) || _take(cfg, "m_is_conj", &st->m_is_conj))
         return NULL;
+    if (!Py_TYPE(st->d_dtype)->tp_descr_get || !Py_TYPE(st->d_shape)->tp_descr_get ||
+        !Py_TYPE(st->d_is_cuda)->tp_descr_get) {
+        PyErr_SetString(PyExc_TypeError, "_setup: tensor attributes are not descriptors");
+        return NULL;
+    }
     /* dtypes: list of (torch.dtype, itemsize, flags); numpy: {type_num: code} */
     PyObject *dts = PyDict_GetItemString(cfg, "dtypes"), *np = PyDict_GetItemString(cfg, "numpy");
     if (!dts || !PyList_Check(dts) || PyList_GET_SIZE(dts) > MTC_MAX_DTYPES || !np || !PyDict_Check(np)) {
@@ -753,7 +762,8 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_traverse", _cnt.ns_traverse); P("ns_plan", _cnt.ns_plan);
     P("ns_outputs", _cnt.ns_outputs); P("ns_views", _cnt.ns_views); P("ns_get_wait", _cnt.ns_wait);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
-    P("jobs_failed", e.jobs_failed);
+    P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
+    P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);
     P("items_copied", e.items_copied); P("bytes_h2d", e.bytes_h2d); P("bytes_d2h", e.bytes_d2h);
     P("bytes_d2d", e.bytes_d2d); P("bytes_host_copy", e.bytes_host); P("dma_calls", e.dma_calls);
     P("chunks_copied", e.chunks); P("pieces", e.pieces); P("ring_full_waits", e.ring_full_waits);
@@ -840,7 +850,7 @@ static int engine_exec(PyObject *module)
 #define INTERN(field, s) if (!(st->field = PyUnicode_InternFromString(s))) return -1
     INTERN(s_data_ptr, "data_ptr"); INTERN(s_dtype, "dtype"); INTERN(s_shape, "shape");
     INTERN(s_stride, "stride"); INTERN(s_get_device, "get_device"); INTERN(s_is_cuda, "is_cuda");
-    INTERN(s_is_neg, "is_neg"); INTERN(s_is_conj, "is_conj"); INTERN(s_contiguous, "contiguous");
+    INTERN(s_is_neg, "is_neg"); INTERN(s_is_conj, "is_conj"); INTERN(s_contiguous, "contiguous"); INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_split_with_sizes, "split_with_sizes"); INTERN(s_view, "view");
     INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_device, "device");
     INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj");
@@ -890,7 +900,10 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->pinned_empty);
     Py_CLEAR(st->s_data_ptr); Py_CLEAR(st->s_dtype); Py_CLEAR(st->s_shape); Py_CLEAR(st->s_stride);
     Py_CLEAR(st->s_get_device); Py_CLEAR(st->s_is_cuda); Py_CLEAR(st->s_is_neg); Py_CLEAR(st->s_is_conj);
-    Py_CLEAR(st->s_contiguous); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
+    Py_CLEAR(st->s_contiguous); Py_CLEAR(st->s_is_contiguous);
+    Py_CLEAR(st->d_dtype); Py_CLEAR(st->d_shape); Py_CLEAR(st->d_is_cuda); Py_CLEAR(st->m_data_ptr);
+    Py_CLEAR(st->m_get_device); Py_CLEAR(st->m_is_contiguous); Py_CLEAR(st->m_stride);
+    Py_CLEAR(st->m_is_neg); Py_CLEAR(st->m_is_conj); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
     Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_device);
     Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve);
     Py_CLEAR(st->kw_dtype_device);

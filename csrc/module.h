@@ -44,9 +44,13 @@ typedef struct mtc_state {
     PyObject *cuda_device;       /* index -> torch.device("cuda:index") */
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
 
+    /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
+    PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
+    PyObject *m_data_ptr, *m_get_device, *m_is_contiguous, *m_stride, *m_is_neg, *m_is_conj;
+
     /* interned names */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
-        *s_is_neg, *s_is_conj, *s_contiguous, *s_split_with_sizes, *s_view,
+        *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
         *s_as_strided, *s_unbind, *s_device, *s_pin_memory, *s_resolve;
     PyObject *kw_dtype_device;   /* ("dtype", "device") */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */

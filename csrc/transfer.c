@@ -406,6 +406,10 @@ static int _op_h2d(_run *r, const mtc_op *op)
     uint32_t np = (uint32_t)((total + piece - 1) / piece);
     uint32_t helpers = (uint32_t)mtc_pool_size();
     uint32_t W = helpers ? 2 * helpers : 1;
+    /* Two windows of slabs are held at once: keep them within half the cap,
+     * or the pool's backpressure would wait on slabs only this op releases. */
+    size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
+    if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
     if (W > np) W = np;
     _piece *pc = calloc(np, sizeof *pc);
     if (!pc) return _fail(r, -ENOMEM, it->leaf, "planning the staged copy");
@@ -441,25 +445,64 @@ static int _op_h2d(_run *r, const mtc_op *op)
     return err;
 }
 
+/* Device -> host: one batched driver call per source device when the driver
+ * has cuMemcpyBatchAsync (hundreds of small copies in one call), else one
+ * cuMemcpyDtoHAsync per item. */
 static int _op_d2h(_run *r, const mtc_op *op)
 {
     mtc_job *j = r->job;
-    for (uint32_t k = 0; k < op->count; k++) {
-        const mtc_item *it = &j->items[op->first + k];
-        int rc = _use_dev(r, it->dev);
-        if (rc) return _fail(r, rc, it->leaf, "selecting the device");
+    const mtc_item *items = &j->items[op->first];
+    uint32_t n = op->count;
+    if (op->kind == MTC_OP_D2H_CHUNK) _COUNT(chunks, 1);
+    _COUNT(items_copied, n);
+    int64_t t0 = mtc_now_ns();
+    int rc = 0;
+    if (mtc_cu.cuMemcpyBatchAsync && n > 1) {
+        CUdeviceptr *dst = malloc(n * sizeof *dst), *src = malloc(n * sizeof *src);
+        size_t *sz = malloc(n * sizeof *sz);
+        if (!dst || !src || !sz) rc = _fail(r, -ENOMEM, items[0].leaf, "planning the device-to-host copies");
+        /* one batch per source device, in item order */
+        for (uint32_t a = 0; a < n && !rc;) {
+            int dev = items[a].dev;
+            uint32_t m = 0, b = a;
+            for (; b < n && items[b].dev == dev; b++) {
+                if (!items[b].nbytes) continue;
+                dst[m] = op->kind == MTC_OP_D2H_CHUNK ? op->dst + items[b].dst : items[b].dst;
+                src[m] = items[b].src;
+                sz[m] = (size_t)items[b].nbytes;
+                m++;
+                _COUNT(bytes_d2h, items[b].nbytes);
+            }
+            if (m && !(rc = _use_dev(r, dev))) {
+                mtc_cu_memcpy_attrs at;
+                memset(&at, 0, sizeof at);
+                at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
+                size_t idx0 = 0;
+                rc = _cu(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, j->streams[dev]));
+                _COUNT(dma_calls, 1);
+                r->sync_mask |= 1ull << dev;
+            }
+            if (rc) _fail(r, rc, items[a].leaf, "device-to-host copy");
+            a = b;
+        }
+        free(dst);
+        free(src);
+        free(sz);
+        _COUNT(ns_dma_issue, mtc_now_ns() - t0);
+        return rc;
+    }
+    for (uint32_t k = 0; k < n; k++) {
+        const mtc_item *it = &items[k];
+        if ((rc = _use_dev(r, it->dev))) return _fail(r, rc, it->leaf, "selecting the device");
         if (!it->nbytes) continue;
         uintptr_t dst = op->kind == MTC_OP_D2H_CHUNK ? op->dst + it->dst : it->dst;
-        int64_t t0 = mtc_now_ns();
         rc = _cu(mtc_cu.cuMemcpyDtoHAsync((void *)dst, it->src, (size_t)it->nbytes, j->streams[it->dev]));
-        _COUNT(ns_dma_issue, mtc_now_ns() - t0);
         _COUNT(dma_calls, 1);
         if (rc) return _fail(r, rc, it->leaf, "device-to-host copy");
         r->sync_mask |= 1ull << it->dev;
         _COUNT(bytes_d2h, it->nbytes);
     }
-    if (op->kind == MTC_OP_D2H_CHUNK) _COUNT(chunks, 1);
-    _COUNT(items_copied, op->count);
+    _COUNT(ns_dma_issue, mtc_now_ns() - t0);
     return 0;
 }
 
@@ -528,10 +571,12 @@ static void _sync_streams(_run *r)
 void mtc_job_run(mtc_job *j)
 {
     _run r = {.job = j, .cur_dev = -2, .sync_mask = 0};
+    if (!mtc_pool_size()) mtc_pool_start(0);
     CUcontext saved = NULL;
     int cuda = j->dev_mask != 0;
     j->t_start = mtc_now_ns();
     if (j->t_submit) _COUNT(ns_queue, j->t_start - j->t_submit);
+    else _COUNT(jobs_inline, 1);
     if (cuda) {
         int rc = mtc_cuda_load();
         if (rc) _fail(&r, rc, -1, "loading the CUDA driver");
@@ -626,6 +671,7 @@ static _worker *_worker_of(int target, int *err)
             w = NULL;
         } else {
             w->dev = target;
+            mtc_pool_start(0); /* helpers for large copies: before the first job needs them */
             atomic_init(&w->doorbell, 0);
             atomic_init(&w->sleeping, 0);
             int rc = pthread_create(&w->thread, NULL, _worker_main, w);

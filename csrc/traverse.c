@@ -197,16 +197,35 @@ static inline PyObject *_call0(PyObject *obj, PyObject *name)
     return PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
-/* Reads the metadata of a tensor leaf into leaf slot t->nleaves, the slot
- * reserved by the caller (ndim unknown yet: reserves again once it is). */
+/* Attribute / no-argument method of a tensor. For an exact torch.Tensor the
+ * descriptor cached at _setup is called directly, skipping the attribute
+ * lookup (a subclass may override, so it takes the generic path). */
+static inline PyObject *_tattr(PyObject *obj, int exact, PyObject *descr, PyObject *name)
+{
+    if (exact) return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+    return PyObject_GetAttr(obj, name);
+}
+
+static inline PyObject *_tcall(PyObject *obj, int exact, PyObject *descr, PyObject *name)
+{
+    if (exact) return PyObject_Vectorcall(descr, &obj, 1, NULL);
+    return _call0(obj, name);
+}
+
+/* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
+ * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
+ * strides only when not contiguous; is_conj()/is_neg() only where public
+ * APIs can set those bits (complex tensors; non-contiguous float views such
+ * as z.conj().imag). Anything unexpected goes to _diagnose. */
 static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 {
     PyObject *v = NULL, *shape = NULL, *stride = NULL;
+    int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
     mtc_leaf l;
     memset(&l, 0, sizeof l);
 
     /* dtype first: quantized and unknown dtypes leave the fast path here */
-    if (!(v = PyObject_GetAttr(obj, st->s_dtype))) goto diagnose;
+    if (!(v = _tattr(obj, exact, st->d_dtype, st->s_dtype))) goto diagnose;
     PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
     Py_CLEAR(v);
     if (!code) goto diagnose;
@@ -214,51 +233,70 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     l.dtype = (uint16_t)c;
     l.elsize = (uint16_t)st->elsize[c];
 
-    if (!(shape = PyObject_GetAttr(obj, st->s_shape))) goto diagnose;
+    if (!(shape = _tattr(obj, exact, st->d_shape, st->s_shape))) goto diagnose;
     if (!PyTuple_Check(shape)) goto diagnose;
     l.ndim = (int32_t)PyTuple_GET_SIZE(shape);
     if (l.ndim > MTC_MAX_NDIM) goto diagnose;
-    if (!(stride = _call0(obj, st->s_stride))) goto diagnose;
-    if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l.ndim) goto diagnose;
+    if (!(v = _tcall(obj, exact, st->m_is_contiguous, st->s_is_contiguous))) goto diagnose;
+    int contiguous = v == Py_True;
+    Py_CLEAR(v);
+    if (!contiguous) {
+        if (!(stride = _tcall(obj, exact, st->m_stride, st->s_stride))) goto diagnose;
+        if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l.ndim) goto diagnose;
+    }
     if (_reserve_leaf(t, l.ndim)) goto error;
     l.dims = t->ndims;
     for (int d = 0; d < l.ndim; d++) {
         /* symbolic sizes (jagged nested tensors) fail here and are diagnosed */
         int64_t s = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
-        int64_t sd = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
-        if (PyErr_Occurred()) goto diagnose;
+        if (s == -1 && PyErr_Occurred()) goto diagnose;
         t->shape[t->ndims + d] = s;
-        t->strides[t->ndims + d] = sd * l.elsize;
+    }
+    if (contiguous) {
+        int64_t acc = l.elsize;
+        for (int d = l.ndim - 1; d >= 0; d--) {
+            t->strides[t->ndims + d] = acc;
+            acc *= t->shape[t->ndims + d] > 1 ? t->shape[t->ndims + d] : 1;
+        }
+    } else {
+        for (int d = 0; d < l.ndim; d++) {
+            int64_t sd = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
+            if (sd == -1 && PyErr_Occurred()) goto diagnose;
+            t->strides[t->ndims + d] = sd * l.elsize;
+        }
     }
     Py_CLEAR(shape);
     Py_CLEAR(stride);
 
-    if (!(v = _call0(obj, st->s_data_ptr))) goto diagnose;
+    if (!(v = _tcall(obj, exact, st->m_data_ptr, st->s_data_ptr))) goto diagnose;
     l.data = (uintptr_t)PyLong_AsVoidPtr(v);
     Py_CLEAR(v);
     if (PyErr_Occurred()) goto diagnose;
 
-    if (!(v = _call0(obj, st->s_get_device))) goto diagnose;
+    if (!(v = _tcall(obj, exact, st->m_get_device, st->s_get_device))) goto diagnose;
     l.dev = (int32_t)PyLong_AsLong(v);
     Py_CLEAR(v);
     if (PyErr_Occurred()) goto diagnose;
     if (l.dev >= 0) {
         /* get_device() gives an index for every accelerator: insist on CUDA */
-        if (!(v = PyObject_GetAttr(obj, st->s_is_cuda))) goto diagnose;
+        if (!(v = _tattr(obj, exact, st->d_is_cuda, st->s_is_cuda))) goto diagnose;
         int cuda = v == Py_True;
         Py_CLEAR(v);
         if (!cuda) goto diagnose;
     } else {
         l.dev = -1;
     }
-    /* Lazy negation / conjugation bits: the bytes are not the values. */
-    if (st->dtflags[c] & (MTC_DT_FLOAT | MTC_DT_COMPLEX)) {
-        PyObject *name = (st->dtflags[c] & MTC_DT_COMPLEX) ? st->s_is_conj : st->s_is_neg;
-        if (!(v = _call0(obj, name))) goto diagnose;
-        int bit = v == Py_True;
-        Py_CLEAR(v);
-        if (!bit && (st->dtflags[c] & MTC_DT_COMPLEX)) {
-            if (!(v = _call0(obj, st->s_is_neg))) goto diagnose;
+    /* Lazy conjugation / negation bits: the bytes are not the values. */
+    int fl = st->dtflags[c];
+    if ((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && !contiguous)) {
+        int bit = 0;
+        if (fl & MTC_DT_COMPLEX) {
+            if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) goto diagnose;
+            bit = v == Py_True;
+            Py_CLEAR(v);
+        }
+        if (!bit) {
+            if (!(v = _tcall(obj, exact, st->m_is_neg, st->s_is_neg))) goto diagnose;
             bit = v == Py_True;
             Py_CLEAR(v);
         }

@@ -23,8 +23,10 @@ def _bytewise_dtypes() -> list[torch.dtype]:
         seen.add(dt)
         try:
             size = dt.itemsize
-            torch.empty(2 * size, dtype=torch.uint8).view(dt)
-        except Exception:  # e.g. sub-byte dtypes (uint1..7): no bytewise view
+            # torch must be able to view bytes as dt and to copy dt (shell dtypes such as
+            # uint1..7 / int1..7 can be viewed on some versions but not copied)
+            torch.empty(2 * size, dtype=torch.uint8).view(dt).clone()
+        except Exception:
             continue
         out.append(dt)
     # a stable order, so that codes are the same in every process
@@ -94,4 +96,9 @@ _engine._setup({
     "unflatten": _tree.unflatten,
     "diagnose": _tree.diagnose,
     "cuda_device": _cuda_device,
+    # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
+    **{f"d_{n}": torch.Tensor.__dict__.get(n) or getattr(torch._C.TensorBase, "__dict__")[n]
+       for n in ("dtype", "shape", "is_cuda")},
+    **{f"m_{n}": getattr(torch._C.TensorBase, n)
+       for n in ("data_ptr", "get_device", "is_contiguous", "stride", "is_neg", "is_conj")},
 })

@@ -1,0 +1,101 @@
+"""Shared fixtures and helpers of the test suite."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the GPU machine)")
+requires_2gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs two CUDA GPUs")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's values in row-major order, on the CPU."""
+    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def assert_bitwise(out, ref, where: str = "") -> None:
+    """out equals ref bitwise: same type, dtype, shape, device and bytes."""
+    assert isinstance(out, torch.Tensor), f"{where}: {type(out)} is not a tensor"
+    assert out.dtype == ref.dtype, f"{where}: dtype {out.dtype} != {ref.dtype}"
+    assert out.shape == ref.shape, f"{where}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.device == ref.device, f"{where}: device {out.device} != {ref.device}"
+    assert torch.equal(as_bytes(out), as_bytes(ref)), f"{where}: bytes differ"
+
+
+def assert_tree_bitwise(out, ref, where: str = "data") -> None:
+    """Walks two structures; tensors compared bitwise, other leaves by identity or equality."""
+    if isinstance(ref, torch.Tensor):
+        assert_bitwise(out, ref, where)
+    elif isinstance(ref, dict):
+        assert type(out) is type(ref), f"{where}: {type(out)} != {type(ref)}"
+        assert list(out.keys()) == list(ref.keys()), f"{where}: keys differ"
+        for k in ref:
+            assert_tree_bitwise(out[k], ref[k], f"{where}[{k!r}]")
+    elif isinstance(ref, (list, tuple)):
+        assert type(out) is type(ref), f"{where}: {type(out)} != {type(ref)}"
+        assert len(out) == len(ref), f"{where}: length differs"
+        for i, (o, r) in enumerate(zip(out, ref)):
+            assert_tree_bitwise(o, r, f"{where}[{i}]")
+    else:
+        assert out is ref or out == ref, f"{where}: {out!r} != {ref!r}"
+
+
+def tree_to(data, device):
+    """The reference: per-tensor .to(device), numpy leaves through torch.from_numpy."""
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(data)).to(device)
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, dict):
+        return type(data)((k, tree_to(v, device)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(tree_to(v, device) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(tree_to(v, device) for v in data)
+    return data
+
+
+def seed_batch(n_samples: int, seed: int = 0, device: str = "cpu"):
+    """The reference batch of example.txt: n_samples dicts, 33 tensors each."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_samples):
+        cams = []
+        for _ in range(6):
+            n = rng.randint(10, 120)
+            cams.append({
+                "bounding_boxes": torch.rand(n, 4, generator=g),
+                "class_ids": torch.randint(0, 10, (n,), generator=g),
+                "active": torch.rand(n, generator=g) > 0.5,
+                "depths": torch.rand(n, generator=g) * 80,
+                "proj_mat": torch.rand(3, 4, generator=g),
+            })
+        n = rng.randint(10, 120)
+        out.append({"cams_gt": cams, "gt_data": {
+            "bounding_boxes_3d": torch.rand(n, 7, generator=g),
+            "class_ids": torch.randint(0, 10, (n,), generator=g),
+            "active": torch.rand(n, generator=g) > 0.5,
+        }})
+    if device != "cpu":
+        out = tree_to(out, device)
+    return out
+
+
+def random_tensor(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes reinterpreted as dtype (covers NaN payloads, every bit pattern)."""
+    n = 1
+    for s in shape:
+        n *= s
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)

@@ -1,0 +1,239 @@
+"""CUDA paths of start_copy: every direction and option, against tensor.to() bitwise.
+
+Skipped without a GPU; run on the GPU machine whenever csrc/ or a CUDA path changes.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import mtc_loader
+from mtc_loader import start_copy
+from conftest import (N_GPUS, assert_bitwise, assert_tree_bitwise, random_tensor, requires_2gpus,
+                      requires_cuda, seed_batch, tree_to)
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+OPTIONS = [dict(use_pinned_staging=s, pack_cpu_tensors=p, use_background_thread=b)
+           for s, p, b in itertools.product([True, False], repeat=3)]
+ALL_DTYPES = [d for d in mtc_loader._setup.DTYPES]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_seed_batch_h2d(opts):
+    batch = seed_batch(16, seed=1)
+    out = start_copy(batch, "cuda:0", **opts).get()
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(batch, "cuda:0"))
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_seed_batch_d2h(opts):
+    batch = seed_batch(16, seed=2, device="cuda:0")
+    out = start_copy(batch, "cpu", **opts).get()
+    assert_tree_bitwise(out, tree_to(batch, "cpu"))
+    if opts["use_pinned_staging"]:
+        assert all(t.is_pinned() for t in _leaves(out))
+
+
+def _leaves(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_both_directions(dtype):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(), (0,), (1,), (7,), (5, 3), (2, 3, 4), (0, 5), (300000 // max(1, dtype.itemsize),)]
+    data = [random_tensor(dtype, s, g) for s in shapes]
+    data.append(random_tensor(dtype, (6, 8), g)[:, ::2])  # non-contiguous
+    data.append(random_tensor(dtype, (6, 8), g).t())
+    out = start_copy(data, "cuda:0").get()
+    torch.cuda.synchronize()
+    for i, (o, r) in enumerate(zip(out, data)):
+        assert_bitwise(o, r.to("cuda:0"), f"h2d data[{i}] {dtype}")
+    back = start_copy(out, "cpu").get()
+    for i, (o, r) in enumerate(zip(back, data)):
+        assert_bitwise(o, r, f"d2h data[{i}] {dtype}")
+
+
+@pytest.mark.parametrize("align", [1, 2, 16, 24, 64, 256, 4096])
+def test_alignment_of_every_output(align):
+    g = torch.Generator().manual_seed(4)
+    data = [random_tensor(dt, (n,), g) for n in range(1, 40)
+            for dt in (torch.uint8, torch.float16, torch.float32, torch.float64, torch.complex128)]
+    out = start_copy(data, "cuda:0", min_packed_alignment_bytes=align).get()
+    torch.cuda.synchronize()
+    for o, r in zip(out, data):
+        eff = np.lcm(align, r.element_size())
+        assert o.data_ptr() % eff == 0, (align, r.dtype, o.data_ptr() % eff)
+        assert_bitwise(o, r.to("cuda:0"))
+
+
+@pytest.mark.parametrize("max_chunk", [1, 64, 1000, 4096, 65536, 1 << 20])
+def test_chunking(max_chunk):
+    batch = seed_batch(8, seed=5)
+    before = mtc_loader.stats()["chunks"]
+    out = start_copy(batch, "cuda:0", max_packed_chunk_bytes=max_chunk).get()
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(batch, "cuda:0"))
+    if max_chunk == 4096:
+        assert mtc_loader.stats()["chunks"] - before > 1
+
+
+def test_large_tensors_staged_in_pieces():
+    g = torch.Generator().manual_seed(6)
+    data = [random_tensor(torch.float32, (5_000_001,), g), random_tensor(torch.uint8, (33 << 20,), g),
+            random_tensor(torch.float64, (1000, 1000), g)[:, :999]]
+    for staging in (True, False):
+        out = start_copy(data, "cuda:0", use_pinned_staging=staging).get()
+        torch.cuda.synchronize()
+        for o, r in zip(out, data):
+            assert_bitwise(o, r.to("cuda:0"))
+    assert mtc_loader.stats()["pieces"] > 0
+
+
+def test_inputs_already_on_target_are_reused():
+    x = torch.arange(10, device="cuda:0")
+    y = torch.ones(3)
+    out = start_copy({"x": x, "y": y, "s": "keep"}, "cuda:0").get()
+    assert out["x"] is x and out["s"] == "keep"
+    assert_bitwise(out["y"], y.cuda())
+
+
+def test_numpy_to_cuda():
+    arrs = [np.arange(12, dtype=np.int32).reshape(3, 4), np.arange(5.0)[::-1], np.zeros((0, 3))]
+    out = start_copy(arrs, "cuda:0").get()
+    torch.cuda.synchronize()
+    for o, a in zip(out, arrs):
+        assert_bitwise(o, torch.from_numpy(np.ascontiguousarray(a)).cuda())
+
+
+def test_mixed_inputs():
+    cpu = seed_batch(2, seed=7)
+    gpu = seed_batch(2, seed=8, device="cuda:0")
+    data = {"cpu": cpu, "gpu": gpu, "np": np.arange(4)}
+    out = start_copy(data, "cuda:0").get()
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(data, "cuda:0"))
+    out = start_copy(data, "cpu").get()
+    assert_tree_bitwise(out["cpu"], cpu)
+    assert_tree_bitwise(out["gpu"], tree_to(gpu, "cpu"))
+
+
+def test_non_default_stream_is_used_and_get_does_not_wait_for_gpu():
+    batch = seed_batch(16, seed=9)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(int(2e9))  # ~1 s of GPU time queued before the copy
+        ev = torch.cuda.Event()
+        h = start_copy(batch, "cuda:0")
+        out = h.get()
+        ev.record(s)
+        assert h.ready()
+        # get() returned while the sleep still runs: it did not drain the stream
+        assert not ev.query(), "get() waited for earlier work on the stream"
+    torch.cuda.default_stream().synchronize()
+    s.synchronize()
+    assert_tree_bitwise(out, tree_to(batch, "cuda:0"))
+
+
+def test_d2h_waits_for_producing_kernel_on_current_stream():
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.zeros(1 << 20, device="cuda:0")
+        torch.cuda._sleep(int(2e8))
+        x.add_(7)  # queued behind the sleep on s
+        out = start_copy([x, x[:10]], "cpu").get()
+    assert torch.all(out[0] == 7) and torch.all(out[1] == 7)
+
+
+def test_many_threads():
+    batches = [seed_batch(4, seed=100 + i) for i in range(8)]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                out = start_copy(batches[i], "cuda:0").get()
+                torch.cuda.current_stream().synchronize()
+                assert_tree_bitwise(out, tree_to(batches[i], "cuda:0"))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_handle_dropped_without_get():
+    for _ in range(20):
+        h = start_copy(seed_batch(4, seed=11), "cuda:0")
+        del h
+    out = start_copy(seed_batch(4, seed=12), "cuda:0").get()
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(seed_batch(4, seed=12), "cuda:0"))
+    s = mtc_loader.stats()
+    assert s["jobs_in_flight"] == 0
+    assert s["pinned_slabs_in_use"] == 0
+
+
+def test_invalid_device_index():
+    with pytest.raises(ValueError, match="cuda:99"):
+        start_copy([torch.ones(1)], "cuda:99")
+
+
+def test_out_of_memory_is_clear_and_engine_survives():
+    free, _ = torch.cuda.mem_get_info()
+    hold = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda:0")
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB: its output cannot be allocated
+    try:
+        with pytest.raises((MemoryError, torch.OutOfMemoryError, RuntimeError), match="(?i)memory"):
+            start_copy([big, torch.ones(3)], "cuda:0").get()
+    finally:
+        del hold
+        torch.cuda.empty_cache()
+    out = start_copy(seed_batch(2, seed=13), "cuda:0").get()
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(seed_batch(2, seed=13), "cuda:0"))
+    s = mtc_loader.stats()
+    assert s["pinned_slabs_in_use"] == 0
+
+
+@requires_2gpus
+def test_gpu_to_other_gpu():
+    batch = seed_batch(4, seed=14, device="cuda:0")
+    out = start_copy(batch, "cuda:1").get()
+    torch.cuda.synchronize("cuda:1")
+    assert_tree_bitwise(out, tree_to(batch, "cuda:1"))
+
+
+def test_gpu_to_same_gpu_is_reuse():
+    batch = seed_batch(2, seed=15, device="cuda:0")
+    out = start_copy(batch, "cuda:0").get()
+    assert out[0]["cams_gt"][0]["depths"] is batch[0]["cams_gt"][0]["depths"]
+
+
+def test_pinned_memory_is_reused_not_grown():
+    batch = seed_batch(16, seed=16)
+    for _ in range(5):
+        start_copy(batch, "cuda:0").get()
+        torch.cuda.synchronize()
+    held = mtc_loader.stats()["pinned_bytes_held"]
+    for _ in range(50):
+        start_copy(batch, "cuda:0").get()
+        torch.cuda.synchronize()  # the slab's fence completed: it must be reused
+    assert mtc_loader.stats()["pinned_bytes_held"] == held
