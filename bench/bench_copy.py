@@ -3,7 +3,7 @@
 Usage::
 
     python3 bench/bench_copy.py [--device cuda:0] [--rounds N] [--quick] [--out DIR]
-                                [--only WORKLOAD ...]
+                                [--only WORKLOAD ...] [--keep-going]
 
 What is timed, per batch: from just before the call until the result is usable, i.e. the host
 clock (``time.perf_counter``) around the copy and a ``torch.cuda.synchronize()`` of every CUDA
@@ -11,8 +11,9 @@ device involved (for ``start_copy`` that is ``start_copy(...).get()`` and then t
 synchronize, since ``get()`` returns once the copies are enqueued, like
 ``.to(non_blocking=True)``).
 
-How: per workload, every method's output is first checked bitwise against ``.to()``; then every
-method runs a few warm-up rounds (so pinned slabs and caching-allocator blocks exist), then
+How: first, for every workload, every method's output is checked bitwise against ``.to()`` (a
+failure aborts before any timing, unless ``--keep-going`` drops the failing methods); then
+every method runs a few warm-up rounds (so pinned slabs and caching-allocator blocks exist), then
 interleaved rounds: each round runs every method once on the same data, with the method order
 rotated from round to round, so that drifts of the machine (clocks, other tenants) hit all
 methods alike. Reported per workload and method: median, p10 and p90 in ms, and the ratio
@@ -250,21 +251,48 @@ def time_once(method: Method, w: Workload) -> float:
     return t1 - t0
 
 
-def check_correct(w: Workload) -> None:
-    """Abort unless every method's output equals ``.to()``'s, leaf by leaf, bitwise."""
+def check_correct(w: Workload) -> dict[str, str]:
+    """Compare every method's output with ``.to()``'s, leaf by leaf, bitwise.
+
+    Returns ``{method: what went wrong}`` for each method that raised or whose output differs
+    (empty when all agree).
+    """
     ref = m_to(w.data, w.target)
     synchronize(w.sync_devices)
     ref_leaves = list(iter_leaves(ref))
+    failures: dict[str, str] = {}
     for name in w.methods:
         try:
             out = ALL_METHODS[name](w.data, w.target)
             synchronize(w.sync_devices)
         except Exception as exc:
-            sys.exit(f"FAILED in workload {w.name!r}, method {name!r}: "
-                     f"{type(exc).__name__}: {exc}")
+            failures[name] = f"raised {type(exc).__name__}: {exc}"
+            continue
         problem = _compare(ref, ref_leaves, out, w.target)
         if problem:
-            sys.exit(f"MISMATCH in workload {w.name!r}, method {name!r}: {problem}")
+            failures[name] = f"MISMATCH: {problem}"
+    return failures
+
+
+def check_all(workloads: list[Workload], keep_going: bool) -> dict[str, dict[str, str]]:
+    """Check every workload's methods before any timing; abort on the first failing workload.
+
+    With ``keep_going``, failing methods are dropped from their workload instead, and the
+    failures are returned (``{workload: {method: what went wrong}}``) for the report.
+    """
+    failed: dict[str, dict[str, str]] = {}
+    for w in workloads:
+        failures = check_correct(w)
+        if not failures:
+            continue
+        lines = "\n".join(f"  {m}: {msg}" for m, msg in failures.items())
+        if not keep_going:
+            sys.exit(f"correctness check failed in workload {w.name!r} ({w.direction}):\n"
+                     f"{lines}\n(--keep-going times the other methods anyway)")
+        print(f"WARNING: dropping failing methods of {w.name!r}:\n{lines}")
+        w.methods = [m for m in w.methods if m not in failures]
+        failed[w.name] = failures
+    return failed
 
 
 def _compare(ref: Any, ref_leaves: list, out: Any, target: torch.device) -> str | None:
@@ -504,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                    help="output folder (default bench/results)")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
+    p.add_argument("--keep-going", action="store_true",
+                   help="drop methods that fail the correctness check instead of aborting "
+                        "(they are listed in the JSON; the exit code is then 1)")
     args = p.parse_args(argv)
     args.warmup = max(args.warmup, 3)
     return args
@@ -525,13 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     workloads, skipped = build_workloads(args)
     for name, reason in skipped.items():
         print(f"skipping {name}: {reason}")
+    failed = check_all(workloads, args.keep_going)
 
     results: dict[str, dict] = {}
     for w in workloads:
         n, nbytes = count_tensors(w.data)
         print(f"[{w.name}] {w.direction} -> {w.target}: {n} tensors, {nbytes / 1e3:.1f} KB, "
               f"{len(w.methods)} methods x {w.rounds} rounds", flush=True)
-        check_correct(w)
         samples = run_workload(w, args.warmup)
         base = statistics.median(samples[BASELINE]) * 1e3 if BASELINE in samples else None
         res = {
@@ -562,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         print("mtc_loader.stats():", json.dumps(stats, indent=None, default=str))
     if MTC_IMPORT_ERROR:
         print(f"WARNING: mtc_loader was not measured: {MTC_IMPORT_ERROR}")
+    for wname, failures in failed.items():
+        print(f"WARNING: {wname}: {sorted(failures)} failed the correctness check, not timed")
 
     os.makedirs(args.out, exist_ok=True)
     info = machine_info(device)
@@ -571,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "workloads": results,
         "skipped": skipped,
+        "failed": failed,
         "mtc_stats": stats,
     }
     json_path = os.path.join(args.out, "bench_copy.json")
@@ -583,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     png_path = os.path.join(args.out, "bench_copy.png")
     if results and plot(results, png_path, title):
         print(f"wrote {png_path}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

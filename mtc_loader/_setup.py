@@ -1,6 +1,8 @@
 """Hands the engine the torch objects it needs: it never imports torch itself."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -23,15 +25,21 @@ def _bytewise_dtypes() -> list[torch.dtype]:
         seen.add(dt)
         try:
             size = dt.itemsize
-            # torch must be able to view bytes as dt and to copy dt (shell dtypes such as
-            # uint1..7 / int1..7 can be viewed on some versions but not copied)
-            torch.empty(2 * size, dtype=torch.uint8).view(dt).clone()
+            with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+                warnings.simplefilter("ignore")
+                _probe(dt, size)
         except Exception:
             continue
         out.append(dt)
     # a stable order, so that codes are the same in every process
     out.sort(key=str)
     return out
+
+
+def _probe(dt: torch.dtype, size: int) -> None:
+    """Raises unless torch can view bytes as dt and copy dt (shell dtypes such as uint1..7 /
+    int1..7 can be viewed on some torch versions but not copied)."""
+    torch.empty(2 * size, dtype=torch.uint8).view(dt).clone()
 
 
 DTYPES = _bytewise_dtypes()

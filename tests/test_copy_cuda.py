@@ -53,6 +53,10 @@ def _leaves(x):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_every_dtype_both_directions(dtype):
+    try:
+        torch.zeros(2, dtype=torch.uint8).view(dtype).to("cuda:0")
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch itself cannot .to('cuda') {dtype}, the reference: {e}")
     g = torch.Generator().manual_seed(3)
     shapes = [(), (0,), (1,), (7,), (5, 3), (2, 3, 4), (0, 5), (300000 // max(1, dtype.itemsize),)]
     data = [random_tensor(dtype, s, g) for s in shapes]
