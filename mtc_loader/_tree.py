@@ -116,7 +116,7 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
                 "are supported")
         if leaf.is_conj() or leaf.is_neg():
             # lazily conjugated/negated views: materialise the values, as .to() would
-            return leaf.resolve_conj().resolve_neg()
+            return leaf.detach().resolve_conj().resolve_neg()
         from ._setup import supported_dtype
         if not supported_dtype(leaf.dtype):
             raise TypeError(

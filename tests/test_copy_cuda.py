@@ -54,7 +54,7 @@ def _leaves(x):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_every_dtype_both_directions(dtype):
     try:
-        torch.zeros(2, dtype=torch.uint8).view(dtype).to("cuda:0")
+        torch.zeros(16, dtype=torch.uint8).view(dtype).to("cuda:0")
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"torch itself cannot .to('cuda') {dtype}, the reference: {e}")
     g = torch.Generator().manual_seed(3)
