@@ -13,6 +13,7 @@
 
 #include <numpy/arrayobject.h>
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda.h"
@@ -52,7 +53,12 @@ static void _handle_finish(Handle *h)
     if (h->job && h->job->err) {
         mtc_job *j = h->job;
         char desc[256];
-        mtc_cuda_describe(j->err, desc, sizeof desc);
+        if (j->err == -E2BIG)
+            snprintf(desc, sizeof desc, "a staging buffer would exceed the pinned-memory cap of %zu bytes; "
+                     "raise it with mtc_loader.configure(pinned_cap_bytes=...) or lower max_packed_chunk_bytes",
+                     mtc_engine_pinned_cap());
+        else
+            mtc_cuda_describe(j->err, desc, sizeof desc);
         PyObject *path = NULL;
         if (j->err_leaf >= 0 && (uint32_t)j->err_leaf < h->tree.nleaves)
             path = mtc_leaf_path(&h->tree, (uint32_t)j->err_leaf);
@@ -297,7 +303,7 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
             Py_DECREF(v);
         }
         if (!(parts = _call_method(shaped, st->s_split_with_sizes, &tmp, 1))) goto out;
-        PyObject *fast = PySequence_Fast(parts, "split_with_sizes");
+        PyObject *fast = PySequence_Fast(parts, "unsafe_split_with_sizes");
         if (!fast) goto out;
         Py_ssize_t j = 0;
         cursor = 0;
@@ -721,7 +727,16 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         }
         Py_DECREF(code);
     }
-    for (int i = 0; i < 32; i++) st->np_to_code[i] = -1;
+    for (int i = 0; i < 32; i++) st->np_to_code[i] = -1, st->np_zerocopy[i] = 0;
+    PyObject *zc = PyDict_GetItemString(cfg, "numpy_zero_copy");
+    if (!zc || !PyList_Check(zc)) {
+        PyErr_SetString(PyExc_TypeError, "_setup: bad numpy_zero_copy list");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(zc); i++) {
+        long tn = PyLong_AsLong(PyList_GET_ITEM(zc, i));
+        if (tn >= 0 && tn < 32) st->np_zerocopy[tn] = 1;
+    }
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(np, &pos, &k, &v)) {
@@ -851,8 +866,8 @@ static int engine_exec(PyObject *module)
     INTERN(s_data_ptr, "data_ptr"); INTERN(s_dtype, "dtype"); INTERN(s_shape, "shape");
     INTERN(s_stride, "stride"); INTERN(s_get_device, "get_device"); INTERN(s_is_cuda, "is_cuda");
     INTERN(s_is_neg, "is_neg"); INTERN(s_is_conj, "is_conj"); INTERN(s_contiguous, "contiguous"); INTERN(s_is_contiguous, "is_contiguous");
-    INTERN(s_split_with_sizes, "split_with_sizes"); INTERN(s_view, "view");
-    INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_device, "device");
+    INTERN(s_split_with_sizes, "unsafe_split_with_sizes"); INTERN(s_view, "view");
+    INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_is_meta, "is_meta"); INTERN(s_device, "device");
     INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj");
 #undef INTERN
     st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device");
@@ -904,7 +919,7 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->d_dtype); Py_CLEAR(st->d_shape); Py_CLEAR(st->d_is_cuda); Py_CLEAR(st->m_data_ptr);
     Py_CLEAR(st->m_get_device); Py_CLEAR(st->m_is_contiguous); Py_CLEAR(st->m_stride);
     Py_CLEAR(st->m_is_neg); Py_CLEAR(st->m_is_conj); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
-    Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_device);
+    Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_is_meta); Py_CLEAR(st->s_device);
     Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve);
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->kw_dtype_device_pin);

@@ -191,6 +191,9 @@ static int _place_group(_layout *L, const uint32_t *idx, uint32_t count, int uni
      * (row * row_bytes) is a multiple of align. */
     int64_t m = row_bytes ? align / _gcd(align, row_bytes) : 1;
     int single = 0;
+    /* Identical shapes whose size is a multiple of the alignment tile without
+     * padding: a SPLIT cuts them with the cheaper split (0-d members need unbind). */
+    if (uniform && proto->ndim > 0 && proto->nbytes % align == 0) uniform = 0;
     if (!uniform && (m - 1) * row_bytes > o->max_pad) single = 1; /* padding would waste too much */
 
     int rc;

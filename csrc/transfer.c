@@ -397,8 +397,14 @@ static int _op_h2d(_run *r, const mtc_op *op)
     int rc = _use_dev(r, op->dev);
     if (rc) return _fail(r, rc, it->leaf, "selecting the device");
     _COUNT(items_copied, 1);
-    if (!j->staging || it->nbytes == 0)
-        return it->nbytes ? _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf) : 0;
+    if (!j->staging || it->nbytes == 0) {
+        if (!it->nbytes) return 0;
+        /* The DMA reads the input itself; if the input happens to be pinned it
+         * runs asynchronously, so get() must wait for it (DESIGN: "no input
+         * will be read any more"). */
+        r->sync_mask |= 1ull << op->dev;
+        return _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf);
+    }
     mtc_slab_pool *pool = _pool_of(op->dev, &rc);
     if (!pool) return _fail(r, rc, it->leaf, "creating the pinned pool");
 

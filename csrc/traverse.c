@@ -286,9 +286,13 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     } else {
         l.dev = -1;
     }
-    /* Lazy conjugation / negation bits: the bytes are not the values. */
+    /* Lazy conjugation / negation bits: the bytes are not the values. Public
+     * APIs set the negative bit on real tensors only through .imag of a
+     * conjugated view, which is strided unless it has at most one element. */
     int fl = st->dtflags[c];
-    if ((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && !contiguous)) {
+    int64_t numel = 1;
+    for (int d = 0; d < l.ndim; d++) numel *= t->shape[t->ndims + d];
+    if ((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && (!contiguous || numel <= 1))) {
         int bit = 0;
         if (fl & MTC_DT_COMPLEX) {
             if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) goto diagnose;
@@ -303,10 +307,13 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
         if (bit) goto diagnose;
     }
     if (l.data == 0) {
-        /* only an empty tensor may have no storage: a meta tensor, say, is diagnosed */
-        int64_t numel = 1;
-        for (int d = 0; d < l.ndim; d++) numel *= t->shape[t->ndims + d];
+        /* only an empty tensor may have no storage: a meta tensor, even an
+         * empty one, is diagnosed (get_device() says -1 for meta too) */
         if (numel) goto diagnose;
+        if (!(v = PyObject_GetAttr(obj, st->s_is_meta))) goto diagnose;
+        int meta = v == Py_True;
+        Py_CLEAR(v);
+        if (meta) goto diagnose;
     }
     t->leaves[t->nleaves] = l;
     return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
@@ -341,7 +348,7 @@ static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj
     l.dev = MTC_DEV_CPU;
     l.data = (uintptr_t)PyArray_DATA(a);
     l.flags = MTC_LEAF_NUMPY;
-    int zerocopy = PyArray_ISWRITEABLE(a) && PyArray_ISALIGNED(a);
+    int zerocopy = PyArray_ISWRITEABLE(a) && PyArray_ISALIGNED(a) && st->np_zerocopy[tn];
     for (int d = 0; d < ndim; d++) {
         t->shape[t->ndims + d] = PyArray_DIM(a, d);
         npy_intp s = PyArray_STRIDE(a, d);

@@ -76,6 +76,19 @@ def _numpy_table() -> dict[int, int]:
     return table
 
 
+def _numpy_zero_copy() -> list[int]:
+    """numpy type numbers that torch.from_numpy accepts (it refuses e.g. ``ulonglong``,
+    although ``ulong`` is the same size): other arrays are copied."""
+    out = []
+    for c in "?bBhHiIlLqQefdFD":
+        try:
+            torch.from_numpy(np.zeros(1, dtype=c))
+        except TypeError:
+            continue
+        out.append(np.dtype(c).num)
+    return out
+
+
 _CUDA_DEVICES: dict[int, torch.device] = {}
 
 
@@ -99,6 +112,7 @@ _engine._setup({
     "device_cpu": torch.device("cpu"),
     "dtypes": [(dt, dt.itemsize, _flags(dt)) for dt in DTYPES],
     "numpy": _numpy_table(),
+    "numpy_zero_copy": _numpy_zero_copy(),
     "classify": _tree.classify,
     "flatten": _tree.flatten,
     "unflatten": _tree.unflatten,

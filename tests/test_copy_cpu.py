@@ -334,9 +334,6 @@ def test_numpy_longlong_and_long_both_int64():
         assert o.data_ptr() == a.ctypes.data
 
 
-@pytest.mark.xfail(reason="numpy 'Q' (numpy.ulonglong) arrays that can be wrapped zero-copy hit "
-                          "torch.from_numpy, which refuses that type: a raw TypeError without the "
-                          "leaf path (the copy path works); _setup maps 'Q' to uint64", strict=True)
 def test_numpy_ulonglong_zero_copy():
     a = np.arange(10, dtype="Q")
     try:

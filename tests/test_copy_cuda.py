@@ -241,3 +241,12 @@ def test_pinned_memory_is_reused_not_grown():
         start_copy(batch, "cuda:0").get()
         torch.cuda.synchronize()  # the slab's fence completed: it must be reused
     assert mtc_loader.stats()["pinned_bytes_held"] == held
+
+
+def test_negated_and_conjugated_views_are_materialised():
+    z = torch.tensor([1 - 3j, 2 + 5j])
+    data = [torch.tensor(1 - 3j).conj().imag, z.conj().imag, z.conj(), z[:1].conj().imag]
+    out = start_copy(data, "cuda:0").get()
+    torch.cuda.synchronize()
+    for i, (o, r) in enumerate(zip(out, data)):
+        assert torch.equal(o.cpu(), r.resolve_conj().resolve_neg()), i
