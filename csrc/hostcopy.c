@@ -121,8 +121,14 @@ static void *_helper_main(void *arg)
             if (!_pool.head) _pool.tail = NULL;
             continue;
         }
+        /* Registered under the lock, while the batch is queued: its owner
+         * unlinks it under the same lock and then waits for `active` to drop
+         * to zero, so the batch (often on the owner's stack) outlives us. */
+        mtc_fetch_add_relaxed(&b->active, 1);
         pthread_mutex_unlock(&_pool.lock);
         _run_tasks(b);
+        /* pairs with the acquire in mtc_batch_wait: our last touch of b */
+        mtc_fetch_sub_acq_rel(&b->active, 1);
         pthread_mutex_lock(&_pool.lock);
     }
     pthread_mutex_unlock(&_pool.lock);
@@ -165,6 +171,7 @@ void mtc_batch_submit(mtc_batch *b, mtc_task_fn fn, void *arg, uint32_t n)
     atomic_init(&b->next, 0);
     atomic_init(&b->done, 0);
     atomic_init(&b->finished, n == 0);
+    atomic_init(&b->active, 0);
     b->qnext = NULL;
     if (!n) return;
     if (!_pool.nthreads) mtc_pool_start(0);
@@ -195,6 +202,9 @@ void mtc_batch_wait(mtc_batch *b)
         if (_pool.tail == b) _pool.tail = prev;
     }
     pthread_mutex_unlock(&_pool.lock);
+    /* Unlinked: no helper can pick b up any more. Wait for those that did to
+     * leave it (they only have the failed fetch_add and the wake-up left). */
+    while (mtc_load_acquire(&b->active)) mtc_cpu_relax(); /* pairs with the release in _helper_main */
 }
 
 void mtc_parallel_for(mtc_task_fn fn, void *arg, uint32_t n)

@@ -40,6 +40,7 @@ typedef struct mtc_batch {
     _Atomic uint32_t next;      /* next task index to take */
     _Atomic uint32_t done;      /* tasks finished */
     _Atomic uint32_t finished;  /* futex word: 1 once done == n */
+    _Atomic uint32_t active;    /* helpers that picked the batch and may still touch it */
     struct mtc_batch *qnext;    /* internal: pool queue link */
 } mtc_batch;
 
