@@ -51,12 +51,12 @@ static int _cu_resolve(void)
     _CU_SYM(cuEventSynchronize, "cuEventSynchronize");
     _CU_SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
     _CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
+    _CU_SYM(cuStreamCreate, "cuStreamCreate");
     _CU_SYM(cuGetErrorName, "cuGetErrorName");
     _CU_SYM(cuGetErrorString, "cuGetErrorString");
     /* optional: only the CUDA 13 form, whose ABI is the one declared */
     *(void **)(&mtc_cu.cuMemcpyBatchAsync) = dlsym(_cu_lib, "cuMemcpyBatchAsync_v2");
-    /* opt-in until its ABI is verified on every driver we ship for */
-    if (!getenv("MTC_BATCH_MEMCPY")) mtc_cu.cuMemcpyBatchAsync = NULL;
+    if (getenv("MTC_NO_BATCH_MEMCPY")) mtc_cu.cuMemcpyBatchAsync = NULL;
     return 0;
 }
 

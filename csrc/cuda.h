@@ -27,6 +27,7 @@ typedef unsigned long long CUdeviceptr;
 #define MTC_CUDA_ERROR_NOT_READY 600
 #define MTC_CUDA_ERROR_OUT_OF_MEMORY 2
 #define MTC_CU_EVENT_DISABLE_TIMING 0x2
+#define MTC_CU_STREAM_NON_BLOCKING 0x1
 #define MTC_CU_MEMHOSTALLOC_PORTABLE 0x1
 #define MTC_CU_MEMHOSTREGISTER_PORTABLE 0x1
 
@@ -70,6 +71,7 @@ typedef struct mtc_cuda_api {
     CUresult (*cuEventSynchronize)(CUevent);
     CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuStreamCreate)(CUstream *, unsigned int);
     CUresult (*cuGetErrorName)(CUresult, const char **);
     CUresult (*cuGetErrorString)(CUresult, const char **);
     /* optional (NULL when the driver lacks it): one call for many copies.

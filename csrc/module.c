@@ -784,7 +784,8 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("chunks_copied", e.chunks); P("pieces", e.pieces); P("ring_full_waits", e.ring_full_waits);
     P("worker_wakeups", e.worker_wakeups); P("ns_stage", e.ns_stage);
     P("ns_dma_issue", e.ns_dma_issue); P("ns_sync", e.ns_sync); P("ns_queue", e.ns_queue);
-    P("transfer_threads", e.threads); P("helper_threads", mtc_pool_size());
+    P("transfer_threads", e.threads); P("batch_memcpy_calls", e.batch_calls);
+    P("batch_memcpy_fallbacks", e.batch_fallbacks); P("helper_threads", mtc_pool_size());
     P("pinned_cap_bytes", mtc_engine_pinned_cap());
     mtc_slab_stats tot;
     memset(&tot, 0, sizeof tot);

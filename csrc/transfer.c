@@ -30,7 +30,7 @@ static struct {
     _Atomic uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
     _Atomic uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
     _Atomic uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    _Atomic uint64_t threads;
+    _Atomic uint64_t threads, batch_calls, batch_fallbacks;
 } _st;
 
 #define _COUNT(field, v) mtc_fetch_add_relaxed(&_st.field, (uint64_t)(v))
@@ -42,6 +42,7 @@ void mtc_engine_get_stats(mtc_engine_stats *o)
     _G(items_copied); _G(bytes_h2d); _G(bytes_d2h); _G(bytes_d2d); _G(bytes_host);
     _G(dma_calls); _G(chunks); _G(pieces); _G(ring_full_waits); _G(worker_wakeups);
     _G(ns_stage); _G(ns_dma_issue); _G(ns_sync); _G(ns_queue); _G(threads);
+    _G(batch_calls); _G(batch_fallbacks);
 #undef _G
 }
 
@@ -229,6 +230,18 @@ typedef struct _run {
 } _run;
 
 static _Thread_local CUevent _tl_ev[MTC_MAX_DEVICES];
+static _Thread_local CUstream _tl_stream[MTC_MAX_DEVICES]; /* internal streams (see _batch_stream) */
+static _Atomic int _batch_broken; /* the driver refused a batched copy: per-item copies from then on */
+
+static int _event_of(int dev, CUevent *out)
+{
+    if (!_tl_ev[dev]) {
+        CUresult res = mtc_cu.cuEventCreate(&_tl_ev[dev], MTC_CU_EVENT_DISABLE_TIMING);
+        if (res) return MTC_CUDA_ERR(res);
+    }
+    *out = _tl_ev[dev];
+    return 0;
+}
 
 static int _use_dev(_run *r, int dev)
 {
@@ -389,57 +402,85 @@ static void _submit_window(_run *r, mtc_slab_pool *pool, _piece *pc, uint32_t np
         for (uint32_t i = a; i < e; i++) _piece_task(pc, i);
 }
 
-static int _op_h2d(_run *r, const mtc_op *op)
+/* Large host -> device copies of consecutive ops (one tensor each) on one
+ * device. With staging, every op is cut into pieces and all pieces of the run
+ * go through one pipeline, so that the helpers stay busy across tensors. */
+static int _ops_h2d(_run *r, const mtc_op *ops, uint32_t nops)
 {
     mtc_job *j = r->job;
-    const mtc_item *it = &j->items[op->first];
-    CUstream s = j->streams[op->dev];
-    int rc = _use_dev(r, op->dev);
-    if (rc) return _fail(r, rc, it->leaf, "selecting the device");
-    _COUNT(items_copied, 1);
-    if (!j->staging || it->nbytes == 0) {
-        if (!it->nbytes) return 0;
-        /* The DMA reads the input itself; if the input happens to be pinned it
-         * runs asynchronously, so get() must wait for it (DESIGN: "no input
-         * will be read any more"). */
-        r->sync_mask |= 1ull << op->dev;
-        return _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf);
+    int dev = ops[0].dev;
+    CUstream s = j->streams[dev];
+    const mtc_item *first = &j->items[ops[0].first];
+    int rc = _use_dev(r, dev);
+    if (rc) return _fail(r, rc, first->leaf, "selecting the device");
+    _COUNT(items_copied, nops);
+    size_t total = 0;
+    for (uint32_t k = 0; k < nops; k++) total += (size_t)j->items[ops[k].first].nbytes;
+    if (!j->staging) {
+        for (uint32_t k = 0; k < nops; k++) {
+            const mtc_item *it = &j->items[ops[k].first];
+            if (!it->nbytes) continue;
+            /* The DMA reads the input itself; if the input happens to be
+             * pinned it runs asynchronously, so get() must wait for it
+             * (DESIGN: "no input will be read any more"). */
+            r->sync_mask |= 1ull << dev;
+            if ((rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf))) return rc;
+        }
+        return 0;
     }
-    mtc_slab_pool *pool = _pool_of(op->dev, &rc);
-    if (!pool) return _fail(r, rc, it->leaf, "creating the pinned pool");
+    if (!total) return 0;
+    mtc_slab_pool *pool = _pool_of(dev, &rc);
+    if (!pool) return _fail(r, rc, first->leaf, "creating the pinned pool");
 
-    size_t piece = MTC_PIECE_BYTES, total = (size_t)it->nbytes;
-    uint32_t np = (uint32_t)((total + piece - 1) / piece);
     uint32_t helpers = (uint32_t)mtc_pool_size();
+    /* Pieces small enough that every helper gets two, large enough that the
+     * per-piece DMA and fence stay cheap: 1 to 4 MiB. */
+    size_t piece = MTC_PIECE_BYTES;
+    while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
+    uint32_t np = 0;
+    for (uint32_t k = 0; k < nops; k++) {
+        size_t n = (size_t)j->items[ops[k].first].nbytes;
+        np += (uint32_t)((n + piece - 1) / piece);
+    }
     uint32_t W = helpers ? 2 * helpers : 1;
     /* Two windows of slabs are held at once: keep them within half the cap,
-     * or the pool's backpressure would wait on slabs only this op releases. */
+     * or the pool's backpressure would wait on slabs only this run releases. */
     size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
     if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
     if (W > np) W = np;
     _piece *pc = calloc(np, sizeof *pc);
-    if (!pc) return _fail(r, -ENOMEM, it->leaf, "planning the staged copy");
-    for (uint32_t i = 0; i < np; i++) {
-        pc[i].src = (const char *)it->src + (size_t)i * piece;
-        pc[i].dst = it->dst + (CUdeviceptr)i * piece;
-        pc[i].n = total - (size_t)i * piece < piece ? total - (size_t)i * piece : piece;
-        mtc_flag_init(&pc[i].done);
+    int32_t *leaf_of = calloc(np, sizeof *leaf_of);
+    if (!pc || !leaf_of) {
+        free(pc);
+        free(leaf_of);
+        return _fail(r, -ENOMEM, first->leaf, "planning the staged copy");
+    }
+    uint32_t i = 0;
+    for (uint32_t k = 0; k < nops; k++) {
+        const mtc_item *it = &j->items[ops[k].first];
+        for (size_t off = 0; off < (size_t)it->nbytes; off += piece, i++) {
+            pc[i].src = (const char *)it->src + off;
+            pc[i].dst = it->dst + (CUdeviceptr)off;
+            pc[i].n = (size_t)it->nbytes - off < piece ? (size_t)it->nbytes - off : piece;
+            mtc_flag_init(&pc[i].done);
+            leaf_of[i] = it->leaf;
+        }
     }
     _COUNT(pieces, np);
     uint32_t nwin = (np + W - 1) / W;
     mtc_batch batch[2];
     int err = 0;
     int64_t t0 = mtc_now_ns();
-    _submit_window(r, pool, pc, np, W, 0, helpers ? &batch[0] : NULL, &err, it->leaf);
+    _submit_window(r, pool, pc, np, W, 0, helpers ? &batch[0] : NULL, &err, first->leaf);
     for (uint32_t w = 0; w < nwin; w++) {
         if (w + 1 < nwin)
-            _submit_window(r, pool, pc, np, W, w + 1, helpers ? &batch[(w + 1) & 1] : NULL, &err, it->leaf);
+            _submit_window(r, pool, pc, np, W, w + 1, helpers ? &batch[(w + 1) & 1] : NULL, &err, first->leaf);
         uint32_t a = w * W, b = a + W < np ? a + W : np;
-        for (uint32_t i = a; i < b; i++) {
+        for (i = a; i < b; i++) {
             if (!pc[i].slab) continue;
             mtc_flag_wait(&pc[i].done, -1);
-            if (!err && (err = _dma_h2d(r, pc[i].dst, pc[i].slab->ptr, pc[i].n, s, it->leaf)) == 0)
-                err = _release_after(r, pool, pc[i].slab, s, it->leaf);
+            if (!err && (err = _dma_h2d(r, pc[i].dst, pc[i].slab->ptr, pc[i].n, s, leaf_of[i])) == 0)
+                err = _release_after(r, pool, pc[i].slab, s, leaf_of[i]);
             else
                 mtc_slab_release(pool, pc[i].slab, 0);
             pc[i].slab = NULL;
@@ -448,7 +489,39 @@ static int _op_h2d(_run *r, const mtc_op *op)
     }
     _COUNT(ns_stage, mtc_now_ns() - t0);
     free(pc);
+    free(leaf_of);
     return err;
+}
+
+/* One cuMemcpyBatchAsync ordered after the work of stream s. The batch API
+ * refuses the legacy default stream (torch's default, handle 0): then the
+ * batch runs on an internal non-blocking stream that waits for s, and s waits
+ * for the batch, so for every later user of s it is as if it ran on s. */
+static int _batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m)
+{
+    mtc_cu_memcpy_attrs at;
+    memset(&at, 0, sizeof at);
+    at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
+    size_t idx0 = 0;
+    CUstream bs = s;
+    CUevent ev = NULL;
+    int rc;
+    if (!s) {
+        if (!_tl_stream[dev] && (rc = _cu(mtc_cu.cuStreamCreate(&_tl_stream[dev], MTC_CU_STREAM_NON_BLOCKING))))
+            return rc;
+        bs = _tl_stream[dev];
+        if ((rc = _event_of(dev, &ev)) || (rc = _cu(mtc_cu.cuEventRecord(ev, s))) ||
+            (rc = _cu(mtc_cu.cuStreamWaitEvent(bs, ev, 0))))
+            return rc;
+    }
+    rc = _cu(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, bs));
+    _COUNT(dma_calls, 1);
+    _COUNT(batch_calls, 1);
+    if (!rc && bs != s) {
+        /* cuStreamWaitEvent took the earlier record: the event can be re-recorded */
+        if (!(rc = _cu(mtc_cu.cuEventRecord(ev, bs)))) rc = _cu(mtc_cu.cuStreamWaitEvent(s, ev, 0));
+    }
+    return rc;
 }
 
 /* Device -> host: one batched driver call per source device when the driver
@@ -463,7 +536,7 @@ static int _op_d2h(_run *r, const mtc_op *op)
     _COUNT(items_copied, n);
     int64_t t0 = mtc_now_ns();
     int rc = 0;
-    if (mtc_cu.cuMemcpyBatchAsync && n > 1) {
+    if (mtc_cu.cuMemcpyBatchAsync && n > 1 && !mtc_load_relaxed(&_batch_broken)) {
         CUdeviceptr *dst = malloc(n * sizeof *dst), *src = malloc(n * sizeof *src);
         size_t *sz = malloc(n * sizeof *sz);
         if (!dst || !src || !sz) rc = _fail(r, -ENOMEM, items[0].leaf, "planning the device-to-host copies");
@@ -480,12 +553,17 @@ static int _op_d2h(_run *r, const mtc_op *op)
                 _COUNT(bytes_d2h, items[b].nbytes);
             }
             if (m && !(rc = _use_dev(r, dev))) {
-                mtc_cu_memcpy_attrs at;
-                memset(&at, 0, sizeof at);
-                at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
-                size_t idx0 = 0;
-                rc = _cu(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, j->streams[dev]));
-                _COUNT(dma_calls, 1);
+                rc = _batch_copy(j->streams[dev], dev, dst, src, sz, m);
+                if (rc == MTC_CUDA_ERR(1) && !mtc_load_relaxed(&_batch_broken)) {
+                    /* CUDA_ERROR_INVALID_VALUE from a driver that takes the
+                     * symbol but not this use: per-item copies from now on,
+                     * counted in stats()["batch_fallbacks"] */
+                    mtc_store_relaxed(&_batch_broken, 1);
+                    _COUNT(batch_fallbacks, 1);
+                    rc = 0;
+                    for (uint32_t q = 0; q < m && !rc; q++)
+                        rc = _cu(mtc_cu.cuMemcpyDtoHAsync((void *)dst[q], src[q], sz[q], j->streams[dev]));
+                }
                 r->sync_mask |= 1ull << dev;
             }
             if (rc) _fail(r, rc, items[a].leaf, "device-to-host copy");
@@ -593,7 +671,14 @@ void mtc_job_run(mtc_job *j)
         switch (op->kind) {
         case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
         case MTC_OP_H2D_CHUNK: _op_h2d_chunk(&r, op); break;
-        case MTC_OP_H2D: _op_h2d(&r, op); break;
+        case MTC_OP_H2D: {
+            /* a run of large copies to one device shares one staging pipeline */
+            uint32_t e = i + 1;
+            while (e < j->nops && j->ops[e].kind == MTC_OP_H2D && j->ops[e].dev == op->dev) e++;
+            _ops_h2d(&r, op, e - i);
+            i = e - 1;
+            break;
+        }
         case MTC_OP_D2H_CHUNK:
         case MTC_OP_D2H: _op_d2h(&r, op); break;
         case MTC_OP_D2D: _op_d2d(&r, op); break;

@@ -99,7 +99,7 @@ typedef struct mtc_engine_stats {
     uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
     uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
     uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    uint64_t threads;
+    uint64_t threads, batch_calls, batch_fallbacks;
 } mtc_engine_stats;
 
 void mtc_engine_get_stats(mtc_engine_stats *out);

@@ -250,3 +250,21 @@ def test_negated_and_conjugated_views_are_materialised():
     torch.cuda.synchronize()
     for i, (o, r) in enumerate(zip(out, data)):
         assert torch.equal(o.cpu(), r.resolve_conj().resolve_neg()), i
+
+
+@pytest.mark.parametrize("on_side_stream", [False, True])
+def test_d2h_uses_one_batched_copy_and_keeps_stream_order(on_side_stream):
+    """Many small GPU tensors to the CPU: one batched driver call (on the legacy default
+    stream through an internal stream ordered by events), after the producing kernels."""
+    s = torch.cuda.Stream() if on_side_stream else torch.cuda.default_stream()
+    with torch.cuda.stream(s):
+        xs = [torch.zeros(n, device="cuda:0") for n in range(1, 200)]
+        torch.cuda._sleep(int(2e8))
+        for x in xs:
+            x.add_(3)
+        before = mtc_loader.stats()
+        out = start_copy(xs, "cpu").get()
+    after = mtc_loader.stats()
+    assert all(torch.all(o == 3) for o in out)
+    assert after["batch_memcpy_fallbacks"] == 0
+    assert after["batch_memcpy_calls"] > before["batch_memcpy_calls"]
