@@ -52,6 +52,7 @@ static int _cu_resolve(void)
     _CU_SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
     _CU_SYM(cuStreamSynchronize, "cuStreamSynchronize");
     _CU_SYM(cuStreamCreate, "cuStreamCreate");
+    _CU_SYM(cuLaunchHostFunc, "cuLaunchHostFunc");
     _CU_SYM(cuGetErrorName, "cuGetErrorName");
     _CU_SYM(cuGetErrorString, "cuGetErrorString");
     /* optional: only the CUDA 13 form, whose ABI is the one declared */

@@ -72,6 +72,7 @@ typedef struct mtc_cuda_api {
     CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamCreate)(CUstream *, unsigned int);
+    CUresult (*cuLaunchHostFunc)(CUstream, void (*)(void *), void *);
     CUresult (*cuGetErrorName)(CUresult, const char **);
     CUresult (*cuGetErrorString)(CUresult, const char **);
     /* optional (NULL when the driver lacks it): one call for many copies.

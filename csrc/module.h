@@ -43,6 +43,8 @@ typedef struct mtc_state {
     PyObject *unflatten;         /* (context, values list) -> obj */
     PyObject *diagnose;          /* (leaf, path, target) -> raises */
     PyObject *cuda_device;       /* index -> torch.device("cuda:index") */
+    PyObject *leaf_slot;         /* mtc_loader.collate.LEAF: a leaf's place in a packed skeleton */
+    PyTypeObject *arena_type;
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
 
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */

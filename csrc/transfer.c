@@ -634,6 +634,27 @@ static void _op_host_copy(_run *r, const mtc_op *op)
     _COUNT(ns_stage, mtc_now_ns() - t0);
 }
 
+/* DMA straight from page-locked memory the caller owns (an arena region);
+ * op->after runs on a driver thread once the DMA completed, and frees it. */
+static int _op_h2d_region(_run *r, const mtc_op *op)
+{
+    mtc_job *j = r->job;
+    const mtc_item *it = &j->items[op->first];
+    CUstream s = j->streams[op->dev];
+    int rc = _use_dev(r, op->dev);
+    if (!rc && it->nbytes) rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf);
+    else if (rc) _fail(r, rc, it->leaf, "selecting the device");
+    _COUNT(items_copied, 1);
+    if (!rc && op->after) rc = _cu(mtc_cu.cuLaunchHostFunc(s, op->after, op->after_arg));
+    if (rc && op->after) {
+        /* not queued: once the stream drained nothing reads the region */
+        mtc_cu.cuStreamSynchronize(s);
+        op->after(op->after_arg);
+        _fail(r, rc, it->leaf, "queueing the release of an arena region");
+    }
+    return rc;
+}
+
 /* Waits for the streams that carry reads of inputs or writes of CPU outputs. */
 static void _sync_streams(_run *r)
 {
@@ -666,7 +687,14 @@ void mtc_job_run(mtc_job *j)
         if (rc) _fail(&r, rc, -1, "loading the CUDA driver");
         else mtc_cu.cuCtxGetCurrent(&saved);
     }
-    for (uint32_t i = 0; i < j->nops && !j->err; i++) {
+    for (uint32_t i = 0; i < j->nops; i++) {
+        if (j->err) { /* skipped after an error: still release what an op owns */
+            if (j->ops[i].kind == MTC_OP_H2D_REGION && j->ops[i].after) {
+                if (r.sync_mask) _sync_streams(&r);
+                j->ops[i].after(j->ops[i].after_arg);
+            }
+            continue;
+        }
         const mtc_op *op = &j->ops[i];
         switch (op->kind) {
         case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
@@ -682,6 +710,7 @@ void mtc_job_run(mtc_job *j)
         case MTC_OP_D2H_CHUNK:
         case MTC_OP_D2H: _op_d2h(&r, op); break;
         case MTC_OP_D2D: _op_d2d(&r, op); break;
+        case MTC_OP_H2D_REGION: _op_h2d_region(&r, op); break;
         default: _fail(&r, -EINVAL, -1, "running an unknown operation");
         }
     }

@@ -32,6 +32,8 @@ enum {
     MTC_OP_D2H_CHUNK,     /* items (device) -> host chunk at their dst offsets */
     MTC_OP_D2H,           /* one item, device -> host */
     MTC_OP_D2D,           /* one item, device -> another device */
+    MTC_OP_H2D_REGION,    /* one item from page-locked (registered) memory, DMA'd as is;
+                             `after(after_arg)` runs once the DMA completed */
 };
 
 typedef struct mtc_item {
@@ -52,6 +54,8 @@ typedef struct mtc_op {
     uintptr_t dst;          /* chunk ops: base of the chunk (device or host) */
     int64_t nbytes;         /* chunk ops: payload bytes */
     uint32_t first, count;  /* items[first .. first+count) */
+    void (*after)(void *);  /* MTC_OP_H2D_REGION: called once the DMA completed (any thread) */
+    void *after_arg;
 } mtc_op;
 
 enum { MTC_JOB_PENDING = 0, MTC_JOB_DONE = 1, MTC_JOB_FAILED = 2 };

@@ -427,6 +427,12 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
     PyTypeObject *tp = Py_TYPE(obj);
     int kind;
     uint8_t nkind;
+    if (t->slots && obj == st->leaf_slot) {
+        int32_t n = _add_node(t, MTC_NODE_LEAF, parent, pos);
+        if (n < 0) return -1;
+        t->nodes[n].leaf = (int32_t)t->nslots++;
+        return 0;
+    }
     if ((PyObject *)tp == st->tensor_type) kind = MTC_KIND_TENSOR;
     else if (tp == &PyArray_Type) kind = MTC_KIND_NDARRAY;
     else if (tp == &PyList_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_LIST; goto container; }

@@ -51,6 +51,9 @@ typedef struct mtc_tree {
     int64_t *strides;    /* byte strides of all leaves */
     uint32_t ndims, cap_dims;
     int any_cuda;        /* a leaf lives on a CUDA device */
+    int slots;           /* skeleton mode: the placeholder st->leaf_slot marks leaves (numbered
+                            in order in nslots), tensors are not expected */
+    uint32_t nslots;
     uint64_t cuda_mask;  /* bit d: a leaf lives on cuda:d (d < 64) */
 } mtc_tree;
 

@@ -3,6 +3,8 @@
 Three ways in, one C engine:
 
 - :func:`start_copy` / :class:`AsyncCopyHandle`: copy a nested structure to a device.
+- :class:`PackedCollate`: a DataLoader ``collate_fn`` that packs each batch into a shared arena.
+- :class:`PrefetchLoader`: keeps the next batches in flight to the device.
 - :func:`stats`, :func:`configure`, :func:`trim`: the engine's counters and settings.
 """
 from __future__ import annotations
@@ -13,9 +15,12 @@ from typing import Optional
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
 
 from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
+from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
+from .prefetch import PrefetchLoader
 
-__all__ = ["AsyncCopyHandle", "start_copy", "stats", "configure", "trim"]
+__all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
+           "stats", "configure", "trim"]
 __version__ = "0.1.0"
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from . import _engine, _tree
+from .collate import LEAF
 
 # Flags understood by the engine (csrc/module.h).
 _DT_FLOAT, _DT_COMPLEX = 0x1, 0x2
@@ -118,6 +119,7 @@ _engine._setup({
     "unflatten": _tree.unflatten,
     "diagnose": _tree.diagnose,
     "cuda_device": _cuda_device,
+    "leaf_slot": LEAF,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
     **{f"d_{n}": torch.Tensor.__dict__.get(n) or getattr(torch._C.TensorBase, "__dict__")[n]
        for n in ("dtype", "shape", "is_cuda")},

@@ -180,6 +180,9 @@ def start_copy(
         >>> start_copy(data, "cpu").get()
         [tensor([1, 2, 3]), tensor([4, 5, 6])]
     """
+    from .collate import PackedBatch
+    if isinstance(data, PackedBatch):
+        return data.start_copy(device, use_background_thread=use_background_thread)
     target = _target_index(device)
     align = _positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
     max_chunk = _positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)

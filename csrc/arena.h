@@ -1,0 +1,105 @@
+/*
+ * arena.h - the shared pinned arena of the DataLoader path.
+ *
+ * One memfd mapping, created by the main process (anonymous: no name in
+ * /dev/shm, close-on-exec, sealed against growing and shrinking), mapped by
+ * DataLoader workers that were handed its descriptor. Workers allocate
+ * regions from a lock-free allocator in the arena's header, write a packed
+ * batch into one, and send a small descriptor; the main process DMAs the
+ * region to the GPU and frees it once the DMA that read it has completed.
+ *
+ * Allocator: the data area is cut into fixed slots; a region is a run of
+ * consecutive slots. Each slot has a 64-bit state word in the header:
+ *   0                      free
+ *   HEAD | len<<32 | pid   first slot of a run of `len` slots owned by `pid`
+ *   pid                    a continuation slot owned by `pid`
+ * A run is claimed by CAS from its last slot to its head (a scanner that sees
+ * any claimed slot skips it), freed by storing 0 from head to tail. Any
+ * number of processes may allocate and free at once. A waiter for space
+ * sleeps on a process-shared futex word that every free bumps.
+ *
+ * The header lives in memory every process of the arena can write: the main
+ * process treats everything in it (and every descriptor) as untrusted, and
+ * checks before it uses an offset. No Python here; functions return 0 or a
+ * negative errno. Names starting with `_` are internal to arena.c.
+ */
+#ifndef MTC_ARENA_H
+#define MTC_ARENA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "atomics.h"
+
+#define MTC_ARENA_MAGIC 0x616e657241637466ull /* "ftcArena" little-endian */
+#define MTC_ARENA_VERSION 1u
+#define MTC_ARENA_SLOT_BYTES ((uint64_t)64 * 1024)
+#define MTC_ARENA_HEAD (1ull << 63)
+
+typedef struct mtc_arena_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t creator_pid;
+    uint64_t arena_bytes;   /* the whole mapping */
+    uint64_t data_offset;   /* first slot; a multiple of the page size */
+    uint64_t slot_bytes;
+    uint32_t nslots;
+    uint32_t pad0;
+    MTC_ALIGNED_CL _Atomic uint32_t free_seq; /* futex word: bumped by every free */
+    _Atomic uint32_t hint;                    /* where the next scan starts */
+    MTC_ALIGNED_CL _Atomic uint64_t allocs, frees, waits, timeouts, reclaims, slots_in_use, high_water;
+    MTC_ALIGNED_CL _Atomic uint64_t slots[];  /* nslots state words */
+} mtc_arena_header;
+
+typedef struct mtc_arena {
+    int fd;
+    uint8_t *base;
+    size_t bytes;
+    mtc_arena_header *hdr;
+    uint32_t nslots;        /* private copies of the header's geometry, checked at attach */
+    uint64_t data_offset;
+    uint64_t slot_bytes;
+    int registered;         /* page-locked with CUDA in this process */
+    _Atomic int32_t refs;
+} mtc_arena;
+
+typedef struct mtc_arena_stats {
+    uint64_t bytes, slot_bytes, nslots, allocs, frees, waits, timeouts, reclaims, slots_in_use,
+        high_water;
+} mtc_arena_stats;
+
+/* Creates an arena of at least `bytes` of data (rounded up to slots).
+ * 0 and *out (refs = 1), or -errno. */
+int mtc_arena_create(size_t bytes, mtc_arena **out);
+/* Maps the arena behind fd (dup'ed: the caller keeps its fd). Checks the
+ * header against the file's size. 0, -EINVAL (not an arena), -errno. */
+int mtc_arena_attach(int fd, mtc_arena **out);
+void mtc_arena_ref(mtc_arena *a);
+/* Drops a reference; unmaps and closes at zero. Unregistering from CUDA is
+ * the caller's business (before the last unref). */
+void mtc_arena_unref(mtc_arena *a);
+
+/* Try-path: claims a region of at least nbytes for `owner`. 0 and *off (from
+ * the arena's base), -ENOSPC when no run is free now, -E2BIG when nbytes can
+ * never fit, -EINVAL. */
+int mtc_arena_try_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, uint64_t *off);
+/* Waiting path: waits up to timeout_ns (<0 forever) for frees. -ETIMEDOUT. */
+int mtc_arena_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, int64_t timeout_ns, uint64_t *off);
+/* Checks that [off, off+nbytes) is exactly inside one region headed at off
+ * and owned by `owner`: 0, or -EINVAL. */
+int mtc_arena_check(mtc_arena *a, uint64_t off, uint64_t nbytes, uint32_t owner);
+/* Moves a region from owner `from` to `to` (the main process takes over a
+ * region a worker handed it). 0, or -EINVAL when it is not from's region. */
+int mtc_arena_retag(mtc_arena *a, uint64_t off, uint32_t from, uint32_t to);
+/* Frees the region headed at off if `owner` owns it. 0 or -EINVAL. */
+int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner);
+/* Frees every slot owned by a process that no longer exists (a worker that
+ * died); returns the number of slots freed. `keep` is never reclaimed. */
+uint64_t mtc_arena_reclaim_dead(mtc_arena *a, uint32_t keep);
+/* Frees every slot owned by `owner`; returns slots freed. */
+uint64_t mtc_arena_reclaim_owner(mtc_arena *a, uint32_t owner);
+void mtc_arena_get_stats(mtc_arena *a, mtc_arena_stats *out);
+/* Invariant checker (tests; quiescent arena): 1 valid, 0 broken. */
+int mtc_arena_valid(mtc_arena *a);
+
+#endif /* MTC_ARENA_H */

@@ -1,0 +1,253 @@
+/*
+ * layout.c - encode and (defensively) decode packed-batch layouts (layout.h).
+ */
+#include "layout.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct _rd { const uint8_t *p, *end; int bad; } _rd;
+
+static uint64_t _get(_rd *r, int n)
+{
+    if (r->bad || (size_t)(r->end - r->p) < (size_t)n) {
+        r->bad = 1;
+        return 0;
+    }
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v |= (uint64_t)r->p[i] << (8 * i);
+    r->p += n;
+    return v;
+}
+
+typedef struct _wr { uint8_t *p, *end; int bad; } _wr;
+
+static void _put(_wr *w, uint64_t v, int n)
+{
+    if (w->bad || (size_t)(w->end - w->p) < (size_t)n) {
+        w->bad = 1;
+        return;
+    }
+    for (int i = 0; i < n; i++) w->p[i] = (uint8_t)(v >> (8 * i));
+    w->p += n;
+}
+
+size_t mtc_layout_size(const mtc_leaf *leaves, uint32_t n, const mtc_plan *p)
+{
+    size_t s = 4 + 2 + 2 + 4 + 4 + 8 + 8;
+    for (uint32_t i = 0; i < n; i++) s += 4 + 8 * (size_t)leaves[i].ndim;
+    for (uint32_t g = 0; g < p->nsegs; g++) s += 1 + 3 + 4 + 4 * 8 + (size_t)p->segs[g].count * 12;
+    return s;
+}
+
+int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, const mtc_plan *p,
+                      uint8_t *buf, size_t len)
+{
+    if (n && p->nchunks != 1) return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (leaves[i].action != MTC_ACT_PACK) return -EINVAL;
+    _wr w = {buf, buf + len, 0};
+    _put(&w, MTC_LAYOUT_MAGIC, 4);
+    _put(&w, MTC_LAYOUT_VERSION, 2);
+    _put(&w, 0, 2);
+    _put(&w, n, 4);
+    _put(&w, p->nsegs, 4);
+    _put(&w, n ? (uint64_t)p->chunks[0].payload : 0, 8);
+    _put(&w, n ? (uint64_t)p->chunks[0].align : 1, 8);
+    for (uint32_t i = 0; i < n; i++) {
+        _put(&w, leaves[i].dtype, 2);
+        _put(&w, (uint64_t)leaves[i].ndim, 2);
+        for (int32_t d = 0; d < leaves[i].ndim; d++) _put(&w, (uint64_t)shape[leaves[i].dims + d], 8);
+    }
+    for (uint32_t g = 0; g < p->nsegs; g++) {
+        const mtc_seg *s = &p->segs[g];
+        _put(&w, (uint64_t)s->kind, 1);
+        _put(&w, 0, 3);
+        _put(&w, s->count, 4);
+        _put(&w, (uint64_t)s->offset, 8);
+        _put(&w, (uint64_t)s->bytes, 8);
+        _put(&w, (uint64_t)s->rows, 8);
+        _put(&w, (uint64_t)s->row_bytes, 8);
+        for (uint32_t k = 0; k < s->count; k++) {
+            uint32_t li = p->members[s->first + k];
+            _put(&w, li, 4);
+            _put(&w, (uint64_t)leaves[li].slot, 8);
+        }
+    }
+    return w.bad ? -ENOSPC : 0;
+}
+
+void mtc_layout_free(mtc_layout *l)
+{
+    free(l->leaves);
+    free(l->shape);
+    free(l->strides);
+    mtc_plan_free(&l->plan);
+    memset(l, 0, sizeof *l);
+}
+
+/* a * b into *out unless it overflows int64 (both non-negative) */
+static int _mul(int64_t a, int64_t b, int64_t *out)
+{
+    if (a && b > INT64_MAX / a) return -1;
+    *out = a * b;
+    return 0;
+}
+
+static int64_t _gcd(int64_t a, int64_t b)
+{
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndtypes,
+                      uint64_t region_bytes, mtc_layout *out)
+{
+    memset(out, 0, sizeof *out);
+    _rd r = {buf, buf + len, 0};
+    if (_get(&r, 4) != MTC_LAYOUT_MAGIC || _get(&r, 2) != MTC_LAYOUT_VERSION) return -EINVAL;
+    _get(&r, 2);
+    uint32_t n = (uint32_t)_get(&r, 4), nsegs = (uint32_t)_get(&r, 4);
+    int64_t payload = (int64_t)_get(&r, 8), align = (int64_t)_get(&r, 8);
+    /* every leaf takes >= 4 bytes and every segment >= 40: bound the counts by
+     * the buffer before allocating anything */
+    if (r.bad || n > MTC_LAYOUT_MAX_LEAVES || (size_t)n * 4 > len || (size_t)nsegs * 40 > len ||
+        nsegs > n || payload < 0 || align < 1 || align > MTC_LAYOUT_MAX_ALIGN || (align & (align - 1)) ||
+        (uint64_t)payload > region_bytes || (uint64_t)payload + (uint64_t)align - 1 > region_bytes)
+        return -EINVAL;
+    int rc = -ENOMEM;
+    mtc_layout *L = out;
+    L->nleaves = n;
+    L->leaves = calloc(n ? n : 1, sizeof *L->leaves);
+    uint32_t cap_dims = 16;
+    L->shape = malloc(cap_dims * sizeof *L->shape);
+    L->strides = malloc(cap_dims * sizeof *L->strides);
+    mtc_plan *p = &L->plan;
+    p->segs = calloc(nsegs ? nsegs : 1, sizeof *p->segs);
+    p->members = calloc(n ? n : 1, sizeof *p->members);
+    p->chunks = calloc(1, sizeof *p->chunks);
+    if (!L->leaves || !L->shape || !L->strides || !p->segs || !p->members || !p->chunks) goto fail;
+    rc = -EINVAL;
+    p->nchunks = n ? 1 : 0;
+    p->chunks[0].payload = payload;
+    p->chunks[0].align = align;
+
+    for (uint32_t i = 0; i < n; i++) {
+        mtc_leaf *l = &L->leaves[i];
+        uint64_t dt = _get(&r, 2), nd = _get(&r, 2);
+        if (r.bad || dt >= (uint64_t)ndtypes || nd > MTC_MAX_NDIM || elsize[dt] < 1) goto fail;
+        if (L->ndims + nd > cap_dims) {
+            while (L->ndims + nd > cap_dims) cap_dims *= 2;
+            int64_t *s = realloc(L->shape, cap_dims * sizeof *s);
+            if (!s) { rc = -ENOMEM; goto fail; }
+            L->shape = s;
+            int64_t *t = realloc(L->strides, cap_dims * sizeof *t);
+            if (!t) { rc = -ENOMEM; goto fail; }
+            L->strides = t;
+        }
+        l->dtype = (uint16_t)dt;
+        l->elsize = (uint16_t)elsize[dt];
+        l->ndim = (int32_t)nd;
+        l->dims = L->ndims;
+        l->dev = MTC_DEV_CPU;
+        l->flags = MTC_LEAF_CONTIGUOUS;
+        l->action = MTC_ACT_PACK;
+        l->seg = -1;
+        int64_t numel = 1;
+        for (uint64_t d = 0; d < nd; d++) {
+            int64_t v = (int64_t)_get(&r, 8);
+            if (r.bad || v < 0 || _mul(numel, v, &numel)) goto fail;
+            L->shape[L->ndims + d] = v;
+        }
+        if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) goto fail;
+        int64_t acc = l->elsize;
+        for (uint64_t d = nd; d-- > 0;) {
+            L->strides[L->ndims + d] = acc;
+            int64_t v = L->shape[L->ndims + d];
+            if (_mul(acc, v > 1 ? v : 1, &acc)) goto fail;
+        }
+        L->ndims += (uint32_t)nd;
+    }
+
+    int64_t prev_end = 0;
+    for (uint32_t g = 0; g < nsegs; g++) {
+        mtc_seg *s = &p->segs[g];
+        uint64_t kind = _get(&r, 1);
+        _get(&r, 3);
+        uint64_t count = _get(&r, 4);
+        s->offset = (int64_t)_get(&r, 8);
+        s->bytes = (int64_t)_get(&r, 8);
+        s->rows = (int64_t)_get(&r, 8);
+        s->row_bytes = (int64_t)_get(&r, 8);
+        if (r.bad || (kind != MTC_SEG_SPLIT && kind != MTC_SEG_UNIFORM) || count == 0 ||
+            count > (uint64_t)(n - p->nmembers) || s->offset < prev_end || s->bytes < 0 ||
+            s->offset > payload || s->bytes > payload - s->offset || s->rows < 0 || s->row_bytes < 0)
+            goto fail;
+        /* segments in increasing offsets: they cannot overlap */
+        prev_end = s->offset + s->bytes;
+        s->kind = (int32_t)kind;
+        s->chunk = 0;
+        s->first = p->nmembers;
+        s->count = (uint32_t)count;
+        int64_t cursor = 0; /* SPLIT: next free row; UNIFORM: next member index */
+        for (uint64_t k = 0; k < count; k++) {
+            uint64_t li = _get(&r, 4);
+            int64_t slot = (int64_t)_get(&r, 8);
+            if (r.bad || li >= n || L->leaves[li].seg != -1 || slot < 0) goto fail;
+            mtc_leaf *l = &L->leaves[li];
+            if (k == 0) s->proto = (uint32_t)li;
+            const mtc_leaf *pr = &L->leaves[s->proto];
+            /* one dtype, ndim and trailing shape per segment */
+            if (l->dtype != pr->dtype || l->ndim != pr->ndim) goto fail;
+            for (int32_t d = 1; d < l->ndim; d++)
+                if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
+            int64_t a = align / _gcd(align, l->elsize) * l->elsize; /* lcm(align, elsize) */
+            if (a > align || s->offset % a) goto fail; /* the chunk base is aligned to `align` only */
+            int64_t off, end;
+            if (s->kind == MTC_SEG_UNIFORM) {
+                if (slot != cursor) goto fail;
+                for (int32_t d = 0; d < l->ndim; d++)
+                    if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
+                if (s->row_bytes % l->elsize || (s->count > 1 && s->row_bytes < l->nbytes)) goto fail;
+                if (_mul(slot, s->row_bytes, &off)) goto fail;
+                cursor = slot + 1;
+            } else {
+                if (l->ndim < 1) goto fail;
+                int64_t rb = l->elsize;
+                for (int32_t d = 1; d < l->ndim; d++)
+                    if (_mul(rb, L->shape[l->dims + d], &rb)) goto fail;
+                if (rb != s->row_bytes || slot < cursor) goto fail;
+                if (_mul(slot, rb, &off)) goto fail;
+                cursor = slot + L->shape[l->dims];
+                if (cursor > s->rows) goto fail;
+            }
+            if (off > s->bytes || l->nbytes > s->bytes - off || (s->offset + off) % a) goto fail;
+            end = s->offset + off + l->nbytes;
+            (void)end;
+            l->seg = (int32_t)g;
+            l->slot = slot;
+            p->members[p->nmembers++] = (uint32_t)li;
+        }
+        if (s->bytes % L->leaves[s->proto].elsize) goto fail; /* viewed as the dtype */
+        if (s->kind == MTC_SEG_UNIFORM) {
+            if (cursor != s->count) goto fail;
+            int64_t span;
+            if (_mul(s->count - 1, s->row_bytes, &span) || span > s->bytes) goto fail;
+        } else {
+            int64_t span;
+            if (_mul(s->rows, s->row_bytes, &span) || span != s->bytes) goto fail;
+        }
+        p->nsegs++;
+    }
+    if (p->nmembers != n || r.p != r.end) goto fail; /* every leaf placed, nothing trailing */
+    p->count[MTC_ACT_PACK] = n;
+    return 0;
+fail:
+    mtc_layout_free(L);
+    return rc;
+}
