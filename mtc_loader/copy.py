@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from . import _engine
+from .collate import PackedBatch
 
 __all__ = ["AsyncCopyHandle", "start_copy"]
 
@@ -180,7 +181,6 @@ def start_copy(
         >>> start_copy(data, "cpu").get()
         [tensor([1, 2, 3]), tensor([4, 5, 6])]
     """
-    from .collate import PackedBatch
     if isinstance(data, PackedBatch):
         return data.start_copy(device, use_background_thread=use_background_thread)
     target = _target_index(device)
