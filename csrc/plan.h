@@ -3,8 +3,8 @@
  * and lays packed leaves out in chunks.
  *
  * Pure C, no Python, no locks: the binding layer fills an array of mtc_leaf
- * (metadata read during traversal), calls mtc_plan_build() with the GIL
- * released, then creates outputs and copy operations from the result.
+ * (metadata read during traversal), calls mtc_plan_build() (microseconds:
+ * it keeps the GIL), then creates outputs and copy operations from the result.
  *
  * Packed layout. Packed leaves are grouped by (dtype, ndim, trailing dims), so
  * that the outputs of a group can be created with one torch call on a view of
