@@ -145,7 +145,8 @@ static void _note_use(mtc_arena *a, int64_t delta)
 int mtc_arena_try_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, uint64_t *off)
 {
     if (!owner || owner > INT32_MAX) return -EINVAL;
-    uint64_t k64 = nbytes ? (nbytes + a->slot_bytes - 1) / a->slot_bytes : 1;
+    /* slots needed, rounded up without overflowing for nbytes near 2^64 */
+    uint64_t k64 = nbytes ? nbytes / a->slot_bytes + (nbytes % a->slot_bytes != 0) : 1;
     if (k64 > a->nslots) return -E2BIG;
     uint32_t k = (uint32_t)k64, n = a->nslots;
     _Atomic uint64_t *sl = a->hdr->slots;
@@ -264,9 +265,11 @@ int mtc_arena_retag(mtc_arena *a, uint64_t off, uint32_t from, uint32_t to)
 
 static void _free_run(mtc_arena *a, uint32_t i, uint32_t len)
 {
+    /* count first: a claimer that takes the slots right after the stores
+     * below must not see the count still including them (high water) */
+    _note_use(a, -(int64_t)len);
     for (uint32_t q = len; q-- > 0;) mtc_store_release(&a->hdr->slots[i + q], 0); /* pairs with claim CAS */
     mtc_fetch_add_relaxed(&a->hdr->frees, 1);
-    _note_use(a, -(int64_t)len);
     _wake(a);
 }
 
@@ -282,18 +285,49 @@ int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner)
     return 0;
 }
 
+static int _reclaimable(uint32_t pid, uint32_t keep, uint32_t only)
+{
+    if (!pid || pid == keep) return 0;
+    if (only) return pid == only;
+    return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
+/*
+ * Frees the runs of owners that `_reclaimable` selects. It walks runs, not
+ * slots: a run is taken by a CAS of its head (so a concurrent retag of the
+ * same head either wins, and the run is skipped, or loses and fails), then its
+ * continuations are cleared. A live head's run is stepped over whole, so a
+ * retag moving its continuations one by one is never disturbed. Continuations
+ * outside any run are the claims of a process that died mid-claim.
+ */
 static uint64_t _reclaim(mtc_arena *a, uint32_t keep, uint32_t only)
 {
     uint64_t freed = 0;
-    for (uint32_t i = 0; i < a->nslots; i++) {
-        uint64_t s = mtc_load_acquire(&a->hdr->slots[i]);
-        uint32_t pid = _PID(s);
-        if (!s || pid == keep) continue;
-        if (only ? pid != only : !(kill((pid_t)pid, 0) != 0 && errno == ESRCH)) continue;
-        if (atomic_compare_exchange_strong(&a->hdr->slots[i], &s, 0)) {
-            freed++;
-            _note_use(a, -1);
+    _Atomic uint64_t *sl = a->hdr->slots;
+    for (uint32_t i = 0; i < a->nslots;) {
+        uint64_t s = mtc_load_acquire(&sl[i]); /* pairs with the claimer's CAS */
+        if (!s) {
+            i++;
+            continue;
         }
+        if (_IS_HEAD(s)) {
+            uint32_t len = _LEN(s);
+            if (!len || len > a->nslots - i) len = 1; /* corrupt: treat as one slot */
+            if (_reclaimable(_PID(s), keep, only) && atomic_compare_exchange_strong(&sl[i], &s, 0)) {
+                uint64_t n = 1;
+                for (uint32_t q = 1; q < len; q++) {
+                    uint64_t c = _PID(s);
+                    if (atomic_compare_exchange_strong(&sl[i + q], &c, 0)) n++;
+                }
+                _note_use(a, -(int64_t)n);
+                freed += n;
+            }
+            i += len;
+            continue;
+        }
+        /* an orphan continuation (its claimer died before claiming the head) */
+        if (_reclaimable(_PID(s), keep, only) && atomic_compare_exchange_strong(&sl[i], &s, 0)) freed++;
+        i++;
     }
     if (freed) {
         mtc_fetch_add_relaxed(&a->hdr->reclaims, freed);

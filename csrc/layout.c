@@ -95,16 +95,6 @@ static int _mul(int64_t a, int64_t b, int64_t *out)
     return 0;
 }
 
-static int64_t _gcd(int64_t a, int64_t b)
-{
-    while (b) {
-        int64_t t = a % b;
-        a = b;
-        b = t;
-    }
-    return a;
-}
-
 int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndtypes,
                       uint64_t region_bytes, mtc_layout *out)
 {
@@ -165,11 +155,17 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
             L->shape[L->ndims + d] = v;
         }
         if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) goto fail;
+        /* Byte strides fit when the leaf has bytes (they are at most nbytes);
+         * a zero-size leaf may have dims whose strides do not (torch.empty(0,
+         * 2**60, 4) is a tensor): saturated, they address nothing. */
         int64_t acc = l->elsize;
         for (uint64_t d = nd; d-- > 0;) {
             L->strides[L->ndims + d] = acc;
             int64_t v = L->shape[L->ndims + d];
-            if (_mul(acc, v > 1 ? v : 1, &acc)) goto fail;
+            if (d && _mul(acc, v > 1 ? v : 1, &acc)) {
+                if (numel) goto fail;
+                acc = INT64_MAX;
+            }
         }
         L->ndims += (uint32_t)nd;
     }
@@ -206,14 +202,20 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
             if (l->dtype != pr->dtype || l->ndim != pr->ndim) goto fail;
             for (int32_t d = 1; d < l->ndim; d++)
                 if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
-            int64_t a = align / _gcd(align, l->elsize) * l->elsize; /* lcm(align, elsize) */
-            if (a > align || s->offset % a) goto fail; /* the chunk base is aligned to `align` only */
+            /* The chunk base is aligned to `align`; a view of the dtype needs
+             * its element size to divide that and the member's offset. (The
+             * planner aligns members to lcm(min alignment, elsize) only, not
+             * to the chunk's `align`, the lcm over all members.) */
+            int64_t a = l->elsize;
+            if (align % a || s->offset % a) goto fail;
             int64_t off, end;
             if (s->kind == MTC_SEG_UNIFORM) {
                 if (slot != cursor) goto fail;
                 for (int32_t d = 0; d < l->ndim; d++)
                     if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
                 if (s->row_bytes % l->elsize || (s->count > 1 && s->row_bytes < l->nbytes)) goto fail;
+                /* one member is viewed as the whole segment: typed.view(shape) */
+                if (s->count == 1 && s->bytes != l->nbytes) goto fail;
                 if (_mul(slot, s->row_bytes, &off)) goto fail;
                 cursor = slot + 1;
             } else {
@@ -221,10 +223,11 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
                 int64_t rb = l->elsize;
                 for (int32_t d = 1; d < l->ndim; d++)
                     if (_mul(rb, L->shape[l->dims + d], &rb)) goto fail;
-                if (rb != s->row_bytes || slot < cursor) goto fail;
+                if (rb != s->row_bytes || slot < cursor || slot > s->rows ||
+                    L->shape[l->dims] > s->rows - slot) /* its rows end past the segment's */
+                    goto fail;
                 if (_mul(slot, rb, &off)) goto fail;
                 cursor = slot + L->shape[l->dims];
-                if (cursor > s->rows) goto fail;
             }
             if (off > s->bytes || l->nbytes > s->bytes - off || (s->offset + off) % a) goto fail;
             end = s->offset + off + l->nbytes;

@@ -891,14 +891,15 @@ static PyObject *engine_pack(PyObject *module, PyObject *const *args, Py_ssize_t
         mtc_arena_get_stats(a, &as);
         if (rc == -E2BIG || rc == -ETIMEDOUT)
             PyErr_Format(PyExc_RuntimeError,
-                         "mtc_loader: the shared arena (%llu MiB) %s a packed batch of %lld bytes "
-                         "(%llu MiB in use). Make it larger: PackedCollate(arena_bytes=...) of at least "
-                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x the batch size, "
-                         "here %lld bytes for 4 workers, prefetch 2, depth 2",
-                         (unsigned long long)(as.bytes >> 20),
+                         "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
+                         "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                         "(this batch rounded up to the arena's 64 KiB slots)",
+                         (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
                          rc == -E2BIG ? "is too small for" : "stayed full too long to take",
-                         (long long)payload, (unsigned long long)((as.slots_in_use * as.slot_bytes) >> 20),
-                         (long long)(12 * (payload + (int64_t)as.slot_bytes)));
+                         (long long)payload,
+                         (long long)((payload + (int64_t)as.slot_bytes - 1) / (int64_t)as.slot_bytes *
+                                     (int64_t)as.slot_bytes));
         else
             PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
         goto out;
@@ -994,6 +995,8 @@ static PyObject *engine_unpack(PyObject *module, PyObject *const *args, Py_ssize
                                st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, &L);
     if (rc || (L.nleaves && L.plan.chunks[0].payload != nbytes)) {
         if (!rc) mtc_layout_free(&L);
+        /* the batch is consumed: its region goes back, or nobody would free it */
+        mtc_arena_free(a, off, (uint32_t)owner);
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
                         "match its region (a corrupt or forged descriptor)");
         return NULL;
@@ -1001,6 +1004,7 @@ static PyObject *engine_unpack(PyObject *module, PyObject *const *args, Py_ssize
     Handle *h = PyObject_New(Handle, st->handle_type);
     if (!h) {
         mtc_layout_free(&L);
+        mtc_arena_free(a, off, (uint32_t)owner);
         return NULL;
     }
     Py_INCREF(st->handle_type);

@@ -102,10 +102,13 @@ static int _key_eq(const mtc_leaf *a, const mtc_leaf *b, const int64_t *shape)
     return 1;
 }
 
+/* Bytes per row (element size x trailing dims), or -1 when that overflows:
+ * only a zero-size leaf can have such dims, e.g. torch.empty(0, 2**60, 4). */
 static int64_t _row_bytes(const mtc_leaf *l, const int64_t *shape)
 {
     int64_t rb = l->elsize;
-    for (int32_t d = 1; d < l->ndim; d++) rb *= shape[l->dims + d];
+    for (int32_t d = 1; d < l->ndim; d++)
+        if (__builtin_mul_overflow(rb, shape[l->dims + d], &rb)) return -1;
     return rb;
 }
 
@@ -187,14 +190,24 @@ static int _place_group(_layout *L, const uint32_t *idx, uint32_t count, int uni
     int64_t align = mtc_plan_leaf_align(o, proto->elsize);
     if (!align) return -EOVERFLOW;
     int64_t row_bytes = _row_bytes(proto, L->shape);
+    int single = 0;
+    /* Rows of no bytes (a trailing dim is 0) or too many bytes to count (a
+     * zero-size leaf with huge trailing dims): the members are all zero-size,
+     * and a SPLIT's row count (the sum of their leading dims, any int64) could
+     * overflow: one segment per member. */
+    if (row_bytes <= 0) {
+        row_bytes = 0;
+        single = 1;
+    }
     /* SPLIT: member start rows are multiples of m, so that their byte offset
      * (row * row_bytes) is a multiple of align. */
     int64_t m = row_bytes ? align / _gcd(align, row_bytes) : 1;
-    int single = 0;
+    int64_t pad;
     /* Identical shapes whose size is a multiple of the alignment tile without
      * padding: a SPLIT cuts them with the cheaper split (0-d members need unbind). */
     if (uniform && proto->ndim > 0 && proto->nbytes % align == 0) uniform = 0;
-    if (!uniform && (m - 1) * row_bytes > o->max_pad) single = 1; /* padding would waste too much */
+    if (!uniform && (__builtin_mul_overflow(m - 1, row_bytes, &pad) || pad > o->max_pad))
+        single = 1; /* padding would waste too much */
 
     int rc;
     int open = 0;

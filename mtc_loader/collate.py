@@ -153,6 +153,9 @@ def _rebuild_batch(token, off, nbytes, owner, layout, skeleton) -> PackedBatch:
     arena = _ARENAS.get(token)
     if arena is None:
         raise RuntimeError("mtc_loader: a PackedBatch arrived in a process that does not hold its arena")
+    if owner == os.getpid():
+        raise RuntimeError("mtc_loader: a PackedBatch cannot be copied or pickled within the process "
+                           "that holds its region (it is consumed once)")
     if arena.creator == os.getpid() and owner != os.getpid():
         # the main process takes the region over from the worker that filled it, so that the
         # worker's death cannot free it any more
@@ -183,10 +186,14 @@ class PackedCollate:
         if collate_fn is None:
             from torch.utils.data import default_collate
             collate_fn = default_collate
+        align = min_packed_alignment_bytes
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096 or align & (align - 1):
+            raise ValueError("mtc_loader: min_packed_alignment_bytes must be a power of two from 1 to "
+                             f"4096, got {align!r}")
         self.collate_fn = collate_fn
         self.arena = arena if arena is not None else Arena(arena_bytes)
         self.timeout = float(timeout)
-        self.align = int(min_packed_alignment_bytes)
+        self.align = align
 
     def __call__(self, samples: list) -> PackedBatch:
         batch = self.collate_fn(samples)

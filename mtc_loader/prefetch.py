@@ -69,14 +69,14 @@ class PrefetchLoader:
                 fill()  # the next copy starts before the caller gets this batch
                 yield handle.get()
             if error is not None:
-                # a worker that died leaves regions nobody will free: reclaim them
-                for arena in list(_ARENAS.values()):
-                    if arena.creator == _pid():
-                        arena.reclaim_dead()
-                raise error
+                raise error  # regions of a worker that died are reclaimed below
         finally:
             pending.clear()  # handles wait for their copies as they go
-            del it
+            del it  # a DataLoader iterator shuts its workers down
+            # batches the stopped workers had packed but never sent are theirs: reclaim them
+            for arena in list(_ARENAS.values()):
+                if arena.creator == _pid():
+                    arena.reclaim_dead()
 
 
 def _pid() -> int:
