@@ -1,6 +1,7 @@
 """``PrefetchLoader``: keeps the next batches in flight to the device while the model trains."""
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any, Iterable, Iterator
 
@@ -45,6 +46,7 @@ class PrefetchLoader:
         return start_copy(batch, self.device, **self.options)
 
     def __iter__(self) -> Iterator[Any]:
+        _reclaim_dead()  # regions left by workers of an earlier epoch that have exited since
         it = iter(self.iterable)
         pending: deque = deque()
         error: BaseException | None = None
@@ -74,11 +76,12 @@ class PrefetchLoader:
             pending.clear()  # handles wait for their copies as they go
             del it  # a DataLoader iterator shuts its workers down
             # batches the stopped workers had packed but never sent are theirs: reclaim them
-            for arena in list(_ARENAS.values()):
-                if arena.creator == _pid():
-                    arena.reclaim_dead()
+            _reclaim_dead()
 
 
-def _pid() -> int:
-    import os
-    return os.getpid()
+def _reclaim_dead() -> None:
+    """Frees the arena regions of worker processes that have exited (this process's arenas)."""
+    me = os.getpid()
+    for arena in list(_ARENAS.values()):
+        if arena.creator == me:
+            arena.reclaim_dead()

@@ -117,6 +117,10 @@ def settle(arena, device="cpu", want_zero=True, timeout=5.0) -> dict:
         gc.collect()
         multiprocessing.active_children()  # reaps terminated workers (no zombie keeps a pid)
         sync(device)
+        if want_zero:
+            # workers that packed batches past an error die once their iterator is collected
+            # (an exception's traceback can keep it alive for a while): reclaim what they held
+            arena.reclaim_dead()
         s = arena.stats()
         if not want_zero or s["slots_in_use"] == 0 or time.monotonic() > deadline:
             return s
