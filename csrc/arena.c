@@ -8,6 +8,7 @@
 #include <linux/futex.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -285,11 +286,29 @@ int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner)
     return 0;
 }
 
+/* A process that exited and can never touch the arena again: gone (ESRCH),
+ * or a zombie not yet reaped by its parent (kill() still succeeds on those). */
+static int _pid_dead(uint32_t pid)
+{
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    /* "pid (comm) S ...": the state follows the last ')' (comm may hold ')') */
+    char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
 static int _reclaimable(uint32_t pid, uint32_t keep, uint32_t only)
 {
     if (!pid || pid == keep) return 0;
     if (only) return pid == only;
-    return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+    return _pid_dead(pid);
 }
 
 /*

@@ -93,8 +93,9 @@ int mtc_arena_check(mtc_arena *a, uint64_t off, uint64_t nbytes, uint32_t owner)
 int mtc_arena_retag(mtc_arena *a, uint64_t off, uint32_t from, uint32_t to);
 /* Frees the region headed at off if `owner` owns it. 0 or -EINVAL. */
 int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner);
-/* Frees every slot owned by a process that no longer exists (a worker that
- * died); returns the number of slots freed. `keep` is never reclaimed. */
+/* Frees every slot owned by a process that exited (gone, or a zombie not yet
+ * reaped: a worker that died); returns the number of slots freed. `keep` is
+ * never reclaimed. */
 uint64_t mtc_arena_reclaim_dead(mtc_arena *a, uint32_t keep);
 /* Frees every slot owned by `owner`; returns slots freed. */
 uint64_t mtc_arena_reclaim_owner(mtc_arena *a, uint32_t owner);
