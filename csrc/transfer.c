@@ -231,7 +231,8 @@ typedef struct _run {
 
 static _Thread_local CUevent _tl_ev[MTC_MAX_DEVICES];
 static _Thread_local CUstream _tl_stream[MTC_MAX_DEVICES]; /* internal streams (see _batch_stream) */
-static _Atomic int _batch_broken; /* the driver refused a batched copy: per-item copies from then on */
+static _Atomic int _batch_broken;     /* the driver refused a batched D2H copy: per-item copies from then on */
+static _Atomic int _batch_broken_d2d; /* the same for device-to-device batches (peer paths may differ) */
 
 static int _event_of(int dev, CUevent *out)
 {
@@ -590,31 +591,66 @@ static int _op_d2h(_run *r, const mtc_op *op)
     return 0;
 }
 
-static int _op_d2d(_run *r, const mtc_op *op)
+/* Device -> another device, for a run of consecutive D2D ops with one source
+ * and one target device: the target's captured stream waits once for the
+ * source's captured stream, then one batched copy (or one peer copy per
+ * tensor) runs on the target stream. */
+static int _ops_d2d(_run *r, const mtc_op *ops, uint32_t nops)
 {
     mtc_job *j = r->job;
-    const mtc_item *it = &j->items[op->first];
-    int src = it->dev, dst = op->dev;
+    const mtc_item *first = &j->items[ops[0].first];
+    int src = first->dev, dst = ops[0].dev;
     int rc;
-    /* Order the copy after the work queued on the source's captured stream. */
-    if ((rc = _use_dev(r, src))) return _fail(r, rc, it->leaf, "selecting the source device");
-    CUevent ev = _tl_ev[src];
-    if (!ev && (rc = _cu(mtc_cu.cuEventCreate(&ev, MTC_CU_EVENT_DISABLE_TIMING))))
-        return _fail(r, rc, it->leaf, "creating an event");
-    _tl_ev[src] = ev;
-    if ((rc = _cu(mtc_cu.cuEventRecord(ev, j->streams[src])))) return _fail(r, rc, it->leaf, "recording an event");
-    if ((rc = _use_dev(r, dst))) return _fail(r, rc, it->leaf, "selecting the target device");
+    CUevent ev;
+    /* Order the copies after the work queued on the source's captured stream. */
+    if ((rc = _use_dev(r, src))) return _fail(r, rc, first->leaf, "selecting the source device");
+    if ((rc = _event_of(src, &ev))) return _fail(r, rc, first->leaf, "creating an event");
+    if ((rc = _cu(mtc_cu.cuEventRecord(ev, j->streams[src])))) return _fail(r, rc, first->leaf, "recording an event");
+    if ((rc = _use_dev(r, dst))) return _fail(r, rc, first->leaf, "selecting the target device");
     if ((rc = _cu(mtc_cu.cuStreamWaitEvent(j->streams[dst], ev, 0))))
-        return _fail(r, rc, it->leaf, "ordering the copy after the source stream");
-    _COUNT(items_copied, 1);
-    if (!it->nbytes) return 0;
-    rc = _cu(mtc_cu.cuMemcpyPeerAsync(it->dst, mtc_cuda_context(dst), it->src, mtc_cuda_context(src),
-                                      (size_t)it->nbytes, j->streams[dst]));
-    _COUNT(dma_calls, 1);
-    if (rc) return _fail(r, rc, it->leaf, "device-to-device copy");
-    _COUNT(bytes_d2d, it->nbytes);
-    /* get() returns once the source has been read (the input may be freed then) */
+        return _fail(r, rc, first->leaf, "ordering the copy after the source stream");
+    _COUNT(items_copied, nops);
+    /* get() returns once the sources have been read (the inputs may be freed then) */
     r->sync_mask |= 1ull << dst;
+    int64_t t0 = mtc_now_ns();
+    if (mtc_cu.cuMemcpyBatchAsync && nops > 1 && !mtc_load_relaxed(&_batch_broken_d2d)) {
+        CUdeviceptr *d = malloc(nops * sizeof *d), *sp = malloc(nops * sizeof *sp);
+        size_t *sz = malloc(nops * sizeof *sz);
+        size_t m = 0;
+        if (d && sp && sz) {
+            for (uint32_t k = 0; k < nops; k++) {
+                const mtc_item *it = &j->items[ops[k].first];
+                if (!it->nbytes) continue;
+                d[m] = it->dst;
+                sp[m] = it->src;
+                sz[m++] = (size_t)it->nbytes;
+            }
+            rc = m ? _batch_copy(j->streams[dst], dst, d, sp, sz, m) : 0;
+        } else {
+            rc = -ENOMEM;
+        }
+        free(d);
+        free(sp);
+        free(sz);
+        if (!rc) {
+            for (uint32_t k = 0; k < nops; k++) _COUNT(bytes_d2d, j->items[ops[k].first].nbytes);
+            _COUNT(ns_dma_issue, mtc_now_ns() - t0);
+            return 0;
+        }
+        /* refused (e.g. no peer path for a batch): per-tensor peer copies, counted */
+        mtc_store_relaxed(&_batch_broken_d2d, 1);
+        _COUNT(batch_fallbacks, 1);
+    }
+    for (uint32_t k = 0; k < nops; k++) {
+        const mtc_item *it = &j->items[ops[k].first];
+        if (!it->nbytes) continue;
+        rc = _cu(mtc_cu.cuMemcpyPeerAsync(it->dst, mtc_cuda_context(dst), it->src, mtc_cuda_context(src),
+                                          (size_t)it->nbytes, j->streams[dst]));
+        _COUNT(dma_calls, 1);
+        if (rc) return _fail(r, rc, it->leaf, "device-to-device copy");
+        _COUNT(bytes_d2d, it->nbytes);
+    }
+    _COUNT(ns_dma_issue, mtc_now_ns() - t0);
     return 0;
 }
 
@@ -709,7 +745,16 @@ void mtc_job_run(mtc_job *j)
         }
         case MTC_OP_D2H_CHUNK:
         case MTC_OP_D2H: _op_d2h(&r, op); break;
-        case MTC_OP_D2D: _op_d2d(&r, op); break;
+        case MTC_OP_D2D: {
+            /* a run of copies from one device to another shares one wait and one batch */
+            uint32_t e = i + 1;
+            while (e < j->nops && j->ops[e].kind == MTC_OP_D2D && j->ops[e].dev == op->dev &&
+                   j->items[j->ops[e].first].dev == j->items[op->first].dev)
+                e++;
+            _ops_d2d(&r, op, e - i);
+            i = e - 1;
+            break;
+        }
         case MTC_OP_H2D_REGION: _op_h2d_region(&r, op); break;
         default: _fail(&r, -EINVAL, -1, "running an unknown operation");
         }

@@ -268,3 +268,18 @@ def test_d2h_uses_one_batched_copy_and_keeps_stream_order(on_side_stream):
     assert all(torch.all(o == 3) for o in out)
     assert after["batch_memcpy_fallbacks"] == 0
     assert after["batch_memcpy_calls"] > before["batch_memcpy_calls"]
+
+
+@requires_2gpus
+def test_gpu_to_other_gpu_many_tensors_stream_order():
+    """Many tensors from cuda:0 to cuda:1 in one batch, after the kernels producing them."""
+    s = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(s):
+        xs = [torch.zeros(n, device="cuda:0") for n in range(1, 300)]
+        torch.cuda._sleep(int(2e8))
+        for x in xs:
+            x.add_(5)
+        out = start_copy(xs, "cuda:1").get()
+    torch.cuda.synchronize("cuda:1")
+    assert all(o.device == torch.device("cuda:1") and torch.all(o == 5) for o in out)
+    assert mtc_loader.stats()["batch_memcpy_fallbacks"] == 0
