@@ -99,3 +99,12 @@ def random_tensor(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tens
     if dtype == torch.bool:
         raw = raw & 1
     return raw.view(dtype).reshape(shape)
+
+
+def random_array(dtype: np.dtype, shape, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes as a numpy array of dtype (every bit pattern; bool stays 0/1)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = rng.integers(0, 256, size=n * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "b":
+        raw &= 1
+    return raw.view(dtype).reshape(shape)

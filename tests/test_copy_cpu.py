@@ -28,6 +28,7 @@ import torch
 
 import mtc_loader
 from mtc_loader import AsyncCopyHandle, start_copy
+from conftest import random_array, random_tensor
 
 ALL_DTYPES = list(mtc_loader._setup.DTYPES)
 
@@ -73,25 +74,8 @@ def np_ref(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(c)
 
 
-def random_tensor(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes reinterpreted as dtype (every bit pattern; bool stays 0/1)."""
-    n = 1
-    for s in shape:
-        n *= s
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
-    if dtype == torch.bool:
-        raw = raw & 1
-    return raw.view(dtype).reshape(shape)
 
 
-def random_array(dtype: np.dtype, shape, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes as a numpy array of dtype (bool 0/1)."""
-    n = int(np.prod(shape, dtype=np.int64))
-    raw = rng.integers(0, 256, size=n * dtype.itemsize, dtype=np.uint8)
-    if dtype.kind == "b":
-        raw &= 1
-    return raw.view(dtype).reshape(shape)
 
 
 def unaligned(a: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtc_loader
-from conftest import requires_cuda
+from conftest import random_array, random_tensor, requires_cuda
 from mtc_loader import start_copy
 
 DTYPES = list(mtc_loader._setup.DTYPES)
@@ -101,24 +101,8 @@ def _default_factory() -> list:
 _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 
 
-def random_tensor(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes reinterpreted as dtype (every bit pattern; bool stays 0/1)."""
-    n = 1
-    for s in shape:
-        n *= s
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
-    if dtype == torch.bool:
-        raw = raw & 1
-    return raw.view(dtype).reshape(shape)
 
 
-def random_array(dt: np.dtype, shape, rng: np.random.Generator) -> np.ndarray:
-    n = int(np.prod(shape, dtype=np.int64))
-    raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
-    if dt.kind == "b":
-        raw &= 1
-    return raw.view(dt).reshape(shape)
 
 
 TENSOR_VIEWS = ["contiguous", "transpose", "step", "expand", "offset"]
