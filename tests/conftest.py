@@ -1,6 +1,7 @@
 """Shared fixtures and helpers of the test suite."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -108,3 +109,46 @@ def random_array(dtype: np.dtype, shape, rng: np.random.Generator) -> np.ndarray
     if dtype.kind == "b":
         raw &= 1
     return raw.view(dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------- C builds (tests/c, tests/fuzz)
+
+def c_compiler():
+    """The C compiler make will use ($CC, cc, gcc or clang), or None."""
+    import shutil
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc.split()[0])  # CC may carry arguments ("ccache gcc")
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def c_build_skip(what: str):
+    """A pytest skipif mark for tests that build `what` with make and a C compiler."""
+    import shutil
+    reason = None
+    if shutil.which("make") is None:
+        reason = f"`make` not found on PATH; cannot build {what}"
+    elif c_compiler() is None:
+        reason = f"no C compiler found (tried $CC, cc, gcc, clang); cannot build {what}"
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def run_make(directory, *args, timeout: float) -> str:
+    """Runs make in `directory`; fails the test with the output (its tail) on an error or a
+    timeout. Returns the output."""
+    import subprocess
+    cmd = ["make", "-C", str(directory), *args]
+    env = dict(os.environ)
+    env.setdefault("CC", c_compiler())
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        if isinstance(out, bytes):
+            out = out.decode(errors="replace")
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out[-20000:]}")
+    print(proc.stdout)  # shown with -s / -rA, and in the failure report
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited with {proc.returncode}\n----- output (tail) -----\n{proc.stdout[-20000:]}")
+    return proc.stdout

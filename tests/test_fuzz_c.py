@@ -10,59 +10,22 @@ Deselect with ``pytest -m "not ctests"``. Skipped only when ``make`` or a C comp
 found.
 """
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from conftest import c_build_skip, run_make
 
 FUZZ_DIR = Path(__file__).resolve().parent / "fuzz"
 SECONDS = 20
 # build + 3 harnesses x SECONDS, with a wide margin for a slow machine
 TIMEOUT_S = 900
 
-
-def _c_compiler():
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc.split()[0])
-    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+pytestmark = [pytest.mark.ctests, c_build_skip("the fuzz harnesses")]
 
 
-def _skip_reason():
-    if shutil.which("make") is None:
-        return "`make` not found on PATH; cannot build the fuzz harnesses"
-    if _c_compiler() is None:
-        return "no C compiler found (tried $CC, cc, gcc, clang); cannot build the fuzz harnesses"
-    return None
-
-
-_REASON = _skip_reason()
-
-pytestmark = [
-    pytest.mark.ctests,
-    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
-]
-
-
-def _run_make(*args):
-    cmd = ["make", "-C", str(FUZZ_DIR), *args]
-    env = dict(os.environ)
-    if "CC" not in env:
-        env["CC"] = _c_compiler()
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        if isinstance(out, bytes):
-            out = out.decode(errors="replace")
-        pytest.fail(f"{' '.join(cmd)} timed out after {TIMEOUT_S} s\n{out[-20000:]}")
-    print(proc.stdout)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} exited with {proc.returncode}\n----- output (tail) -----\n{proc.stdout[-20000:]}")
-    return proc.stdout
+def _run_make(*args) -> str:
+    return run_make(FUZZ_DIR, *args, timeout=TIMEOUT_S)
 
 
 def test_fuzz_regressions_and_corpus():
