@@ -624,12 +624,22 @@ kept = [mtc_loader.start_copy({"b": big, "i": i}, "cpu") for i in range(3)]
 mtc_loader.start_copy(big, "cpu", use_background_thread=False)   # dropped at once
 pc = mtc_loader.PackedCollate(list, arena_bytes=4 << 20)
 held = pc([{"x": torch.arange(1000)}])                              # a region never unpacked
-def spin():   # a daemon thread still copying while the interpreter shuts down
+queued = [mtc_loader.start_copy([np.arange(1000)[::-1], big], "cpu") for _ in range(6)]
+waiting = threading.Event()
+def wait_all():   # a daemon thread blocked in get() while the copies run on at shutdown
+    waiting.set()
     while True:
-        mtc_loader.start_copy([np.arange(1000)[::-1], big[0][:100000]], "cpu").get()
-threading.Thread(target=spin, daemon=True).start()
+        for h in queued:
+            h.get()
+threading.Thread(target=wait_all, daemon=True).start()
+waiting.wait()
 print("started", flush=True)
 """
+
+# The daemon thread above only waits in mtc_loader's own C code. A daemon thread that is
+# inside a torch op at exit (torch's bindings release the GIL in C++) can be aborted by
+# libstdc++ ("terminate called without an active exception") on CPython <= 3.13, which ends
+# such threads with pthread_exit: torch and CPython behaviour, documented in docs/api.md.
 
 _EXIT_CUDA = """
 import numpy as np, torch, mtc_loader
