@@ -109,7 +109,7 @@ def check_epoch(loader, refs, device, **pl_kw) -> int:
     return n
 
 
-def settle(arena, device="cpu", want_zero=True, timeout=5.0) -> dict:
+def settle(arena, device="cpu", want_zero=True, timeout=20.0) -> dict:
     """Collects garbage (DataLoader iterators shut their workers down), reaps exited workers,
     and waits for DMA callbacks (CUDA) until no slot is in use."""
     deadline = time.monotonic() + timeout
@@ -288,7 +288,7 @@ def test_early_break_releases_everything(workers, device):
             time.sleep(0.3)  # the workers pack the batches they prefetch meanwhile
             break
     del b, pl
-    s = settle(pc.arena, device, timeout=1.0)
+    s = settle(pc.arena, device)
     assert s["slots_in_use"] == 0, s
     assert pc.arena._a.valid()
     check_epoch(dl, refs, device)  # the next epoch works
@@ -307,7 +307,7 @@ def test_iterator_deleted_mid_epoch(workers, device):
     assert_tree_bitwise(b, tree_to(reference(ds, batch_size=4)[0], device))
     time.sleep(0.3)
     del it
-    s = settle(pc.arena, device, timeout=1.0)
+    s = settle(pc.arena, device)
     assert s["slots_in_use"] == 0, s
 
 
@@ -470,18 +470,19 @@ def test_arena_full_times_out_with_advice(workers, fast_worker_shutdown):
     pc.arena.reclaim_dead()
     assert settle(pc.arena)["slots_in_use"] == 0
     assert pc.arena._a.valid()
-    # the arena still works
-    check_epoch(DataLoader(ds, batch_size=2, num_workers=workers, collate_fn=pc), refs, "cpu")
+    # the arena still works (a patient collate on it: a loaded machine never times it out)
+    patient = mtc_loader.PackedCollate(list, arena=pc.arena, timeout=30.0)
+    check_epoch(DataLoader(ds, batch_size=2, num_workers=workers, collate_fn=patient), refs, "cpu")
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_batch_larger_than_the_arena(workers, fast_worker_shutdown):
-    pc = mtc_loader.PackedCollate(list, arena_bytes=256 << 10, timeout=1.0)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=256 << 10, timeout=30.0)
     ds = SeedSamples(n=40)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"arena_bytes"):
         next(iter(DataLoader(ds, batch_size=40, num_workers=workers, collate_fn=pc)))
-    assert time.monotonic() - t0 < 0.9 + (3 if workers else 0)  # no waiting for room that never comes
+    assert time.monotonic() - t0 < 20  # no waiting (30 s) for room that never comes
     s = settle(pc.arena, want_zero=False)
     assert s["slots_in_use"] == 0 and s["timeouts"] == 0, s
     refs = reference(ds, batch_size=2)
@@ -675,7 +676,7 @@ def test_rejected_descriptor_from_a_worker_frees_its_region():
     with pytest.raises(ValueError, match="malformed"):
         for _ in mtc_loader.PrefetchLoader(dl, "cpu", depth=1):
             pass
-    s = settle(pc.arena, timeout=1.0)
+    s = settle(pc.arena)
     assert s["slots_in_use"] == 0, s
 
 
