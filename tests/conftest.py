@@ -63,28 +63,32 @@ def tree_to(data, device):
     return data
 
 
+def seed_sample(rng: random.Random, g: torch.Generator) -> dict:
+    """One sample of the reference multi-camera meta-data of example.txt (33 tensors).
+    (tests/fuzz/make_corpus.py builds its layout seeds from it too.)"""
+    cams = []
+    for _ in range(6):
+        n = rng.randint(10, 120)
+        cams.append({
+            "bounding_boxes": torch.rand(n, 4, generator=g),
+            "class_ids": torch.randint(0, 10, (n,), generator=g),
+            "active": torch.rand(n, generator=g) > 0.5,
+            "depths": torch.rand(n, generator=g) * 80,
+            "proj_mat": torch.rand(3, 4, generator=g),
+        })
+    n = rng.randint(10, 120)
+    return {"cams_gt": cams, "gt_data": {
+        "bounding_boxes_3d": torch.rand(n, 7, generator=g),
+        "class_ids": torch.randint(0, 10, (n,), generator=g),
+        "active": torch.rand(n, generator=g) > 0.5,
+    }}
+
+
 def seed_batch(n_samples: int, seed: int = 0, device: str = "cpu"):
     """The reference batch of example.txt: n_samples dicts, 33 tensors each."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_samples):
-        cams = []
-        for _ in range(6):
-            n = rng.randint(10, 120)
-            cams.append({
-                "bounding_boxes": torch.rand(n, 4, generator=g),
-                "class_ids": torch.randint(0, 10, (n,), generator=g),
-                "active": torch.rand(n, generator=g) > 0.5,
-                "depths": torch.rand(n, generator=g) * 80,
-                "proj_mat": torch.rand(3, 4, generator=g),
-            })
-        n = rng.randint(10, 120)
-        out.append({"cams_gt": cams, "gt_data": {
-            "bounding_boxes_3d": torch.rand(n, 7, generator=g),
-            "class_ids": torch.randint(0, 10, (n,), generator=g),
-            "active": torch.rand(n, generator=g) > 0.5,
-        }})
+    out = [seed_sample(rng, g) for _ in range(n_samples)]
     if device != "cpu":
         out = tree_to(out, device)
     return out

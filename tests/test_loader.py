@@ -268,12 +268,6 @@ def test_bad_depth(depth):
         mtc_loader.PrefetchLoader([], "cpu", depth=depth)
 
 
-_REAP_BUG = ("mtc_loader/prefetch.py PrefetchLoader.__iter__: after an early break / a dropped "
-             "iterator the DataLoader shuts its workers down, and the batches they had packed but "
-             "the main process never received stay held by the exited workers' pids; nothing calls "
-             "reclaim_dead() after `del it` (only the error path does, and before the workers exit)")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("workers", [
     0, 2])

@@ -15,6 +15,8 @@
  */
 #include "arena.h"
 
+#include "check.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -32,31 +34,6 @@
 #include <time.h>
 #include <unistd.h>
 
-/* ------------------------------------------------------------------ */
-/* checks                                                              */
-
-static long g_checks;
-
-#define CHECK(cond)                                                            \
-    do {                                                                       \
-        g_checks++;                                                            \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define CHECK_EQ(a, b)                                                         \
-    do {                                                                       \
-        long long _a = (long long)(a), _b = (long long)(b);                    \
-        g_checks++;                                                            \
-        if (_a != _b) {                                                        \
-            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%lld vs %lld)\n", \
-                    __FILE__, __LINE__, #a, #b, _a, _b);                       \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
 /* in a forked child: report by exit status, never run the parent's atexit */
 #define CHILD_CHECK(cond)                                                      \
     do {                                                                       \
@@ -67,44 +44,10 @@ static long g_checks;
         }                                                                      \
     } while (0)
 
-#if defined(__SANITIZE_THREAD__)
-#define UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define UNDER_TSAN 1
-#endif
-#endif
-#ifndef UNDER_TSAN
-#define UNDER_TSAN 0
-#endif
-
 #define SLOT MTC_ARENA_SLOT_BYTES
 
 /* ------------------------------------------------------------------ */
 /* helpers                                                             */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) && errno == EINTR) {
-    }
-}
-
-static uint64_t xorshift(uint64_t *s)
-{
-    uint64_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return *s = x;
-}
 
 static long env_long(const char *name, long dflt)
 {
@@ -135,6 +78,31 @@ static int wait_child(pid_t pid)
     }
     if (WIFEXITED(st)) return WEXITSTATUS(st);
     return 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+}
+
+/* A worker: a forked child attached to `a` by its fd, as a DataLoader worker
+ * is, and two pipes for taking turns (the child writes `ready`, the parent
+ * `go`). Returns the pid in the parent, 0 in the child with *c attached. */
+typedef struct worker {
+    int ready[2], go[2];
+} worker;
+
+static pid_t fork_worker(mtc_arena *a, worker *w, mtc_arena **c)
+{
+    CHECK_EQ(pipe(w->ready), 0);
+    CHECK_EQ(pipe(w->go), 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        *c = NULL;
+        CHILD_CHECK(mtc_arena_attach(a->fd, c) == 0);
+    }
+    return pid;
+}
+
+static void close_worker(worker *w)
+{
+    close(w->ready[0]), close(w->ready[1]), close(w->go[0]), close(w->go[1]);
 }
 
 /* Fills [p, p+n) with a pattern naming `tag` and the offset, and checks it. */
@@ -220,37 +188,32 @@ static void test_attach_same_process(void)
 
 static void test_attach_forked_child(void)
 {
-    mtc_arena *a = make(8 * SLOT);
-    int ready[2], go[2];
-    CHECK_EQ(pipe(ready), 0);
-    CHECK_EQ(pipe(go), 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
+    mtc_arena *a = make(8 * SLOT), *c;
+    worker w;
+    pid_t pid = fork_worker(a, &w, &c);
     if (pid == 0) {
-        mtc_arena *c = NULL;
-        CHILD_CHECK(mtc_arena_attach(a->fd, &c) == 0);
         uint64_t off;
         CHILD_CHECK(mtc_arena_try_alloc(c, 3 * SLOT, (uint32_t)getpid(), &off) == 0);
         fill(c->base + off, 3 * SLOT, (uint32_t)getpid());
-        CHILD_CHECK(write(ready[1], &off, sizeof off) == (ssize_t)sizeof off);
+        CHILD_CHECK(write(w.ready[1], &off, sizeof off) == (ssize_t)sizeof off);
         char x;
-        CHILD_CHECK(read(go[0], &x, 1) == 1); /* the parent checked it and freed it */
+        CHILD_CHECK(read(w.go[0], &x, 1) == 1); /* the parent checked it and freed it */
         CHILD_CHECK(mtc_arena_check(c, off, 1, (uint32_t)getpid()) == -EINVAL);
         CHILD_CHECK(mtc_arena_free(c, off, (uint32_t)getpid()) == -EINVAL);
         _exit(0);
     }
     uint64_t off = 0;
-    CHECK_EQ(read(ready[0], &off, sizeof off), (ssize_t)sizeof off);
+    CHECK_EQ(read(w.ready[0], &off, sizeof off), (ssize_t)sizeof off);
     CHECK(verify(a->base + off, 3 * SLOT, (uint32_t)pid));
     CHECK_EQ(mtc_arena_check(a, off, 3 * SLOT, (uint32_t)pid), 0);
     CHECK_EQ(mtc_arena_check(a, off, 3 * SLOT, (uint32_t)getpid()), -EINVAL);
     CHECK_EQ(mtc_arena_reclaim_dead(a, (uint32_t)getpid()), 0); /* the child is alive */
     CHECK_EQ(mtc_arena_free(a, off, (uint32_t)pid), 0);
-    CHECK_EQ(write(go[1], "x", 1), 1);
+    CHECK_EQ(write(w.go[1], "x", 1), 1);
     CHECK_EQ(wait_child(pid), 0);
     CHECK_EQ(stats(a).slots_in_use, 0);
     CHECK(mtc_arena_valid(a));
-    close(ready[0]), close(ready[1]), close(go[0]), close(go[1]);
+    close_worker(&w);
     mtc_arena_unref(a);
 }
 
@@ -276,7 +239,7 @@ static void test_attach_rejects_non_arenas(void)
     CHECK_EQ(mtc_arena_attach(fd, &b), -EINVAL);
     uint8_t junk[4096];
     uint64_t rs = 0x1234567;
-    for (size_t i = 0; i < sizeof junk; i++) junk[i] = (uint8_t)xorshift(&rs);
+    for (size_t i = 0; i < sizeof junk; i++) junk[i] = (uint8_t)xorshift64(&rs);
     CHECK_EQ(pwrite(fd, junk, sizeof junk, 0), (ssize_t)sizeof junk);
     CHECK_EQ(mtc_arena_attach(fd, &b), -EINVAL);
     close(fd);
@@ -537,11 +500,10 @@ static void test_waiter_in_another_process(void)
     mtc_arena *a = make(2 * SLOT);
     uint64_t o;
     CHECK_EQ(mtc_arena_try_alloc(a, 2 * SLOT, (uint32_t)getpid(), &o), 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
+    mtc_arena *c;
+    worker w;
+    pid_t pid = fork_worker(a, &w, &c);
     if (pid == 0) {
-        mtc_arena *c = NULL;
-        CHILD_CHECK(mtc_arena_attach(a->fd, &c) == 0);
         uint64_t off;
         double t0 = now_s();
         CHILD_CHECK(mtc_arena_alloc(c, SLOT, (uint32_t)getpid(), 10LL * 1000000000, &off) == 0);
@@ -554,6 +516,7 @@ static void test_waiter_in_another_process(void)
     CHECK_EQ(wait_child(pid), 0);
     CHECK_EQ(stats(a).slots_in_use, 0);
     CHECK(mtc_arena_valid(a));
+    close_worker(&w);
     mtc_arena_unref(a);
 }
 
@@ -566,30 +529,26 @@ static void test_reclaim_dead_child(void)
     uint32_t me = (uint32_t)getpid();
     uint64_t mine;
     CHECK_EQ(mtc_arena_try_alloc(a, 2 * SLOT, me, &mine), 0);
-    int ready[2], go[2];
-    CHECK_EQ(pipe(ready), 0);
-    CHECK_EQ(pipe(go), 0);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
+    mtc_arena *c;
+    worker w;
+    pid_t pid = fork_worker(a, &w, &c);
     if (pid == 0) {
-        mtc_arena *c = NULL;
-        CHILD_CHECK(mtc_arena_attach(a->fd, &c) == 0);
         uint64_t off;
         /* 1 + 3 + 2 slots, then dies without freeing them */
         CHILD_CHECK(mtc_arena_try_alloc(c, 1, (uint32_t)getpid(), &off) == 0);
         CHILD_CHECK(mtc_arena_try_alloc(c, 3 * SLOT, (uint32_t)getpid(), &off) == 0);
         CHILD_CHECK(mtc_arena_try_alloc(c, 2 * SLOT, (uint32_t)getpid(), &off) == 0);
-        CHILD_CHECK(write(ready[1], "r", 1) == 1);
+        CHILD_CHECK(write(w.ready[1], "r", 1) == 1);
         char x;
-        CHILD_CHECK(read(go[0], &x, 1) == 1);
+        CHILD_CHECK(read(w.go[0], &x, 1) == 1);
         _exit(0);
     }
     char x;
-    CHECK_EQ(read(ready[0], &x, 1), 1);
+    CHECK_EQ(read(w.ready[0], &x, 1), 1);
     CHECK_EQ(stats(a).slots_in_use, 8);
     /* alive: nothing to reclaim */
     CHECK_EQ(mtc_arena_reclaim_dead(a, me), 0);
-    CHECK_EQ(write(go[1], "g", 1), 1);
+    CHECK_EQ(write(w.go[1], "g", 1), 1);
     CHECK_EQ(wait_child(pid), 0);
     /* dead (and reaped): its 6 slots come back, ours stay */
     CHECK_EQ(mtc_arena_reclaim_dead(a, me), 6);
@@ -606,7 +565,7 @@ static void test_reclaim_dead_child(void)
     CHECK_EQ(mtc_arena_free(a, mine, me), 0);
     CHECK_EQ(stats(a).slots_in_use, 0);
     CHECK(mtc_arena_valid(a));
-    close(ready[0]), close(ready[1]), close(go[0]), close(go[1]);
+    close_worker(&w);
     mtc_arena_unref(a);
 }
 
@@ -622,7 +581,7 @@ static void stress_child(mtc_arena *parent_map, long cycles, uint32_t max_slots)
     uint32_t me = (uint32_t)getpid();
     uint64_t rng = 0x9e3779b97f4a7c15ull ^ ((uint64_t)me << 17);
     for (long n = 0; n < cycles; n++) {
-        uint64_t nbytes = 1 + xorshift(&rng) % (max_slots * SLOT);
+        uint64_t nbytes = 1 + xorshift64(&rng) % (max_slots * SLOT);
         uint64_t off;
         int rc = mtc_arena_alloc(c, nbytes, me, 20LL * 1000000000, &off);
         CHILD_CHECK(rc == 0);
@@ -684,7 +643,7 @@ static void *stress_thread(void *p)
     stress_arg *s = p;
     uint64_t rng = 0xdeadbeefcafef00dull ^ ((uint64_t)s->owner << 23);
     for (long n = 0; n < s->cycles && !s->failed; n++) {
-        uint64_t nbytes = 1 + xorshift(&rng) % (3 * SLOT);
+        uint64_t nbytes = 1 + xorshift64(&rng) % (3 * SLOT);
         uint64_t off;
         if (mtc_arena_alloc(s->a, nbytes, s->owner, 20LL * 1000000000, &off) != 0 ||
             mtc_arena_check(s->a, off, nbytes, s->owner) != 0) {
@@ -819,6 +778,6 @@ int main(void)
         }
         printf("  retag vs reclaim_dead race: run intact in every round\n");
     }
-    printf("test_arena: all passed (%ld checks, %.2f s)\n", g_checks, now_s() - t0);
+    printf("test_arena: all passed (%ld checks, %.2f s)\n", atomic_load(&g_checks), now_s() - t0);
     return 0;
 }

@@ -7,13 +7,7 @@
 
 #include "hostcopy.h"
 
-#define CHECK(c)                                                                 \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c); \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
+#include "check.h"
 
 typedef struct { _Atomic uint32_t *hits; uint32_t n; } count_ctx;
 

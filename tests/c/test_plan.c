@@ -32,37 +32,14 @@ static char g_ctx[128] = "";         /* where in it */
 #define CASE(...) (snprintf(g_case, sizeof g_case, __VA_ARGS__), g_ctx[0] = 0)
 #define CTX(...) snprintf(g_ctx, sizeof g_ctx, __VA_ARGS__)
 
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n  [seed 0x%" PRIx64    \
-                    ", %s; %s]\n  reproduce: MTC_PLAN_SEED=0x%" PRIx64       \
-                    " ./test_plan\n",                                        \
-                    __FILE__, __LINE__, #cond, g_seed, g_case, g_ctx, g_seed); \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
-
-#define CHECK_EQ(a, b)                                                       \
-    do {                                                                     \
-        long long _a = (long long)(a), _b = (long long)(b);                  \
-        if (_a != _b) {                                                      \
-            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%lld vs %lld)\n" \
-                    "  [seed 0x%" PRIx64 ", %s; %s]\n  reproduce: MTC_PLAN_SEED=0x%" \
-                    PRIx64 " ./test_plan\n",                                 \
-                    __FILE__, __LINE__, #a, #b, _a, _b, g_seed, g_case, g_ctx, g_seed); \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+/* the seed and case of a failure, and how to rerun exactly that */
+#define CHECK_NOTE()                                                         \
+    fprintf(stderr, "  [seed 0x%" PRIx64 ", %s; %s]\n  reproduce: MTC_PLAN_SEED=0x%" PRIx64 \
+            " ./test_plan\n", g_seed, g_case, g_ctx, g_seed)
+#include "check.h"
+#include "plan_rules.h"
 
 static int n_tests_run;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ------------------------------------------------------------------ */
 /* xorshift64*                                                         */
@@ -155,33 +132,6 @@ static uint32_t ls_add(leafset *s, uint16_t dtype, int32_t ndim, const int64_t *
 static uint32_t ls_add_bytes(leafset *s, int64_t nbytes, int32_t dev, uint32_t flags)
 {
     return ls_add(s, 0, 1, &nbytes, dev, flags);
-}
-
-/* ------------------------------------------------------------------ */
-/* the oracle of per-leaf actions, written from plan.h / the docs      */
-
-static uint8_t expected_action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *nc)
-{
-    int contig = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
-    int small = l->nbytes <= o->pack_limit && l->nbytes <= o->max_chunk;
-    *nc = 0;
-    if (o->target == MTC_DEV_CPU) {
-        if (l->dev == MTC_DEV_CPU) {
-            if (!(l->flags & MTC_LEAF_NUMPY)) return MTC_ACT_REUSE;
-            return (l->flags & MTC_LEAF_ZEROCOPY) ? MTC_ACT_FROM_NUMPY : MTC_ACT_HOST_COPY;
-        }
-        if (o->pack && o->staging && small && contig) return MTC_ACT_PACK;
-        *nc = (uint8_t)!contig;
-        return MTC_ACT_D2H;
-    }
-    if (l->dev == o->target) return MTC_ACT_REUSE;
-    if (l->dev != MTC_DEV_CPU) {
-        *nc = (uint8_t)!contig;
-        return MTC_ACT_D2D;
-    }
-    if (o->pack && small) return MTC_ACT_PACK;
-    *nc = (uint8_t)!contig;
-    return o->staging ? MTC_ACT_H2D_STAGED : MTC_ACT_H2D_DIRECT;
 }
 
 /* ------------------------------------------------------------------ */

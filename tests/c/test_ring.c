@@ -10,6 +10,8 @@
  */
 #include "ring.h"
 
+#include "check.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -20,55 +22,7 @@
 #include <time.h>
 
 /* ------------------------------------------------------------------ */
-/* tiny assert macros                                                  */
-
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,         \
-                    __LINE__, #cond);                                      \
-            exit(1);                                                       \
-        }                                                                  \
-    } while (0)
-
-#define CHECK_EQ(a, b)                                                     \
-    do {                                                                   \
-        long long _a = (long long)(a), _b = (long long)(b);                \
-        if (_a != _b) {                                                    \
-            fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%lld vs %lld)\n", \
-                    __FILE__, __LINE__, #a, #b, _a, _b);                   \
-            exit(1);                                                       \
-        }                                                                  \
-    } while (0)
-
-#define FAILF(...)                                                         \
-    do {                                                                   \
-        fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                    \
-        fprintf(stderr, __VA_ARGS__);                                      \
-        fputc('\n', stderr);                                               \
-        exit(1);                                                           \
-    } while (0)
-
-/* ------------------------------------------------------------------ */
 /* helpers                                                             */
-
-#if defined(__SANITIZE_THREAD__)
-#define UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define UNDER_TSAN 1
-#endif
-#endif
-#ifndef UNDER_TSAN
-#define UNDER_TSAN 0
-#endif
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* Items are small tagged integers; never NULL (values start at 1). */
 static void *tag(uintptr_t v) { return (void *)v; }
@@ -194,7 +148,7 @@ static void wrap_run(mtc_ring *r, uint64_t start, uint64_t rounds)
     rebase(r, start);
     CHECK_EQ(mtc_ring_valid(r), 1);
     for (uint64_t round = 0; round < rounds; round++) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17; /* xorshift */
+        xorshift64(&rng);
         uint64_t npush = rng % (cap + 2);                     /* may overfill */
         uint64_t npop = (rng >> 20) % (cap + 2);              /* may overdrain */
         for (uint64_t i = 0; i < npush; i++) {

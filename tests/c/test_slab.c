@@ -10,6 +10,8 @@
  */
 #include "slab.h"
 
+#include "check.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -20,18 +22,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-static atomic_long g_checks;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        atomic_fetch_add(&g_checks, 1);                                      \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, \
-                    #cond);                                                  \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
 
 #define K64 ((size_t)64 * 1024)
 
@@ -242,13 +232,6 @@ static void *arm(mtc_slab_pool *p, mtc_slab *s)
     CHECK(f != NULL && f == s->fence);
     fence_record(f);
     return f;
-}
-
-static void sleep_ms(long ms)
-{
-    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
-
-    nanosleep(&ts, NULL);
 }
 
 /* Polls until *flag reaches want (5 s max): for "the other thread is now blocked". */
@@ -964,20 +947,10 @@ typedef struct worker_arg {
     long ok_allocs;
 } worker_arg;
 
-static uint32_t xorshift(uint32_t *s)
-{
-    uint32_t x = *s;
-
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return *s = x;
-}
-
 static void *worker(void *arg)
 {
     worker_arg *w = arg;
-    uint32_t rng = 0x9e3779b9u * (w->id + 1);
+    uint64_t rng = 0x9e3779b97f4a7c15ull * (w->id + 1);
     mtc_slab_stats st;
     mtc_slab *s;
     uint64_t token, *first, *last;
@@ -986,8 +959,8 @@ static void *worker(void *arg)
     int i, rc;
 
     for (i = 0; i < MT_ITERS; i++) {
-        bytes = (K64 << (xorshift(&rng) % 3)) - xorshift(&rng) % K64;   /* 64K..256K classes */
-        if (xorshift(&rng) % 4 == 0) {
+        bytes = (K64 << (xorshift64(&rng) % 3)) - xorshift64(&rng) % K64;   /* 64K..256K classes */
+        if (xorshift64(&rng) % 4 == 0) {
             rc = mtc_slab_try_alloc(w->p, bytes, &s);
             if (rc == -EAGAIN)
                 rc = mtc_slab_alloc(w->p, bytes, &s);
@@ -1004,7 +977,7 @@ static void *worker(void *arg)
         *last = token;
         mtc_slab_get_stats(w->p, &st);
         CHECK(st.bytes_held <= MT_CAP);
-        if (xorshift(&rng) % 8) {
+        if (xorshift64(&rng) % 8) {
             CHECK(mtc_slab_fence(w->p, s, &f) == 0);
             fence_record(f);
             gpu_submit(f, first, token);

@@ -62,6 +62,20 @@ static inline uint64_t fz_below(fz *f, uint64_t n)
     return fz_bytes(f, bytes) % n;
 }
 
+/* ---------------------------------------------------------------- byte spans */
+
+/* [start, end) of a leaf's bytes: sorted by start to find overlaps */
+typedef struct span {
+    int64_t start, end;
+    uint32_t leaf;
+} span;
+
+static inline int span_cmp(const void *a, const void *b)
+{
+    const span *x = a, *y = b;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
 /* ---------------------------------------------------------------- dtypes */
 
 /* Element sizes of the engine's dtype codes: mtc_loader._setup.DTYPES (torch 2.13, sorted by

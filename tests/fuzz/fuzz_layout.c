@@ -34,17 +34,6 @@
 
 #define TOUCH_MAX ((int64_t)4 << 20) /* payloads up to this are touched byte by byte */
 
-typedef struct span {
-    int64_t start, end;
-    uint32_t leaf;
-} span;
-
-static int span_cmp(const void *a, const void *b)
-{
-    const span *x = a, *y = b;
-    return x->start < y->start ? -1 : x->start > y->start;
-}
-
 /*
  * The checks. `min_align` > 0: every member's offset must also be a multiple
  * of lcm(min_align, elsize) (the planner's promise; unknown to the decoder).

@@ -16,6 +16,7 @@
 #include <errno.h>
 
 #include "fuzz.h"
+#include "../c/plan_rules.h"
 
 #define MAX_LEAVES 96
 #define MAX_ND 8
@@ -23,35 +24,6 @@
 
 static const int64_t ALIGNS[] = {1, 2, 4, 8, 16, 32, 64, 128, 4096};
 static const int64_t CHUNKS[] = {1, 7, 64, 4096, 65536, (int64_t)1 << 25};
-
-typedef struct span {
-    int64_t start, end;
-    uint32_t leaf;
-} span;
-
-static int span_cmp(const void *a, const void *b)
-{
-    const span *x = a, *y = b;
-    return x->start < y->start ? -1 : x->start > y->start;
-}
-
-/* start_copy's rules (copy.py docstring, plan.h): what should happen to a leaf */
-static int expected_action(const mtc_leaf *l, const mtc_plan_opts *o)
-{
-    int contiguous = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
-    int small = l->nbytes <= o->pack_limit && l->nbytes <= o->max_chunk;
-    if (o->target == MTC_DEV_CPU) {
-        if (l->dev == MTC_DEV_CPU) {
-            if (!(l->flags & MTC_LEAF_NUMPY)) return MTC_ACT_REUSE;
-            return (l->flags & MTC_LEAF_ZEROCOPY) ? MTC_ACT_FROM_NUMPY : MTC_ACT_HOST_COPY;
-        }
-        return o->pack && o->staging && small && contiguous ? MTC_ACT_PACK : MTC_ACT_D2H;
-    }
-    if (l->dev == o->target) return MTC_ACT_REUSE;
-    if (l->dev != MTC_DEV_CPU) return MTC_ACT_D2D;
-    if (o->pack && small) return MTC_ACT_PACK;
-    return o->staging ? MTC_ACT_H2D_STAGED : MTC_ACT_H2D_DIRECT;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -143,16 +115,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t packed_bytes = 0;
     for (uint32_t i = 0; i < n; i++) {
         const mtc_leaf *l = &leaves[i];
-        int want = expected_action(l, &o);
+        uint8_t nc;
+        int want = expected_action(l, &o, &nc);
         FZ_CHECK(l->action == want, "leaf %u: action %d, expected %d", i, l->action, want);
+        FZ_CHECK(l->needs_contig == nc, "leaf %u: needs_contig %d, expected %d", i, l->needs_contig, nc);
         count[l->action]++;
         need_contig += l->needs_contig;
-        int contiguous = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
-        if (l->action == MTC_ACT_PACK || l->action == MTC_ACT_REUSE || l->action == MTC_ACT_FROM_NUMPY ||
-            l->action == MTC_ACT_HOST_COPY)
-            FZ_CHECK(!l->needs_contig, "leaf %u: action %d never needs a contiguous source", i, l->action);
-        else
-            FZ_CHECK(l->needs_contig == !contiguous, "leaf %u: needs_contig %d", i, l->needs_contig);
         if (l->action == MTC_ACT_PACK) {
             npacked++;
             packed_bytes += l->nbytes;

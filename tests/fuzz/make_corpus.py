@@ -26,36 +26,8 @@ from mtc_loader import _engine
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"
 
-
-def rand_tensor(dtype: torch.dtype, shape, g: torch.Generator) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        raw = raw & 1
-    return raw.view(dtype).reshape(shape)
-
-
-def example_sample(rng: random.Random, g: torch.Generator) -> dict:
-    """One sample of the reference multi-camera meta-data (33 tensors)."""
-    cams = []
-    for _ in range(6):
-        n = rng.randint(10, 120)
-        cams.append({
-            "bounding_boxes": torch.rand(n, 4, generator=g),
-            "class_ids": torch.randint(0, 10, (n,), generator=g),
-            "active": torch.rand(n, generator=g) > 0.5,
-            "depths": torch.rand(n, generator=g) * 80,
-            "proj_mat": torch.rand(3, 4, generator=g),
-        })
-    n = rng.randint(10, 120)
-    return {"cams_gt": cams, "gt_data": {
-        "bounding_boxes_3d": torch.rand(n, 7, generator=g),
-        "class_ids": torch.randint(0, 10, (n,), generator=g),
-        "active": torch.rand(n, generator=g) > 0.5,
-    }}
+sys.path.insert(0, str(HERE.parent))  # the test suite's builders: one definition of the sample
+from conftest import random_tensor, seed_sample  # noqa: E402
 
 
 def batches():
@@ -65,19 +37,19 @@ def batches():
     dts = list(mtc_loader._setup.DTYPES)
     yield "empty", [], 16
     yield "one-tensor", [torch.arange(5)], 16
-    yield "example-1-sample", [example_sample(rng, g)], 16
-    yield "example-2-samples-align4096", [example_sample(rng, g) for _ in range(2)], 4096
-    yield "every-dtype", [rand_tensor(dt, (3, 2), g) for dt in dts], 16
-    yield "every-dtype-align1", [rand_tensor(dt, (rng.randint(0, 3),), g) for dt in dts], 1
-    yield "scalars-and-zero-size", [rand_tensor(dts[i % len(dts)], s, g) for i, s in
+    yield "example-1-sample", [seed_sample(rng, g)], 16
+    yield "example-2-samples-align4096", [seed_sample(rng, g) for _ in range(2)], 4096
+    yield "every-dtype", [random_tensor(dt, (3, 2), g) for dt in dts], 16
+    yield "every-dtype-align1", [random_tensor(dt, (rng.randint(0, 3),), g) for dt in dts], 1
+    yield "scalars-and-zero-size", [random_tensor(dts[i % len(dts)], s, g) for i, s in
                                     enumerate([(), (), (0,), (0, 5), (2, 0, 3), (), (1,)])], 8
-    yield "same-shape-uniform", [rand_tensor(torch.float32, (3, 5), g) for _ in range(6)], 16
-    yield "split-rows", [rand_tensor(torch.int16, (rng.randint(0, 9), 3), g) for _ in range(8)], 32
-    yield "non-contiguous", [rand_tensor(torch.float64, (4, 6), g).t(), torch.arange(20)[::3],
-                             torch.zeros(3, 1).expand(3, 4), rand_tensor(torch.uint8, (5, 5), g)[1:, 2:]], 16
+    yield "same-shape-uniform", [random_tensor(torch.float32, (3, 5), g) for _ in range(6)], 16
+    yield "split-rows", [random_tensor(torch.int16, (rng.randint(0, 9), 3), g) for _ in range(8)], 32
+    yield "non-contiguous", [random_tensor(torch.float64, (4, 6), g).t(), torch.arange(20)[::3],
+                             torch.zeros(3, 1).expand(3, 4), random_tensor(torch.uint8, (5, 5), g)[1:, 2:]], 16
     yield "numpy", [np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5)[::-1].copy(),
                     np.array(True), np.zeros((0, 3), np.int8), np.arange(6, dtype=np.complex64)], 16
-    yield "mixed-align2", [rand_tensor(dts[rng.randrange(len(dts))], (rng.randint(0, 4), 2), g)
+    yield "mixed-align2", [random_tensor(dts[rng.randrange(len(dts))], (rng.randint(0, 4), 2), g)
                            for _ in range(12)], 2
 
 
