@@ -1,6 +1,7 @@
 /*
  * module.h - the state of the _engine module, shared by the files that talk
- * to Python (module.c, traverse.c). Everything torch-specific arrives from
+ * to Python (module.c, handle.c, copy.c, outputs.c, collate.c, traverse.c),
+ * and the calling-thread counters that stats() reports. Everything torch-specific arrives from
  * mtc_loader/_setup.py through _engine._setup(): the engine never imports torch
  * itself and never links against it.
  */
@@ -59,5 +60,16 @@ typedef struct mtc_state {
     PyObject *kw_dtype_device;   /* ("dtype", "device") */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
+
+static inline mtc_state *mtc_get_state(PyObject *module) { return (mtc_state *)PyModule_GetState(module); }
+
+/* Calling-thread counters of start_copy / get() (the GIL serialises their
+ * updates); defined in module.c, reported by stats(). */
+typedef struct mtc_counters {
+    uint64_t calls, leaves, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
+        made_contiguous, segments, chunks;
+    uint64_t ns_traverse, ns_plan, ns_outputs, ns_views, ns_wait;
+} mtc_counters;
+extern mtc_counters mtc_cnt;
 
 #endif /* MTC_MODULE_H */

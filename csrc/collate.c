@@ -1,0 +1,455 @@
+/*
+ * collate.c - the packed-batch side (mtc_loader/collate.py): the Arena type,
+ * pack() in a DataLoader worker (every leaf of a batch written into one arena
+ * region, described by a layout and a skeleton) and unpack() in the main
+ * process (the region becomes the output structure with one DMA). See collate.h.
+ */
+#include "collate.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "copy.h"
+#include "cuda.h"
+#include "handle.h"
+#include "hostcopy.h"
+#include "layout.h"
+#include "outputs.h"
+#include "traverse.h"
+
+typedef struct {
+    PyObject_HEAD
+    mtc_arena *a;
+    int registered_dev;  /* device it was page-locked with, -1 none */
+} ArenaObject;
+
+static mtc_arena *_arena_of(mtc_state *st, PyObject *o)
+{
+    if (!PyObject_TypeCheck(o, st->arena_type)) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: expected an _engine.Arena");
+        return NULL;
+    }
+    return ((ArenaObject *)o)->a;
+}
+
+static PyObject *_arena_wrap(mtc_state *st, mtc_arena *a)
+{
+    ArenaObject *o = PyObject_New(ArenaObject, st->arena_type);
+    if (!o) {
+        mtc_arena_unref(a);
+        return NULL;
+    }
+    Py_INCREF(st->arena_type);
+    o->a = a;
+    o->registered_dev = -1;
+    return (PyObject *)o;
+}
+
+static void Arena_dealloc(ArenaObject *o)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    if (o->a) {
+        if (o->registered_dev >= 0) {
+            /* DMAs in flight hold references (released by their completion
+             * callbacks): unregister only once none reads the arena */
+            Py_BEGIN_ALLOW_THREADS
+            while (mtc_load_acquire(&o->a->refs) > 1) sched_yield();
+            if (!mtc_cuda_set_device(o->registered_dev)) mtc_cu.cuMemHostUnregister(o->a->base);
+            Py_END_ALLOW_THREADS
+        }
+        mtc_arena_unref(o->a);
+    }
+    tp->tp_free((PyObject *)o);
+    Py_DECREF(tp);
+}
+
+static PyObject *Arena_fileno(ArenaObject *o, PyObject *unused) { return PyLong_FromLong(o->a->fd); }
+
+static PyObject *Arena_stats(ArenaObject *o, PyObject *unused)
+{
+    mtc_arena_stats s;
+    mtc_arena_get_stats(o->a, &s);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsi}", "bytes", s.bytes, "slot_bytes", s.slot_bytes,
+                         "slots", s.nslots, "allocs", s.allocs, "frees", s.frees, "waits", s.waits,
+                         "timeouts", s.timeouts, "reclaimed_slots", s.reclaims, "slots_in_use",
+                         s.slots_in_use, "bytes_in_use", s.slots_in_use * s.slot_bytes,
+                         "high_water_slots", s.high_water, "registered", o->registered_dev >= 0);
+}
+
+static PyObject *Arena_reclaim_dead(ArenaObject *o, PyObject *unused)
+{
+    uint64_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = mtc_arena_reclaim_dead(o->a, (uint32_t)getpid());
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+static PyObject *Arena_release(ArenaObject *o, PyObject *args)
+{
+    unsigned long long off;
+    unsigned int owner;
+    if (!PyArg_ParseTuple(args, "KI", &off, &owner)) return NULL;
+    return PyBool_FromLong(mtc_arena_free(o->a, off, owner) == 0);
+}
+
+static PyObject *Arena_adopt(ArenaObject *o, PyObject *args)
+{
+    unsigned long long off;
+    unsigned int owner;
+    if (!PyArg_ParseTuple(args, "KI", &off, &owner)) return NULL;
+    uint32_t me = (uint32_t)getpid();
+    if (owner != me && mtc_arena_retag(o->a, off, owner, me)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "mtc_loader: a packed batch names arena region %llu of process %u, which does not "
+                     "hold it (a stale or forged descriptor, or the region was reclaimed)", off, owner);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(me);
+}
+
+static PyObject *Arena_valid(ArenaObject *o, PyObject *unused) { return PyBool_FromLong(mtc_arena_valid(o->a)); }
+
+static PyMethodDef Arena_methods[] = {
+    {"fileno", (PyCFunction)Arena_fileno, METH_NOARGS, "The arena's memfd."},
+    {"stats", (PyCFunction)Arena_stats, METH_NOARGS, "Allocator counters."},
+    {"reclaim_dead", (PyCFunction)Arena_reclaim_dead, METH_NOARGS, "Free regions of dead processes."},
+    {"release", (PyCFunction)Arena_release, METH_VARARGS, "release(offset, owner): free a region."},
+    {"adopt", (PyCFunction)Arena_adopt, METH_VARARGS, "adopt(offset, owner): take over a region."},
+    {"valid", (PyCFunction)Arena_valid, METH_NOARGS, "Invariant check (quiescent arena)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Arena_slots[] = {
+    {Py_tp_dealloc, Arena_dealloc},
+    {Py_tp_methods, Arena_methods},
+    {Py_tp_doc, "A shared arena mapping (wrapped by mtc_loader.collate.Arena)."},
+    {0, NULL},
+};
+
+PyType_Spec mtc_arena_spec = {
+    .name = "mtc_loader._engine.Arena",
+    .basicsize = sizeof(ArenaObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = Arena_slots,
+};
+
+PyObject *mtc_collate_arena_create(PyObject *module, PyObject *arg)
+{
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    mtc_arena *a;
+    int rc = mtc_arena_create((size_t)n, &a);
+    if (rc) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return _arena_wrap(mtc_get_state(module), a);
+}
+
+PyObject *mtc_collate_arena_attach(PyObject *module, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    mtc_arena *a;
+    int rc = mtc_arena_attach(fd, &a);
+    if (rc == -EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: that file descriptor is not an mtc_loader arena");
+        return NULL;
+    }
+    if (rc) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return _arena_wrap(mtc_get_state(module), a);
+}
+
+/* pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)
+ * In a DataLoader worker: every tensor / numpy leaf of data is written into
+ * one arena region, laid out by the planner as one chunk. */
+PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s)");
+        return NULL;
+    }
+    mtc_arena *a = _arena_of(st, args[0]);
+    if (!a) return NULL;
+    mtc_plan_opts o;
+    mtc_plan_default_opts(&o, 0); /* "to a device": every host leaf is packed */
+    o.align = PyLong_AsLongLong(args[2]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (o.align < 1 || o.align > MTC_LAYOUT_MAX_ALIGN || (o.align & (o.align - 1))) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: the arena alignment must be a power of two <= 4096");
+        return NULL;
+    }
+    o.max_chunk = o.pack_limit = INT64_MAX / 4; /* one chunk, whatever the sizes */
+    mtc_tree t;
+    memset(&t, 0, sizeof t);
+    mtc_plan plan;
+    memset(&plan, 0, sizeof plan);
+    mtc_job *job = NULL;
+    PyObject *res = NULL, *layout = NULL, *skeleton = NULL, **slots = NULL;
+    uint64_t off = 0;
+    int have_region = 0;
+    uint32_t me = (uint32_t)getpid();
+    if (mtc_traverse(st, args[1], &t)) goto out;
+    if (t.any_cuda) {
+        for (uint32_t i = 0; i < t.nleaves; i++)
+            if (t.leaves[i].dev >= 0) {
+                PyObject *path = mtc_leaf_path(&t, i);
+                if (path) {
+                    PyErr_Format(PyExc_TypeError, "mtc_loader: %U is a CUDA tensor; PackedCollate packs host "
+                                 "tensors in DataLoader workers (move it to the GPU after loading)", path);
+                    Py_DECREF(path);
+                }
+                goto out;
+            }
+    }
+    int rc = mtc_plan_build(&plan, t.leaves, t.nleaves, t.shape, &o);
+    if (rc) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: planning the packed batch failed (%s)", strerror(-rc));
+        goto out;
+    }
+    int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mtc_arena_alloc(a, (uint64_t)(payload ? payload : 1), me,
+                         timeout < 0 ? -1 : (int64_t)(timeout * 1e9), &off);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        mtc_arena_stats as;
+        mtc_arena_get_stats(a, &as);
+        if (rc == -E2BIG || rc == -ETIMEDOUT)
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
+                         "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                         "(this batch rounded up to the arena's 64 KiB slots)",
+                         (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
+                         rc == -E2BIG ? "is too small for" : "stayed full too long to take",
+                         (long long)payload,
+                         (long long)((payload + (int64_t)as.slot_bytes - 1) / (int64_t)as.slot_bytes *
+                                     (int64_t)as.slot_bytes));
+        else
+            PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
+        goto out;
+    }
+    have_region = 1;
+    /* stage every leaf into the region (the GIL released; helpers for big ones) */
+    if (t.nleaves) {
+        if (!(job = mtc_job_new(1, t.nleaves))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        job->target = MTC_DEV_CPU;
+        job->ops[0].kind = MTC_OP_HOST_COPY;
+        job->ops[0].dev = -1;
+        job->ops[0].first = 0;
+        job->ops[0].count = t.nleaves;
+        for (uint32_t i = 0; i < t.nleaves; i++)
+            mtc_item_of_leaf(&job->items[i], &t, i,
+                      (uintptr_t)(a->base + off + (uint64_t)mtc_plan_leaf_offset(&plan, &t.leaves[i])));
+        job->nops = 1;
+        job->nitems = t.nleaves;
+        Py_BEGIN_ALLOW_THREADS
+        mtc_job_run(job);
+        Py_END_ALLOW_THREADS
+    }
+    size_t lsize = mtc_layout_size(t.leaves, t.nleaves, &plan);
+    if (!(layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lsize))) goto out;
+    if ((rc = mtc_layout_encode(t.leaves, t.nleaves, t.shape, &plan, (uint8_t *)PyBytes_AS_STRING(layout), lsize))) {
+        PyErr_Format(PyExc_SystemError, "mtc_loader: layout encoding failed (%d)", rc);
+        goto out;
+    }
+    slots = PyMem_Malloc((t.nleaves ? t.nleaves : 1) * sizeof *slots);
+    if (!slots) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (uint32_t i = 0; i < t.nleaves; i++) slots[i] = st->leaf_slot;
+    if (!(skeleton = mtc_rebuild(st, &t, slots))) goto out;
+    res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton);
+    if (res) have_region = 0; /* handed to the descriptor */
+out:
+    if (have_region) mtc_arena_free(a, off, me);
+    if (job) mtc_job_release(job);
+    PyMem_Free(slots);
+    Py_XDECREF(layout);
+    Py_XDECREF(skeleton);
+    mtc_plan_free(&plan);
+    mtc_tree_clear(&t);
+    return res;
+}
+
+typedef struct _region_ref { mtc_arena *a; uint64_t off; uint32_t owner; } _region_ref;
+
+/* Runs on a CUDA driver thread once the DMA that read the region completed. */
+static void _region_done(void *arg)
+{
+    _region_ref *r = arg;
+    mtc_arena_free(r->a, r->off, r->owner);
+    mtc_arena_unref(r->a);
+    free(r);
+}
+
+/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> mtc_handle
+ * In the main process: the region (already adopted by this process) becomes
+ * the output structure on `target`, straight from the arena. */
+PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background)");
+        return NULL;
+    }
+    ArenaObject *ao = (ArenaObject *)args[0];
+    mtc_arena *a = _arena_of(st, args[0]);
+    if (!a) return NULL;
+    unsigned long long off = PyLong_AsUnsignedLongLong(args[1]);
+    long long nbytes = PyLong_AsLongLong(args[2]);
+    unsigned long owner = PyLong_AsUnsignedLong(args[3]);
+    int target = (int)PyLong_AsLong(args[6]);
+    int background = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyBytes_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: a packed batch's layout must be bytes");
+        return NULL;
+    }
+    if (nbytes < 0 || mtc_arena_check(a, off, (uint64_t)(nbytes ? nbytes : 1), (uint32_t)owner)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
+                        "part of the arena (a stale or forged descriptor)");
+        return NULL;
+    }
+    mtc_layout L;
+    int rc = mtc_layout_decode((const uint8_t *)PyBytes_AS_STRING(args[4]), (size_t)PyBytes_GET_SIZE(args[4]),
+                               st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, &L);
+    if (rc || (L.nleaves && L.plan.chunks[0].payload != nbytes)) {
+        if (!rc) mtc_layout_free(&L);
+        /* the batch is consumed: its region goes back, or nobody would free it */
+        mtc_arena_free(a, off, (uint32_t)owner);
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
+                        "match its region (a corrupt or forged descriptor)");
+        return NULL;
+    }
+    mtc_handle *h = mtc_handle_new(st);
+    if (!h) {
+        mtc_layout_free(&L);
+        mtc_arena_free(a, off, (uint32_t)owner);
+        return NULL;
+    }
+    PyObject **outputs = NULL, *chunk = NULL, *dev_obj = NULL;
+    mtc_job *job = NULL;
+    int region_owned = 1; /* freed here on error, unless handed to a DMA callback */
+    mtc_tree *t = &h->tree;
+    t->slots = 1;
+    if (mtc_traverse(st, args[5], t)) goto error;
+    if (t->nslots != L.nleaves || t->nleaves) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
+        goto error;
+    }
+    int64_t align = L.nleaves ? L.plan.chunks[0].align : 1, payload = nbytes;
+    if (target >= 0) {
+        if ((rc = mtc_cuda_load()) || (rc = mtc_cuda_set_device(target))) goto cuda_error;
+        if (ao->registered_dev < 0) {
+            /* page-lock the whole arena once: DMAs then read it in place */
+            rc = MTC_CUDA_ERR(mtc_cu.cuMemHostRegister(a->base, a->bytes, MTC_CU_MEMHOSTREGISTER_PORTABLE));
+            if (rc == MTC_CUDA_ERR(0)) rc = 0;
+            if (rc) goto cuda_error;
+            ao->registered_dev = target;
+        }
+    }
+    if (!(dev_obj = mtc_out_device(st, target))) goto error;
+    PyObject *shape = Py_BuildValue("(L)", (long long)(payload + align - 1));
+    if (!shape) goto error;
+    chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0);
+    Py_DECREF(shape);
+    if (!chunk) goto error;
+    uintptr_t ptr;
+    if (mtc_out_data_ptr(st, chunk, &ptr)) goto error;
+    Py_ssize_t skip = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
+    if (target < 0) {
+        /* CPU: copy out of the arena (never a view of memory that is reused) */
+        Py_BEGIN_ALLOW_THREADS
+        mtc_memcpy_parallel((void *)(ptr + (uintptr_t)skip), a->base + off, (size_t)payload);
+        Py_END_ALLOW_THREADS
+        mtc_arena_free(a, off, (uint32_t)getpid());
+        region_owned = 0;
+    } else {
+        if (!(job = mtc_job_new(1, 1))) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        _region_ref *ref = malloc(sizeof *ref);
+        if (!ref) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        mtc_arena_ref(a);
+        ref->a = a;
+        ref->off = off;
+        ref->owner = (uint32_t)getpid();
+        job->target = target;
+        job->staging = 0;
+        job->dev_mask = 1ull << target;
+        job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
+                               .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
+        job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = ptr + (uintptr_t)skip,
+                                   .nbytes = payload, .dev = -1, .leaf = -1};
+        job->nops = job->nitems = 1;
+        region_owned = 0; /* the job's op frees it, whatever happens */
+        if (mtc_out_capture_streams(st, job)) {
+            _region_done(ref);
+            goto error;
+        }
+        if (background && (rc = mtc_job_submit(job)) == 0) {
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            mtc_job_run(job);
+            Py_END_ALLOW_THREADS
+        }
+        h->job = job;
+        job = NULL;
+    }
+    outputs = PyMem_Calloc(L.nleaves ? L.nleaves : 1, sizeof *outputs);
+    if (!outputs) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    mtc_tree lt;
+    memset(&lt, 0, sizeof lt);
+    lt.leaves = L.leaves;
+    lt.shape = L.shape;
+    PyObject *chunks[1] = {chunk};
+    if (mtc_out_views(st, &lt, &L.plan, chunks, &skip, outputs)) goto error;
+    if (!(h->result = mtc_rebuild(st, t, outputs))) goto error;
+    for (uint32_t i = 0; i < L.nleaves; i++) Py_XDECREF(outputs[i]);
+    PyMem_Free(outputs);
+    Py_XDECREF(chunk);
+    Py_XDECREF(dev_obj);
+    mtc_layout_free(&L);
+    if (!h->job) mtc_handle_finish(h);
+    return (PyObject *)h;
+
+cuda_error: {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s", target, desc);
+    }
+error:
+    if (region_owned) mtc_arena_free(a, off, (uint32_t)getpid());
+    if (job) mtc_job_release(job);
+    if (outputs)
+        for (uint32_t i = 0; i < L.nleaves; i++) Py_XDECREF(outputs[i]);
+    PyMem_Free(outputs);
+    Py_XDECREF(chunk);
+    Py_XDECREF(dev_obj);
+    mtc_layout_free(&L);
+    Py_DECREF(h);
+    return NULL;
+}

@@ -1,0 +1,40 @@
+/*
+ * handle.h - the engine side of one copy in flight, wrapped in Python by
+ * mtc_loader.handle.AsyncCopyHandle: the job, the inputs and skeleton it must
+ * keep alive until the job completes, and the result (or the error every
+ * get() raises).
+ *
+ * Created by the start_copy pipeline (copy.c) and by unpack (collate.c);
+ * get() waits for the job with the GIL released, in slices so that Ctrl-C
+ * interrupts the wait. GIL held in every function here.
+ */
+#ifndef MTC_HANDLE_H
+#define MTC_HANDLE_H
+
+#include "module.h"
+#include "transfer.h"
+#include "traverse.h"
+
+typedef struct mtc_handle {
+    PyObject_HEAD
+    mtc_state *st;
+    mtc_job *job;        /* NULL: nothing to wait for */
+    mtc_tree tree;       /* inputs and skeleton; cleared once the job completed */
+    PyObject *result;    /* the rebuilt structure */
+    int finished;        /* completion handled (inputs released, error reported) */
+    PyObject *error;     /* the exception of a failed copy, raised by every get() */
+} mtc_handle;
+
+/* The heap type's spec (module.c creates the type in its exec slot). */
+extern PyType_Spec mtc_handle_spec;
+
+/* A new, empty handle (no job, empty tree). New reference, or NULL with an
+ * exception set. */
+mtc_handle *mtc_handle_new(mtc_state *st);
+
+/* Releases the inputs once the job completed and turns a failed job into
+ * h->error (naming the leaf). Idempotent. Precondition: the job completed,
+ * or there is none. */
+void mtc_handle_finish(mtc_handle *h);
+
+#endif /* MTC_HANDLE_H */

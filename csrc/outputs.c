@@ -1,0 +1,224 @@
+/*
+ * outputs.c - the torch side of the outputs: new tensors from torch.empty, their
+ * data pointers, output views over packed chunks, device objects and the capture
+ * of current streams. The only file that calls torch's tensor API (see outputs.h).
+ */
+#include "outputs.h"
+
+#include <string.h>
+
+PyObject *mtc_out_shape(const mtc_tree *t, const mtc_leaf *l, int from)
+{
+    PyObject *s = PyTuple_New(l->ndim - from);
+    if (!s) return NULL;
+    for (int d = from; d < l->ndim; d++) {
+        PyObject *v = PyLong_FromLongLong(t->shape[l->dims + d]);
+        if (!v) {
+            Py_DECREF(s);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(s, d - from, v);
+    }
+    return s;
+}
+
+/* torch.empty(shape, dtype=dtype, device=device[, pin_memory=True]). New reference. */
+PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObject *device, int pin)
+{
+    PyObject *args[4] = {shape, dtype, device, Py_True};
+    return PyObject_Vectorcall(st->torch_empty, args, 1, pin ? st->kw_dtype_device_pin : st->kw_dtype_device);
+}
+
+int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out)
+{
+    PyObject *v = PyObject_VectorcallMethod(st->s_data_ptr, &tensor, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (!v) return -1;
+    *out = (uintptr_t)PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *_call_method(PyObject *obj, PyObject *name, PyObject *const *args, size_t nargs)
+{
+    PyObject *stack[8];
+    stack[0] = obj;
+    for (size_t i = 0; i < nargs; i++) stack[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, stack, (nargs + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Creates the output views of one segment with a handful of torch calls and
+ * stores them (new references) in outputs[]. region: uint8 tensor of the
+ * segment's bytes. */
+static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
+                          PyObject *region, PyObject **outputs)
+{
+    const mtc_leaf *proto = &t->leaves[s->proto];
+    PyObject *typed = NULL, *shaped = NULL, *parts = NULL, *tmp = NULL, *arg = NULL;
+    int rc = -1;
+    PyObject *dtype = st->dtypes[proto->dtype];
+    if (!(typed = _call_method(region, st->s_view, &dtype, 1))) goto out;
+
+    if (s->kind == MTC_SEG_UNIFORM && s->count == 1) {
+        if (!(arg = mtc_out_shape(t, proto, 0))) goto out;
+        PyObject *v = _call_method(typed, st->s_view, &arg, 1);
+        if (!v) goto out;
+        outputs[p->members[s->first]] = v;
+        rc = 0;
+        goto out;
+    }
+    if (s->kind == MTC_SEG_UNIFORM) {
+        /* members at a fixed slot: one as_strided view (count, *shape), unbound */
+        int nd = proto->ndim;
+        PyObject *size = PyTuple_New(nd + 1), *stride = PyTuple_New(nd + 1);
+        if (!size || !stride) {
+            Py_XDECREF(size);
+            Py_XDECREF(stride);
+            goto out;
+        }
+        PyTuple_SET_ITEM(size, 0, PyLong_FromLongLong(s->count));
+        PyTuple_SET_ITEM(stride, 0, PyLong_FromLongLong(s->row_bytes / proto->elsize));
+        int64_t st_el = 1;
+        for (int d = nd - 1; d >= 0; d--) {
+            int64_t dim = t->shape[proto->dims + d];
+            PyTuple_SET_ITEM(size, d + 1, PyLong_FromLongLong(dim));
+            PyTuple_SET_ITEM(stride, d + 1, PyLong_FromLongLong(st_el));
+            st_el *= dim > 1 ? dim : 1;
+        }
+        PyObject *a2[2] = {size, stride};
+        shaped = _call_method(typed, st->s_as_strided, a2, 2);
+        Py_DECREF(size);
+        Py_DECREF(stride);
+        if (!shaped) goto out;
+        PyObject *zero = PyLong_FromLong(0);
+        parts = _call_method(shaped, st->s_unbind, &zero, 1);
+        Py_DECREF(zero);
+        if (!parts) goto out;
+        if (!PyTuple_Check(parts) && !PyList_Check(parts)) goto bad;
+        PyObject *fast = PySequence_Fast(parts, "unbind");
+        if (!fast) goto out;
+        if (PySequence_Fast_GET_SIZE(fast) != (Py_ssize_t)s->count) {
+            Py_DECREF(fast);
+            goto bad;
+        }
+        for (uint32_t k = 0; k < s->count; k++)
+            outputs[p->members[s->first + k]] = Py_NewRef(PySequence_Fast_GET_ITEM(fast, k));
+        Py_DECREF(fast);
+        rc = 0;
+        goto out;
+    }
+    /* SPLIT: view the segment as (rows, *trailing), cut at member starts. */
+    {
+        PyObject *trail = mtc_out_shape(t, proto, 1);
+        if (!trail) goto out;
+        PyObject *full = PyTuple_New(proto->ndim);
+        if (!full) {
+            Py_DECREF(trail);
+            goto out;
+        }
+        PyTuple_SET_ITEM(full, 0, PyLong_FromLongLong(s->rows));
+        for (int d = 1; d < proto->ndim; d++) PyTuple_SET_ITEM(full, d, Py_NewRef(PyTuple_GET_ITEM(trail, d - 1)));
+        Py_DECREF(trail);
+        shaped = _call_method(typed, st->s_view, &full, 1);
+        Py_DECREF(full);
+        if (!shaped) goto out;
+        if (!(tmp = PyList_New(0))) goto out;
+        int64_t cursor = 0;
+        for (uint32_t k = 0; k < s->count; k++) {
+            const mtc_leaf *l = &t->leaves[p->members[s->first + k]];
+            int64_t rows = t->shape[l->dims];
+            if (l->slot > cursor) { /* padding rows before this member */
+                PyObject *v = PyLong_FromLongLong(l->slot - cursor);
+                if (!v || PyList_Append(tmp, v)) { Py_XDECREF(v); goto out; }
+                Py_DECREF(v);
+            }
+            PyObject *v = PyLong_FromLongLong(rows);
+            if (!v || PyList_Append(tmp, v)) { Py_XDECREF(v); goto out; }
+            Py_DECREF(v);
+            cursor = l->slot + rows;
+        }
+        if (cursor < s->rows) {
+            PyObject *v = PyLong_FromLongLong(s->rows - cursor);
+            if (!v || PyList_Append(tmp, v)) { Py_XDECREF(v); goto out; }
+            Py_DECREF(v);
+        }
+        if (!(parts = _call_method(shaped, st->s_split_with_sizes, &tmp, 1))) goto out;
+        PyObject *fast = PySequence_Fast(parts, "unsafe_split_with_sizes");
+        if (!fast) goto out;
+        Py_ssize_t j = 0;
+        cursor = 0;
+        for (uint32_t k = 0; k < s->count; k++) {
+            const mtc_leaf *l = &t->leaves[p->members[s->first + k]];
+            if (l->slot > cursor) j++; /* skip the padding piece */
+            if (j >= PySequence_Fast_GET_SIZE(fast)) {
+                Py_DECREF(fast);
+                goto bad;
+            }
+            outputs[p->members[s->first + k]] = Py_NewRef(PySequence_Fast_GET_ITEM(fast, j++));
+            cursor = l->slot + t->shape[l->dims];
+        }
+        Py_DECREF(fast);
+        rc = 0;
+        goto out;
+    }
+bad:
+    PyErr_SetString(PyExc_SystemError, "mtc_loader: torch returned an unexpected number of views");
+out:
+    Py_XDECREF(typed);
+    Py_XDECREF(shaped);
+    Py_XDECREF(parts);
+    Py_XDECREF(tmp);
+    Py_XDECREF(arg);
+    return rc;
+}
+
+/* Creates the output views of every segment of plan p over the chunk
+ * tensors (uint8; the chunk's aligned base is chunk_skip[c] bytes in) and
+ * stores them (new references) in outputs[]. 0 or -1 with an exception. */
+int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
+                       const Py_ssize_t *chunk_skip, PyObject **outputs)
+{
+    for (uint32_t s = 0; s < p->nsegs; s++) {
+        const mtc_seg *sg = &p->segs[s];
+        Py_ssize_t off = chunk_skip[sg->chunk] + (Py_ssize_t)sg->offset;
+        PyObject *lo = PyLong_FromSsize_t(off), *hi = PyLong_FromSsize_t(off + (Py_ssize_t)sg->bytes);
+        PyObject *slice = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
+        Py_XDECREF(lo);
+        Py_XDECREF(hi);
+        if (!slice) return -1;
+        PyObject *region = PyObject_GetItem(chunk_t[sg->chunk], slice);
+        Py_DECREF(slice);
+        if (!region) return -1;
+        int rc = _segment_views(st, t, p, sg, region, outputs);
+        Py_DECREF(region);
+        if (rc) return -1;
+    }
+    return 0;
+}
+
+PyObject *mtc_out_device(mtc_state *st, int dev)
+{
+    if (dev < 0) return Py_NewRef(st->device_cpu);
+    PyObject *i = PyLong_FromLong(dev);
+    if (!i) return NULL;
+    PyObject *d = PyObject_CallOneArg(st->cuda_device, i);
+    Py_DECREF(i);
+    return d;
+}
+
+/* Captures the current raw stream of each involved CUDA device. */
+
+int mtc_out_capture_streams(mtc_state *st, mtc_job *j)
+{
+    for (int d = 0; d < MTC_MAX_DEVICES; d++) {
+        if (!(j->dev_mask & (1ull << d))) continue;
+        PyObject *i = PyLong_FromLong(d);
+        if (!i) return -1;
+        PyObject *s = PyObject_CallOneArg(st->raw_stream, i);
+        Py_DECREF(i);
+        if (!s) return -1;
+        j->streams[d] = (CUstream)PyLong_AsVoidPtr(s);
+        Py_DECREF(s);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,39 @@
+/*
+ * outputs.h - the torch boundary of the outputs (GIL held everywhere): new
+ * tensors from torch.empty, their data pointers, the output views of packed
+ * segments over a chunk buffer (a handful of torch calls per segment, not one
+ * per tensor), device objects, and the capture of each device's current
+ * stream. Functions return 0 / a new reference, or -1 / NULL with an
+ * exception set. Names starting with `_` are internal to outputs.c.
+ */
+#ifndef MTC_OUTPUTS_H
+#define MTC_OUTPUTS_H
+
+#include "module.h"
+#include "plan.h"
+#include "transfer.h"
+#include "traverse.h"
+
+/* The shape of leaf l from dimension `from` on, as a tuple. New reference. */
+PyObject *mtc_out_shape(const mtc_tree *t, const mtc_leaf *l, int from);
+
+/* torch.empty(shape, dtype=dtype, device=device[, pin_memory=True]). New reference. */
+PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObject *device, int pin);
+
+/* tensor.data_ptr() into *out. 0 or -1. */
+int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
+
+/* Creates the output views of every segment of plan p over the chunk tensors
+ * chunk_t (uint8; chunk c's aligned base is chunk_skip[c] bytes in) and
+ * stores them (new references) in outputs[]. 0 or -1. */
+int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
+                  const Py_ssize_t *chunk_skip, PyObject **outputs);
+
+/* torch.device("cpu") for dev < 0, torch.device("cuda", dev) otherwise. New reference. */
+PyObject *mtc_out_device(mtc_state *st, int dev);
+
+/* Captures the current raw stream of every device in j->dev_mask into
+ * j->streams (the calling thread's current streams). 0 or -1. */
+int mtc_out_capture_streams(mtc_state *st, mtc_job *j);
+
+#endif /* MTC_OUTPUTS_H */
