@@ -55,23 +55,24 @@ int mtc_flag_is_set(mtc_flag *f)
     return mtc_load_acquire(&f->v) != 0; /* pairs with mtc_flag_set's release */
 }
 
-int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns)
+int mtc_futex_wait_while(_Atomic uint32_t *word, uint32_t busy, int spins, int64_t timeout_ns)
 {
+    /* the acquire pairs with the setter's release store (mtc_flag_set, the
+     * transfer thread's _publish): what it wrote before is visible */
     int64_t deadline = timeout_ns >= 0 ? _now_ns() + timeout_ns : 0;
-    for (int spin = 0; spin < 64; spin++) {
-        if (mtc_flag_is_set(f)) return 0;
+    for (int spin = 0; spin < spins; spin++) {
+        if (mtc_load_acquire(word) != busy) return 0;
         mtc_cpu_relax();
     }
-    while (!mtc_flag_is_set(f)) {
+    while (mtc_load_acquire(word) == busy) {
         int64_t left = -1;
-        if (timeout_ns >= 0) {
-            left = deadline - _now_ns();
-            if (left <= 0) return -ETIMEDOUT;
-        }
-        mtc_futex_wait(&f->v, 0, left);
+        if (timeout_ns >= 0 && (left = deadline - _now_ns()) <= 0) return -ETIMEDOUT;
+        mtc_futex_wait(word, busy, left);
     }
     return 0;
 }
+
+int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns) { return mtc_futex_wait_while(&f->v, 0, 64, timeout_ns); }
 
 /* ---- the helper pool ---- */
 

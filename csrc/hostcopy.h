@@ -30,6 +30,9 @@ int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns);
 /* futex helpers over a 32-bit word */
 void mtc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns);
 void mtc_futex_wake_all(_Atomic uint32_t *addr);
+/* Waits while *word == busy: spins `spins` times, then sleeps on the futex.
+ * 0 once the word changed, -ETIMEDOUT after timeout_ns (< 0: forever). */
+int mtc_futex_wait_while(_Atomic uint32_t *word, uint32_t busy, int spins, int64_t timeout_ns);
 
 typedef void (*mtc_task_fn)(void *arg, uint32_t index);
 

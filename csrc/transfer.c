@@ -83,17 +83,7 @@ int mtc_job_complete(mtc_job *j)
 
 int mtc_job_wait(mtc_job *j, int64_t timeout_ns)
 {
-    int64_t deadline = timeout_ns >= 0 ? mtc_now_ns() + timeout_ns : 0;
-    for (int spin = 0; spin < 200; spin++) {
-        if (mtc_job_complete(j)) return 0;
-        mtc_cpu_relax();
-    }
-    while (!mtc_job_complete(j)) {
-        int64_t left = -1;
-        if (timeout_ns >= 0 && (left = deadline - mtc_now_ns()) <= 0) return -ETIMEDOUT;
-        mtc_futex_wait(&j->state, MTC_JOB_PENDING, left);
-    }
-    return 0;
+    return mtc_futex_wait_while(&j->state, MTC_JOB_PENDING, 200, timeout_ns);
 }
 
 static void _publish(mtc_job *j)
@@ -601,7 +591,7 @@ static int _ops_d2d(_run *r, const mtc_op *ops, uint32_t nops)
     const mtc_item *first = &j->items[ops[0].first];
     int src = first->dev, dst = ops[0].dev;
     int rc;
-    CUevent ev;
+    CUevent ev = NULL;
     /* Order the copies after the work queued on the source's captured stream. */
     if ((rc = _use_dev(r, src))) return _fail(r, rc, first->leaf, "selecting the source device");
     if ((rc = _event_of(src, &ev))) return _fail(r, rc, first->leaf, "creating an event");

@@ -1,94 +1,10 @@
 """Hands the engine the torch objects it needs: it never imports torch itself."""
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import torch
 
-from . import _engine, _tree
-from .collate import LEAF
-
-# Flags understood by the engine (csrc/module.h).
-_DT_FLOAT, _DT_COMPLEX = 0x1, 0x2
-
-_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
-              if hasattr(torch, n)}
-
-
-def _bytewise_dtypes() -> list[torch.dtype]:
-    """Every torch dtype whose tensors can be rebuilt from raw bytes with ``.view(dtype)``."""
-    seen, out = set(), []
-    for name in dir(torch):
-        dt = getattr(torch, name)
-        if not isinstance(dt, torch.dtype) or dt in seen or dt in _QUANTIZED:
-            continue
-        seen.add(dt)
-        try:
-            size = dt.itemsize
-            with warnings.catch_warnings():  # "ComplexHalf support is experimental"
-                warnings.simplefilter("ignore")
-                _probe(dt, size)
-        except Exception:
-            continue
-        out.append(dt)
-    # a stable order, so that codes are the same in every process
-    out.sort(key=str)
-    return out
-
-
-def _probe(dt: torch.dtype, size: int) -> None:
-    """Raises unless torch can view bytes as dt and copy dt (shell dtypes such as uint1..7 /
-    int1..7 can be viewed on some torch versions but not copied)."""
-    torch.empty(2 * size, dtype=torch.uint8).view(dt).clone()
-
-
-DTYPES = _bytewise_dtypes()
-_SUPPORTED = set(DTYPES)
-
-
-def supported_dtype(dt: torch.dtype) -> bool:
-    return dt in _SUPPORTED
-
-
-def _flags(dt: torch.dtype) -> int:
-    if dt.is_complex:
-        return _DT_COMPLEX
-    if dt.is_floating_point:
-        return _DT_FLOAT
-    return 0
-
-
-def _numpy_table() -> dict[int, int]:
-    """numpy type number -> engine dtype code, by kind and size (``long`` and ``longlong``
-    are distinct numpy types of the same size)."""
-    code = {dt: i for i, dt in enumerate(DTYPES)}
-    by_kind = {("b", 1): torch.bool, ("i", 1): torch.int8, ("i", 2): torch.int16,
-               ("i", 4): torch.int32, ("i", 8): torch.int64, ("u", 1): torch.uint8,
-               ("u", 2): torch.uint16, ("u", 4): torch.uint32, ("u", 8): torch.uint64,
-               ("f", 2): torch.float16, ("f", 4): torch.float32, ("f", 8): torch.float64,
-               ("c", 8): torch.complex64, ("c", 16): torch.complex128}
-    table = {}
-    for c in "?bBhHiIlLqQefdFD":
-        npdt = np.dtype(c)
-        tdt = by_kind.get((npdt.kind, npdt.itemsize))
-        if tdt in code:
-            table[npdt.num] = code[tdt]
-    return table
-
-
-def _numpy_zero_copy() -> list[int]:
-    """numpy type numbers that torch.from_numpy accepts (it refuses e.g. ``ulonglong``,
-    although ``ulong`` is the same size): other arrays are copied."""
-    out = []
-    for c in "?bBhHiIlLqQefdFD":
-        try:
-            torch.from_numpy(np.zeros(1, dtype=c))
-        except TypeError:
-            continue
-        out.append(np.dtype(c).num)
-    return out
-
+from . import _dtypes, _engine, _tree
+from ._dtypes import DTYPES, supported_dtype  # noqa: F401  (re-exported for tests and tools)
 
 _CUDA_DEVICES: dict[int, torch.device] = {}
 
@@ -111,15 +27,15 @@ _engine._setup({
     "raw_stream": getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_unavailable),
     "uint8": torch.uint8,
     "device_cpu": torch.device("cpu"),
-    "dtypes": [(dt, dt.itemsize, _flags(dt)) for dt in DTYPES],
-    "numpy": _numpy_table(),
-    "numpy_zero_copy": _numpy_zero_copy(),
+    "dtypes": [(dt, dt.itemsize, _dtypes.flags(dt)) for dt in DTYPES],
+    "numpy": _dtypes.numpy_table(),
+    "numpy_zero_copy": _dtypes.numpy_zero_copy(),
     "classify": _tree.classify,
     "flatten": _tree.flatten,
     "unflatten": _tree.unflatten,
     "diagnose": _tree.diagnose,
     "cuda_device": _cuda_device,
-    "leaf_slot": LEAF,
+    "leaf_slot": _tree.LEAF,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
     **{f"d_{n}": torch.Tensor.__dict__.get(n) or getattr(torch._C.TensorBase, "__dict__")[n]
        for n in ("dtype", "shape", "is_cuda")},

@@ -4,7 +4,8 @@ The engine walks exact ``list``, ``tuple`` and ``dict`` in C. For any other type
 :func:`classify` once (the answer is cached per type), and for the containers among them it
 calls :func:`flatten` and, to rebuild, :func:`unflatten`. A leaf that fails the engine's fast
 checks is handed to :func:`diagnose`, which raises an exception naming its path, or returns
-a resolved replacement (lazily conjugated or negated tensors).
+a resolved replacement (lazily conjugated or negated tensors). :data:`LEAF` marks a tensor's place
+in the skeleton of a packed batch.
 """
 from __future__ import annotations
 
@@ -15,9 +16,26 @@ from typing import Any
 import numpy as np
 import torch
 
-LEAF, TENSOR, NDARRAY, GENERIC = 0, 1, 2, 3
+from ._dtypes import supported_dtype
+
+LEAF_KIND, TENSOR, NDARRAY, GENERIC = 0, 1, 2, 3
 
 _NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS = range(5)
+
+
+class _LeafSlot:
+    """The place of a tensor in a packed batch's skeleton (pickled by reference)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "LEAF"
+
+    def __repr__(self) -> str:
+        return "<leaf>"
+
+
+LEAF = _LeafSlot()
 
 
 def classify(tp: type) -> int:
@@ -30,7 +48,7 @@ def classify(tp: type) -> int:
         return GENERIC
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return GENERIC
-    return LEAF
+    return LEAF_KIND
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -117,7 +135,6 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
         if leaf.is_conj() or leaf.is_neg():
             # lazily conjugated/negated views: materialise the values, as .to() would
             return leaf.detach().resolve_conj().resolve_neg()
-        from ._setup import supported_dtype
         if not supported_dtype(leaf.dtype):
             raise TypeError(
                 f"mtc_loader: {path} has dtype {leaf.dtype}, which mtc_loader cannot copy "

@@ -14,24 +14,16 @@ import weakref
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
+from torch.utils.data import default_collate
+
 from . import _engine
+from ._device import target_index
+from ._tree import LEAF
+from .handle import AsyncCopyHandle
 
 __all__ = ["Arena", "PackedBatch", "PackedCollate", "LEAF"]
 
 
-class _LeafSlot:
-    """The place of a tensor in a packed batch's skeleton (pickled by reference)."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> str:
-        return "LEAF"
-
-    def __repr__(self) -> str:
-        return "<leaf>"
-
-
-LEAF = _LeafSlot()
 
 # Arenas of this process by token, so that an unpickled PackedBatch finds its arena.
 _ARENAS: "weakref.WeakValueDictionary[tuple, Arena]" = weakref.WeakValueDictionary()
@@ -127,8 +119,7 @@ class PackedBatch:
     def start_copy(self, device: Any, *, use_background_thread: bool = True, **_ignored: Any):
         """Start the copy of the batch to ``device``: one DMA from the arena for a CUDA target (no
         host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle."""
-        from .copy import AsyncCopyHandle, _target_index
-        target = _target_index(device)
+        target = target_index(device)
         a = self._take()
         h = _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
                            target, bool(use_background_thread))
@@ -184,7 +175,6 @@ class PackedCollate:
                  timeout: float = 60.0, min_packed_alignment_bytes: int = 16,
                  arena: Optional[Arena] = None):
         if collate_fn is None:
-            from torch.utils.data import default_collate
             collate_fn = default_collate
         align = min_packed_alignment_bytes
         if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096 or align & (align - 1):

@@ -7,85 +7,11 @@ import numpy as np
 import torch
 
 from . import _engine
+from ._device import target_index
 from .collate import PackedBatch
+from .handle import AsyncCopyHandle
 
 __all__ = ["AsyncCopyHandle", "start_copy"]
-
-_TARGETS: dict[Any, int] = {}
-
-
-class AsyncCopyHandle:
-    """Handle to an in-progress asynchronous copy started by :func:`start_copy`.
-
-    Use :meth:`ready` to poll for completion without blocking, or :meth:`get` to block until
-    the result is available. The handle must be kept alive until the copy is consumed or goes
-    out of scope; dropping it early triggers a synchronous wait in the destructor to ensure
-    staging buffers are not freed while transfers are in flight.
-    """
-
-    __slots__ = ("_h",)
-
-    def __init__(self, _h: Any) -> None:
-        self._h = _h
-
-    def ready(self) -> bool:
-        """Return whether the copy has completed.
-
-        Returns:
-            bool: ``True`` if the copy has completed (``get()`` would return without
-            blocking), ``False`` otherwise.
-        """
-        return self._h.ready()
-
-    def get(self) -> Any:
-        """Block until the copy is done and return the result.
-
-        The returned structure mirrors the input to :func:`start_copy`, with all tensors copied
-        to the target device. GPU-resident outputs are ready in order on the CUDA stream that
-        was current at ``start_copy`` (like ``tensor.to(device, non_blocking=True)``): work
-        queued on that stream sees the data; ``get()`` does not wait for the GPU to drain.
-
-        Raises:
-            RuntimeError: If the copy failed (``MemoryError`` when out of memory); the message
-                names the leaf by its path in the structure.
-        """
-        return self._h.get()
-
-    def __repr__(self) -> str:
-        return f"<AsyncCopyHandle ready={self.ready()}>"
-
-
-def _target_index(device: Union[str, torch.device, int]) -> int:
-    """-1 for the CPU, the CUDA index otherwise; raises for anything else."""
-    cached = _TARGETS.get(device)
-    if cached is not None:
-        return cached
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"mtc_loader: invalid device {device!r}: {e}") from None
-    if dev.type == "cpu":
-        index = -1
-    elif dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"mtc_loader: device {device!r} requested, but CUDA is not available "
-                "(torch.cuda.is_available() is False)")
-        count = torch.cuda.device_count()
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if not 0 <= index < count:
-            raise ValueError(
-                f"mtc_loader: invalid device {device!r}: this machine has {count} CUDA "
-                f"device(s) (cuda:0 .. cuda:{count - 1})")
-        if dev.index is None:
-            return index  # "cuda" follows the current device: not cached
-    else:
-        raise ValueError(
-            f"mtc_loader: unsupported device type {dev.type!r} in {device!r}; "
-            "mtc_loader copies to 'cpu' and 'cuda[:N]'")
-    if isinstance(device, (str, torch.device)):
-        _TARGETS[device] = index
-    return index
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -183,7 +109,7 @@ def start_copy(
     """
     if isinstance(data, PackedBatch):
         return data.start_copy(device, use_background_thread=use_background_thread)
-    target = _target_index(device)
+    target = target_index(device)
     align = _positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
     max_chunk = _positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
     h = _engine.start_copy(data, target, bool(use_pinned_staging), bool(pack_cpu_tensors),

@@ -5,8 +5,9 @@ import os
 from collections import deque
 from typing import Any, Iterable, Iterator
 
+from ._device import target_index
 from .collate import _ARENAS, PackedBatch
-from .copy import _target_index, start_copy
+from .copy import start_copy
 
 __all__ = ["PrefetchLoader"]
 
@@ -31,7 +32,7 @@ class PrefetchLoader:
     def __init__(self, iterable: Iterable, device: Any, depth: int = 2, **start_copy_options: Any):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
-        _target_index(device)  # fail early on a bad device
+        target_index(device)  # fail early on a bad device
         self.iterable = iterable
         self.device = device
         self.depth = depth

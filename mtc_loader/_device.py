@@ -1,0 +1,42 @@
+"""Device arguments: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``torch.device`` or an int, as the
+engine's target index (-1 for the CPU)."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+_TARGETS: dict[Any, int] = {}
+
+
+def target_index(device: Union[str, torch.device, int]) -> int:
+    """-1 for the CPU, the CUDA index otherwise; raises for anything else."""
+    cached = _TARGETS.get(device)
+    if cached is not None:
+        return cached
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"mtc_loader: invalid device {device!r}: {e}") from None
+    if dev.type == "cpu":
+        index = -1
+    elif dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"mtc_loader: device {device!r} requested, but CUDA is not available "
+                "(torch.cuda.is_available() is False)")
+        count = torch.cuda.device_count()
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if not 0 <= index < count:
+            raise ValueError(
+                f"mtc_loader: invalid device {device!r}: this machine has {count} CUDA "
+                f"device(s) (cuda:0 .. cuda:{count - 1})")
+        if dev.index is None:
+            return index  # "cuda" follows the current device: not cached
+    else:
+        raise ValueError(
+            f"mtc_loader: unsupported device type {dev.type!r} in {device!r}; "
+            "mtc_loader copies to 'cpu' and 'cuda[:N]'")
+    if isinstance(device, (str, torch.device)):
+        _TARGETS[device] = index
+    return index
