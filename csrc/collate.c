@@ -168,9 +168,109 @@ PyObject *mtc_collate_arena_attach(PyObject *module, PyObject *arg)
     return _arena_wrap(mtc_get_state(module), a);
 }
 
+/* ------------------------------------------------------------------ pack */
+
+/* Refuses CUDA leaves: a worker packs host memory. 0, or -1 with TypeError
+ * naming the first CUDA leaf. */
+static int _pack_refuse_cuda(const mtc_tree *t)
+{
+    if (!t->any_cuda) return 0;
+    for (uint32_t i = 0; i < t->nleaves; i++)
+        if (t->leaves[i].dev >= 0) {
+            PyObject *path = mtc_leaf_path(t, i);
+            if (path) {
+                PyErr_Format(PyExc_TypeError, "mtc_loader: %U is a CUDA tensor; PackedCollate packs host "
+                             "tensors in DataLoader workers (move it to the GPU after loading)", path);
+                Py_DECREF(path);
+            }
+            return -1;
+        }
+    return 0;
+}
+
+/* Takes a region of `payload` bytes for this process, waiting up to timeout
+ * seconds (< 0: forever) with the GIL released. 0 and *off, or -1 with an
+ * error that says which arena size to configure. */
+static int _pack_alloc_region(mtc_arena *a, int64_t payload, double timeout, uint32_t me, uint64_t *off)
+{
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mtc_arena_alloc(a, (uint64_t)(payload ? payload : 1), me, timeout < 0 ? -1 : (int64_t)(timeout * 1e9), off);
+    Py_END_ALLOW_THREADS
+    if (!rc) return 0;
+    mtc_arena_stats as;
+    mtc_arena_get_stats(a, &as);
+    if (rc == -E2BIG || rc == -ETIMEDOUT)
+        PyErr_Format(PyExc_RuntimeError,
+                     "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
+                     "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                     "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                     "(this batch rounded up to the arena's 64 KiB slots)",
+                     (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
+                     rc == -E2BIG ? "is too small for" : "stayed full too long to take", (long long)payload,
+                     (long long)((payload + (int64_t)as.slot_bytes - 1) / (int64_t)as.slot_bytes *
+                                 (int64_t)as.slot_bytes));
+    else
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
+    return -1;
+}
+
+/* Writes every leaf of t into the region at `dst` as plan p places them: one
+ * host-copy job run here with the GIL released (helpers for big leaves).
+ * 0, or -1 with MemoryError. */
+static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
+{
+    if (!t->nleaves) return 0;
+    mtc_job *job = mtc_job_new(1, t->nleaves);
+    if (!job) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    job->target = MTC_DEV_CPU;
+    job->ops[0] = (mtc_op){.kind = MTC_OP_HOST_COPY, .dev = -1, .first = 0, .count = t->nleaves};
+    for (uint32_t i = 0; i < t->nleaves; i++)
+        mtc_item_of_leaf(&job->items[i], t, i, (uintptr_t)(dst + mtc_plan_leaf_offset(p, &t->leaves[i])));
+    job->nops = 1;
+    job->nitems = t->nleaves;
+    Py_BEGIN_ALLOW_THREADS
+    mtc_job_run(job);
+    Py_END_ALLOW_THREADS
+    mtc_job_release(job);
+    return 0;
+}
+
+/* The descriptor's layout (bytes) and skeleton (the structure with LEAF in
+ * each tensor's place). 0 with two new references, or -1 with an exception. */
+static int _pack_describe(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject **layout,
+                          PyObject **skeleton)
+{
+    PyObject **slots = NULL;
+    size_t lsize = mtc_layout_size(t->leaves, t->nleaves, p);
+    if (!(*layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lsize))) goto error;
+    int rc = mtc_layout_encode(t->leaves, t->nleaves, t->shape, p, (uint8_t *)PyBytes_AS_STRING(*layout), lsize);
+    if (rc) {
+        PyErr_Format(PyExc_SystemError, "mtc_loader: layout encoding failed (%d)", rc);
+        goto error;
+    }
+    if (!(slots = PyMem_Malloc((t->nleaves ? t->nleaves : 1) * sizeof *slots))) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (uint32_t i = 0; i < t->nleaves; i++) slots[i] = st->leaf_slot;
+    if (!(*skeleton = mtc_rebuild(st, t, slots))) goto error;
+    PyMem_Free(slots);
+    return 0;
+error:
+    PyMem_Free(slots);
+    Py_CLEAR(*layout);
+    return -1;
+}
+
 /* pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)
  * In a DataLoader worker: every tensor / numpy leaf of data is written into
- * one arena region, laid out by the planner as one chunk. */
+ * one arena region, laid out by the planner as one chunk: read the leaves,
+ * plan, take a region, write, describe. New reference, or NULL with an
+ * exception set (the region, if taken, is freed). */
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
@@ -194,98 +294,32 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     memset(&t, 0, sizeof t);
     mtc_plan plan;
     memset(&plan, 0, sizeof plan);
-    mtc_job *job = NULL;
-    PyObject *res = NULL, *layout = NULL, *skeleton = NULL, **slots = NULL;
+    PyObject *res = NULL, *layout = NULL, *skeleton = NULL;
     uint64_t off = 0;
     int have_region = 0;
     uint32_t me = (uint32_t)getpid();
-    if (mtc_traverse(st, args[1], &t)) goto out;
-    if (t.any_cuda) {
-        for (uint32_t i = 0; i < t.nleaves; i++)
-            if (t.leaves[i].dev >= 0) {
-                PyObject *path = mtc_leaf_path(&t, i);
-                if (path) {
-                    PyErr_Format(PyExc_TypeError, "mtc_loader: %U is a CUDA tensor; PackedCollate packs host "
-                                 "tensors in DataLoader workers (move it to the GPU after loading)", path);
-                    Py_DECREF(path);
-                }
-                goto out;
-            }
-    }
+    if (mtc_traverse(st, args[1], &t) || _pack_refuse_cuda(&t)) goto error;
     int rc = mtc_plan_build(&plan, t.leaves, t.nleaves, t.shape, &o);
     if (rc) {
         PyErr_Format(PyExc_ValueError, "mtc_loader: planning the packed batch failed (%s)", strerror(-rc));
-        goto out;
+        goto error;
     }
     int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = mtc_arena_alloc(a, (uint64_t)(payload ? payload : 1), me,
-                         timeout < 0 ? -1 : (int64_t)(timeout * 1e9), &off);
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        mtc_arena_stats as;
-        mtc_arena_get_stats(a, &as);
-        if (rc == -E2BIG || rc == -ETIMEDOUT)
-            PyErr_Format(PyExc_RuntimeError,
-                         "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
-                         "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
-                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
-                         "(this batch rounded up to the arena's 64 KiB slots)",
-                         (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
-                         rc == -E2BIG ? "is too small for" : "stayed full too long to take",
-                         (long long)payload,
-                         (long long)((payload + (int64_t)as.slot_bytes - 1) / (int64_t)as.slot_bytes *
-                                     (int64_t)as.slot_bytes));
-        else
-            PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
-        goto out;
-    }
+    if (_pack_alloc_region(a, payload, timeout, me, &off)) goto error;
     have_region = 1;
-    /* stage every leaf into the region (the GIL released; helpers for big ones) */
-    if (t.nleaves) {
-        if (!(job = mtc_job_new(1, t.nleaves))) {
-            PyErr_NoMemory();
-            goto out;
-        }
-        job->target = MTC_DEV_CPU;
-        job->ops[0].kind = MTC_OP_HOST_COPY;
-        job->ops[0].dev = -1;
-        job->ops[0].first = 0;
-        job->ops[0].count = t.nleaves;
-        for (uint32_t i = 0; i < t.nleaves; i++)
-            mtc_item_of_leaf(&job->items[i], &t, i,
-                      (uintptr_t)(a->base + off + (uint64_t)mtc_plan_leaf_offset(&plan, &t.leaves[i])));
-        job->nops = 1;
-        job->nitems = t.nleaves;
-        Py_BEGIN_ALLOW_THREADS
-        mtc_job_run(job);
-        Py_END_ALLOW_THREADS
-    }
-    size_t lsize = mtc_layout_size(t.leaves, t.nleaves, &plan);
-    if (!(layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lsize))) goto out;
-    if ((rc = mtc_layout_encode(t.leaves, t.nleaves, t.shape, &plan, (uint8_t *)PyBytes_AS_STRING(layout), lsize))) {
-        PyErr_Format(PyExc_SystemError, "mtc_loader: layout encoding failed (%d)", rc);
-        goto out;
-    }
-    slots = PyMem_Malloc((t.nleaves ? t.nleaves : 1) * sizeof *slots);
-    if (!slots) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (uint32_t i = 0; i < t.nleaves; i++) slots[i] = st->leaf_slot;
-    if (!(skeleton = mtc_rebuild(st, &t, slots))) goto out;
-    res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton);
-    if (res) have_region = 0; /* handed to the descriptor */
-out:
+    if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton)) goto error;
+    if (!(res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton))) goto error;
+    have_region = 0; /* handed to the descriptor */
+error:
     if (have_region) mtc_arena_free(a, off, me);
-    if (job) mtc_job_release(job);
-    PyMem_Free(slots);
     Py_XDECREF(layout);
     Py_XDECREF(skeleton);
     mtc_plan_free(&plan);
     mtc_tree_clear(&t);
     return res;
 }
+
+/* ---------------------------------------------------------------- unpack */
 
 typedef struct _region_ref { mtc_arena *a; uint64_t off; uint32_t owner; } _region_ref;
 
@@ -298,9 +332,158 @@ static void _region_done(void *arg)
     free(r);
 }
 
-/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> mtc_handle
+/* Checks a descriptor's region and decodes its layout (untrusted input). On
+ * success the layout is in *L (free with mtc_layout_free). On failure -1 with
+ * ValueError/TypeError set; a region that was named correctly but whose
+ * layout is malformed is freed (the batch is consumed: nobody else would). */
+static int _unpack_decode(mtc_state *st, mtc_arena *a, uint64_t off, int64_t nbytes, uint32_t owner,
+                          PyObject *layout, mtc_layout *L)
+{
+    if (!PyBytes_Check(layout)) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: a packed batch's layout must be bytes");
+        return -1;
+    }
+    if (nbytes < 0 || mtc_arena_check(a, off, (uint64_t)(nbytes ? nbytes : 1), owner)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
+                        "part of the arena (a stale or forged descriptor)");
+        return -1;
+    }
+    int rc = mtc_layout_decode((const uint8_t *)PyBytes_AS_STRING(layout), (size_t)PyBytes_GET_SIZE(layout),
+                               st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, L);
+    if (rc || (L->nleaves && L->plan.chunks[0].payload != nbytes)) {
+        if (!rc) mtc_layout_free(L);
+        mtc_arena_free(a, off, owner);
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
+                        "match its region (a corrupt or forged descriptor)");
+        return -1;
+    }
+    return 0;
+}
+
+/* Page-locks the whole arena once, for `target`: DMAs then read it in place.
+ * 0, or a CUDA error code (mtc_cuda_describe). */
+static int _unpack_register(ArenaObject *ao, int target)
+{
+    int rc;
+    if ((rc = mtc_cuda_load()) || (rc = mtc_cuda_set_device(target))) return rc;
+    if (ao->registered_dev >= 0) return 0;
+    rc = MTC_CUDA_ERR(mtc_cu.cuMemHostRegister(ao->a->base, ao->a->bytes, MTC_CU_MEMHOSTREGISTER_PORTABLE));
+    if (rc == MTC_CUDA_ERR(0)) rc = 0;
+    if (!rc) ao->registered_dev = target;
+    return rc;
+}
+
+/* The DMA of the region into dst on `target`, as a job the handle owns; the
+ * region is freed by the job's completion callback, whatever happens (also on
+ * error here). 0, or -1 with an exception. */
+static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, uintptr_t dst,
+                       int target, int background)
+{
+    _region_ref *ref = malloc(sizeof *ref);
+    mtc_job *job = ref ? mtc_job_new(1, 1) : NULL;
+    if (!job) {
+        free(ref);
+        mtc_arena_free(a, off, (uint32_t)getpid());
+        PyErr_NoMemory();
+        return -1;
+    }
+    mtc_arena_ref(a);
+    *ref = (_region_ref){.a = a, .off = off, .owner = (uint32_t)getpid()};
+    job->target = target;
+    job->staging = 0;
+    job->dev_mask = 1ull << target;
+    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
+                           .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
+    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = dst, .nbytes = payload, .dev = -1, .leaf = -1};
+    job->nops = job->nitems = 1;
+    if (mtc_out_capture_streams(st, job)) {
+        _region_done(ref);
+        mtc_job_release(job);
+        return -1;
+    }
+    if (!background || mtc_job_submit(job)) {
+        Py_BEGIN_ALLOW_THREADS
+        mtc_job_run(job);
+        Py_END_ALLOW_THREADS
+    }
+    h->job = job;
+    return 0;
+}
+
+/* The chunk that receives the region on `target` (torch.empty, uint8, with
+ * room to align) and the copy into it: one DMA for a CUDA target, a memcpy
+ * for the CPU (never a view of arena memory, which is reused). The region is
+ * freed by then or by the DMA's callback: *region_owned becomes 0. 0 with a
+ * new reference in *chunk and its alignment skip, or -1 with an exception. */
+static int _unpack_copy(mtc_state *st, mtc_handle *h, ArenaObject *ao, uint64_t off, int64_t payload,
+                        int64_t align, int target, int background, PyObject **chunk, Py_ssize_t *skip,
+                        int *region_owned)
+{
+    mtc_arena *a = ao->a;
+    PyObject *dev_obj = NULL, *shape = NULL;
+    if (target >= 0) {
+        int rc = _unpack_register(ao, target);
+        if (rc) {
+            char desc[256];
+            mtc_cuda_describe(rc, desc, sizeof desc);
+            PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s",
+                         target, desc);
+            goto error;
+        }
+    }
+    if (!(dev_obj = mtc_out_device(st, target))) goto error;
+    if (!(shape = Py_BuildValue("(L)", (long long)(payload + align - 1)))) goto error;
+    if (!(*chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0))) goto error;
+    uintptr_t ptr;
+    if (mtc_out_data_ptr(st, *chunk, &ptr)) goto error;
+    *skip = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
+    *region_owned = 0;
+    if (target < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        mtc_memcpy_parallel((void *)(ptr + (uintptr_t)*skip), a->base + off, (size_t)payload);
+        Py_END_ALLOW_THREADS
+        mtc_arena_free(a, off, (uint32_t)getpid());
+    } else if (_unpack_dma(st, h, a, off, payload, ptr + (uintptr_t)*skip, target, background)) {
+        goto error;
+    }
+    Py_DECREF(dev_obj);
+    Py_DECREF(shape);
+    return 0;
+error:
+    Py_CLEAR(*chunk);
+    Py_XDECREF(dev_obj);
+    Py_XDECREF(shape);
+    return -1;
+}
+
+/* The output views over the chunk, and the skeleton walked (in slots mode)
+ * and rebuilt around them into h->result. 0, or -1 with an exception. */
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyObject *chunk, Py_ssize_t skip)
+{
+    PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
+    if (!outputs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    mtc_tree lt;
+    memset(&lt, 0, sizeof lt);
+    lt.leaves = L->leaves;
+    lt.shape = L->shape;
+    PyObject *chunks[1] = {chunk};
+    int rc = -1;
+    if (!mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs) && (h->result = mtc_rebuild(st, &h->tree, outputs)))
+        rc = 0;
+    for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
+    PyMem_Free(outputs);
+    return rc;
+}
+
+/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> Handle
  * In the main process: the region (already adopted by this process) becomes
- * the output structure on `target`, straight from the arena. */
+ * the output structure on `target`, straight from the arena: decode the
+ * descriptor, walk the skeleton, copy, make views and rebuild. New reference,
+ * or NULL with an exception set; the region is freed on every error after it
+ * was found to be this process's. */
 PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
@@ -317,138 +500,35 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     int target = (int)PyLong_AsLong(args[6]);
     int background = PyObject_IsTrue(args[7]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyBytes_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "mtc_loader: a packed batch's layout must be bytes");
-        return NULL;
-    }
-    if (nbytes < 0 || mtc_arena_check(a, off, (uint64_t)(nbytes ? nbytes : 1), (uint32_t)owner)) {
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
-                        "part of the arena (a stale or forged descriptor)");
-        return NULL;
-    }
     mtc_layout L;
-    int rc = mtc_layout_decode((const uint8_t *)PyBytes_AS_STRING(args[4]), (size_t)PyBytes_GET_SIZE(args[4]),
-                               st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, &L);
-    if (rc || (L.nleaves && L.plan.chunks[0].payload != nbytes)) {
-        if (!rc) mtc_layout_free(&L);
-        /* the batch is consumed: its region goes back, or nobody would free it */
-        mtc_arena_free(a, off, (uint32_t)owner);
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
-                        "match its region (a corrupt or forged descriptor)");
-        return NULL;
-    }
+    if (_unpack_decode(st, a, off, nbytes, (uint32_t)owner, args[4], &L)) return NULL;
     mtc_handle *h = mtc_handle_new(st);
     if (!h) {
         mtc_layout_free(&L);
         mtc_arena_free(a, off, (uint32_t)owner);
         return NULL;
     }
-    PyObject **outputs = NULL, *chunk = NULL, *dev_obj = NULL;
-    mtc_job *job = NULL;
-    int region_owned = 1; /* freed here on error, unless handed to a DMA callback */
-    mtc_tree *t = &h->tree;
-    t->slots = 1;
-    if (mtc_traverse(st, args[5], t)) goto error;
-    if (t->nslots != L.nleaves || t->nleaves) {
+    PyObject *chunk = NULL;
+    Py_ssize_t skip = 0;
+    int region_owned = 1; /* freed here on error, unless the copy took it over */
+    h->tree.slots = 1;
+    if (mtc_traverse(st, args[5], &h->tree)) goto error;
+    if (h->tree.nslots != L.nleaves || h->tree.nleaves) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
-    int64_t align = L.nleaves ? L.plan.chunks[0].align : 1, payload = nbytes;
-    if (target >= 0) {
-        if ((rc = mtc_cuda_load()) || (rc = mtc_cuda_set_device(target))) goto cuda_error;
-        if (ao->registered_dev < 0) {
-            /* page-lock the whole arena once: DMAs then read it in place */
-            rc = MTC_CUDA_ERR(mtc_cu.cuMemHostRegister(a->base, a->bytes, MTC_CU_MEMHOSTREGISTER_PORTABLE));
-            if (rc == MTC_CUDA_ERR(0)) rc = 0;
-            if (rc) goto cuda_error;
-            ao->registered_dev = target;
-        }
-    }
-    if (!(dev_obj = mtc_out_device(st, target))) goto error;
-    PyObject *shape = Py_BuildValue("(L)", (long long)(payload + align - 1));
-    if (!shape) goto error;
-    chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0);
-    Py_DECREF(shape);
-    if (!chunk) goto error;
-    uintptr_t ptr;
-    if (mtc_out_data_ptr(st, chunk, &ptr)) goto error;
-    Py_ssize_t skip = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
-    if (target < 0) {
-        /* CPU: copy out of the arena (never a view of memory that is reused) */
-        Py_BEGIN_ALLOW_THREADS
-        mtc_memcpy_parallel((void *)(ptr + (uintptr_t)skip), a->base + off, (size_t)payload);
-        Py_END_ALLOW_THREADS
-        mtc_arena_free(a, off, (uint32_t)getpid());
-        region_owned = 0;
-    } else {
-        if (!(job = mtc_job_new(1, 1))) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        _region_ref *ref = malloc(sizeof *ref);
-        if (!ref) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        mtc_arena_ref(a);
-        ref->a = a;
-        ref->off = off;
-        ref->owner = (uint32_t)getpid();
-        job->target = target;
-        job->staging = 0;
-        job->dev_mask = 1ull << target;
-        job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
-                               .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
-        job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = ptr + (uintptr_t)skip,
-                                   .nbytes = payload, .dev = -1, .leaf = -1};
-        job->nops = job->nitems = 1;
-        region_owned = 0; /* the job's op frees it, whatever happens */
-        if (mtc_out_capture_streams(st, job)) {
-            _region_done(ref);
-            goto error;
-        }
-        if (background && (rc = mtc_job_submit(job)) == 0) {
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            mtc_job_run(job);
-            Py_END_ALLOW_THREADS
-        }
-        h->job = job;
-        job = NULL;
-    }
-    outputs = PyMem_Calloc(L.nleaves ? L.nleaves : 1, sizeof *outputs);
-    if (!outputs) {
-        PyErr_NoMemory();
+    int64_t align = L.nleaves ? L.plan.chunks[0].align : 1;
+    if (_unpack_copy(st, h, ao, off, nbytes, align, target, background, &chunk, &skip, &region_owned) ||
+        _unpack_views(st, h, &L, chunk, skip))
         goto error;
-    }
-    mtc_tree lt;
-    memset(&lt, 0, sizeof lt);
-    lt.leaves = L.leaves;
-    lt.shape = L.shape;
-    PyObject *chunks[1] = {chunk};
-    if (mtc_out_views(st, &lt, &L.plan, chunks, &skip, outputs)) goto error;
-    if (!(h->result = mtc_rebuild(st, t, outputs))) goto error;
-    for (uint32_t i = 0; i < L.nleaves; i++) Py_XDECREF(outputs[i]);
-    PyMem_Free(outputs);
-    Py_XDECREF(chunk);
-    Py_XDECREF(dev_obj);
+    Py_DECREF(chunk);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);
     return (PyObject *)h;
 
-cuda_error: {
-        char desc[256];
-        mtc_cuda_describe(rc, desc, sizeof desc);
-        PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s", target, desc);
-    }
 error:
     if (region_owned) mtc_arena_free(a, off, (uint32_t)getpid());
-    if (job) mtc_job_release(job);
-    if (outputs)
-        for (uint32_t i = 0; i < L.nleaves; i++) Py_XDECREF(outputs[i]);
-    PyMem_Free(outputs);
     Py_XDECREF(chunk);
-    Py_XDECREF(dev_obj);
     mtc_layout_free(&L);
     Py_DECREF(h);
     return NULL;

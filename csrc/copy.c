@@ -56,6 +56,301 @@ void mtc_item_of_leaf(mtc_item *it, const mtc_tree *t, uint32_t i, uintptr_t dst
     }
 }
 
+/* The state of one start_copy between its stages. Owns everything it points
+ * to; _copy_clear releases what is left. */
+typedef struct {
+    mtc_state *st;
+    mtc_plan_opts o;
+    int background;
+    mtc_tree *t;            /* the handle's tree (owned by the handle) */
+    mtc_plan plan;
+    PyObject **outputs;     /* new references, one per leaf */
+    PyObject **chunk_t;     /* uint8 tensor of each chunk */
+    uintptr_t *chunk_base;  /* aligned start of each chunk */
+    Py_ssize_t *chunk_skip; /* bytes from the tensor's start to chunk_base */
+    PyObject *dev_obj;      /* torch.device of the target */
+    mtc_job *job;           /* NULL when nothing needs copying, or once submitted */
+    uint32_t oi, ii;        /* ops and items filled so far */
+} _copy;
+
+static void _copy_clear(_copy *c)
+{
+    if (c->job) mtc_job_release(c->job);
+    if (c->outputs)
+        for (uint32_t i = 0; i < c->t->nleaves; i++) Py_XDECREF(c->outputs[i]);
+    if (c->chunk_t)
+        for (uint32_t k = 0; k < c->plan.nchunks; k++) Py_XDECREF(c->chunk_t[k]);
+    PyMem_Free(c->outputs);
+    PyMem_Free(c->chunk_t);
+    PyMem_Free(c->chunk_base);
+    PyMem_Free(c->chunk_skip);
+    Py_XDECREF(c->dev_obj);
+    mtc_plan_free(&c->plan);
+}
+
+/* Stage 0: the arguments. 0, or -1 with ValueError/TypeError set. */
+static int _parse_args(PyObject *const *args, Py_ssize_t nargs, _copy *c)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "_engine.start_copy(data, target, staging, pack, align, max_chunk, background)");
+        return -1;
+    }
+    mtc_plan_default_opts(&c->o, (int32_t)PyLong_AsLong(args[1]));
+    c->o.staging = PyObject_IsTrue(args[2]);
+    c->o.pack = PyObject_IsTrue(args[3]);
+    c->o.align = PyLong_AsLongLong(args[4]);
+    c->o.max_chunk = PyLong_AsLongLong(args[5]);
+    c->background = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred()) return -1;
+    if (c->o.target < -1 || c->o.target >= MTC_MAX_DEVICES || c->o.align <= 0 || c->o.max_chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: bad engine arguments");
+        return -1;
+    }
+    return 0;
+}
+
+/* Stage 1: read the leaves (walk the structure into c->t). 0, or -1 with an
+ * exception naming the offending leaf. */
+static int _read_leaves(_copy *c, PyObject *data)
+{
+    int64_t t0 = mtc_now_ns();
+    if (mtc_traverse(c->st, data, c->t)) return -1;
+    mtc_cnt.ns_traverse += (uint64_t)(mtc_now_ns() - t0);
+    mtc_cnt.calls++;
+    mtc_cnt.leaves += c->t->nleaves;
+    return 0;
+}
+
+/* Stage 2: plan (an action per leaf, packed segments and chunks); leaves the
+ * planner wants contiguous are replaced by contiguous copies and the plan is
+ * made again. 0, or -1 with an exception. */
+static int _plan(_copy *c)
+{
+    int64_t t0 = mtc_now_ns();
+    mtc_tree *t = c->t;
+    int rc = mtc_plan_build(&c->plan, t->leaves, t->nleaves, t->shape, &c->o);
+    if (rc == 0 && c->plan.need_contig) {
+        int n = _make_contiguous(c->st, t, &c->plan);
+        if (n < 0) return -1;
+        mtc_cnt.made_contiguous += (uint64_t)n;
+        mtc_plan_free(&c->plan);
+        rc = mtc_plan_build(&c->plan, t->leaves, t->nleaves, t->shape, &c->o);
+    }
+    if (rc) {
+        PyErr_Format(rc == -ENOMEM ? PyExc_MemoryError : PyExc_ValueError,
+                     "mtc_loader: planning the copy failed (%s); check min_packed_alignment_bytes",
+                     strerror(-rc));
+        return -1;
+    }
+#ifdef MTC_DEBUG
+    if (!mtc_plan_valid(&c->plan, t->leaves, t->nleaves, t->shape, &c->o)) {
+        PyErr_SetString(PyExc_SystemError, "mtc_loader: invalid plan");
+        return -1;
+    }
+#endif
+    const mtc_plan *p = &c->plan;
+    mtc_cnt.ns_plan += (uint64_t)(mtc_now_ns() - t0);
+    mtc_cnt.packed += p->count[MTC_ACT_PACK];
+    mtc_cnt.reused += p->count[MTC_ACT_REUSE];
+    mtc_cnt.from_numpy += p->count[MTC_ACT_FROM_NUMPY];
+    mtc_cnt.host_copies += p->count[MTC_ACT_HOST_COPY];
+    mtc_cnt.staged += p->count[MTC_ACT_H2D_STAGED];
+    mtc_cnt.direct += p->count[MTC_ACT_H2D_DIRECT];
+    mtc_cnt.d2h += p->count[MTC_ACT_D2H];
+    mtc_cnt.d2d += p->count[MTC_ACT_D2D];
+    mtc_cnt.segments += p->nsegs;
+    mtc_cnt.chunks += p->nchunks;
+    return 0;
+}
+
+/* True for the actions that make an item of the job with an output of its own. */
+static int _own_output(uint8_t a) { return a != MTC_ACT_REUSE && a != MTC_ACT_FROM_NUMPY && a != MTC_ACT_PACK; }
+
+/* Stage 3a: the job (when anything needs copying), sized for every op and
+ * item, with the current streams of the devices involved captured. 0, or -1
+ * with an exception. */
+static int _new_job(_copy *c)
+{
+    const mtc_tree *t = c->t;
+    uint32_t nops = c->plan.nchunks, nitems = c->plan.nmembers, host_items = 0;
+    for (uint32_t i = 0; i < t->nleaves; i++) {
+        uint8_t a = t->leaves[i].action;
+        if (a == MTC_ACT_HOST_COPY) host_items++;
+        else if (_own_output(a)) nops++;
+        if (_own_output(a)) nitems++;
+    }
+    nops += host_items ? 1 : 0;
+    if (!nitems) return 0;
+    uint64_t dev_mask = t->cuda_mask | (c->o.target >= 0 ? 1ull << c->o.target : 0);
+    int rc;
+    if (dev_mask && (rc = mtc_cuda_load())) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: CUDA is needed for this copy but %s", desc);
+        return -1;
+    }
+    if (!(c->job = mtc_job_new(nops, nitems))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->job->target = c->o.target;
+    c->job->staging = c->o.staging;
+    c->job->dev_mask = dev_mask;
+    return dev_mask ? mtc_out_capture_streams(c->st, c->job) : 0;
+}
+
+/* Stage 3b: one uint8 tensor per packed chunk (pinned on the host for a CPU
+ * target), aligned inside, and one op per chunk over its members, chunk by
+ * chunk (segments are in chunk order). 0, or -1 with an exception. */
+static int _alloc_chunks(_copy *c)
+{
+    const mtc_plan *p = &c->plan;
+    int pin = c->o.target < 0; /* D2H packing writes into pinned host chunks */
+    for (uint32_t k = 0; k < p->nchunks; k++) {
+        int64_t align = p->chunks[k].align, bytes = p->chunks[k].payload + align - 1;
+        PyObject *shape = Py_BuildValue("(L)", (long long)bytes);
+        if (!shape) return -1;
+        c->chunk_t[k] = mtc_out_empty(c->st, shape, c->st->uint8, pin ? c->st->device_cpu : c->dev_obj, pin);
+        Py_DECREF(shape);
+        if (!c->chunk_t[k]) return -1;
+        uintptr_t ptr;
+        if (mtc_out_data_ptr(c->st, c->chunk_t[k], &ptr)) return -1;
+        c->chunk_skip[k] = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
+        c->chunk_base[k] = ptr + (uintptr_t)c->chunk_skip[k];
+    }
+    for (uint32_t s = 0; s < p->nsegs;) {
+        int32_t k = p->segs[s].chunk;
+        mtc_op *op = &c->job->ops[c->oi++];
+        op->kind = c->o.target >= 0 ? MTC_OP_H2D_CHUNK : MTC_OP_D2H_CHUNK;
+        op->dev = c->o.target;
+        op->dst = c->chunk_base[k];
+        op->nbytes = p->chunks[k].payload;
+        op->first = c->ii;
+        for (; s < p->nsegs && p->segs[s].chunk == k; s++)
+            for (uint32_t m = 0; m < p->segs[s].count; m++) {
+                uint32_t li = p->members[p->segs[s].first + m];
+                mtc_item_of_leaf(&c->job->items[c->ii++], c->t, li,
+                                 (uintptr_t)mtc_plan_leaf_offset(p, &c->t->leaves[li]));
+            }
+        op->count = c->ii - op->first;
+    }
+    return 0;
+}
+
+/* Stage 3c: outputs that are not views. Reused leaves are the same objects,
+ * numpy leaves for the CPU go through torch.from_numpy, every other leaf that
+ * is not packed gets a new tensor and an item: host copies form one op, the
+ * others one op each (two passes keep the host op's items consecutive).
+ * 0, or -1 with an exception. */
+static int _alloc_own_outputs(_copy *c)
+{
+    mtc_state *st = c->st;
+    const mtc_tree *t = c->t;
+    mtc_op *host_op = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t i = 0; i < t->nleaves; i++) {
+            const mtc_leaf *l = &t->leaves[i];
+            if (pass == 0 && l->action == MTC_ACT_REUSE) {
+                c->outputs[i] = Py_NewRef(t->objs[i]);
+                continue;
+            }
+            if (pass == 0 && l->action == MTC_ACT_FROM_NUMPY) {
+                if (!(c->outputs[i] = PyObject_CallOneArg(st->from_numpy, t->objs[i]))) return -1;
+                continue;
+            }
+            if (!_own_output(l->action) || (l->action == MTC_ACT_HOST_COPY) != (pass == 1)) continue;
+            PyObject *shape = mtc_out_shape(t, l, 0);
+            if (!shape) return -1;
+            int pin = l->action == MTC_ACT_D2H && c->o.staging;
+            c->outputs[i] = mtc_out_empty(st, shape, st->dtypes[l->dtype], pin ? st->device_cpu : c->dev_obj, pin);
+            Py_DECREF(shape);
+            if (!c->outputs[i]) return -1;
+            uintptr_t dst;
+            if (mtc_out_data_ptr(st, c->outputs[i], &dst)) return -1;
+            mtc_op *op;
+            if (l->action == MTC_ACT_HOST_COPY) {
+                if (!host_op) {
+                    host_op = &c->job->ops[c->oi++];
+                    host_op->kind = MTC_OP_HOST_COPY;
+                    host_op->dev = -1;
+                    host_op->first = c->ii;
+                    host_op->count = 0;
+                }
+                op = host_op;
+            } else {
+                op = &c->job->ops[c->oi++];
+                op->kind = l->action == MTC_ACT_D2H ? MTC_OP_D2H : l->action == MTC_ACT_D2D ? MTC_OP_D2D : MTC_OP_H2D;
+                op->dev = l->action == MTC_ACT_D2H ? l->dev : c->o.target;
+                op->first = c->ii;
+                op->count = 0;
+            }
+            mtc_item_of_leaf(&c->job->items[c->ii++], t, i, dst);
+            op->count++;
+        }
+    }
+    return 0;
+}
+
+/* Stage 3: allocate the outputs and build the job. 0, or -1 with an exception. */
+static int _alloc_outputs(_copy *c)
+{
+    int64_t t0 = mtc_now_ns();
+    size_t nl = c->t->nleaves ? c->t->nleaves : 1, nc = c->plan.nchunks ? c->plan.nchunks : 1;
+    c->outputs = PyMem_Calloc(nl, sizeof *c->outputs);
+    c->chunk_t = PyMem_Calloc(nc, sizeof *c->chunk_t);
+    c->chunk_base = PyMem_Calloc(nc, sizeof *c->chunk_base);
+    c->chunk_skip = PyMem_Calloc(nc, sizeof *c->chunk_skip);
+    if (!c->outputs || !c->chunk_t || !c->chunk_base || !c->chunk_skip) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (_new_job(c)) return -1;
+    if (!(c->dev_obj = mtc_out_device(c->st, c->o.target))) return -1;
+    if (_alloc_chunks(c) || _alloc_own_outputs(c)) return -1;
+    if (c->job) {
+        c->job->nops = c->oi;
+        c->job->nitems = c->ii;
+    }
+    mtc_cnt.ns_outputs += (uint64_t)(mtc_now_ns() - t0);
+    return 0;
+}
+
+/* Stage 4: hand the job to the transfer thread (or run it here, the GIL
+ * released); once it runs, the handle owns it and waits for it before the
+ * inputs go. 0, or -1 with an exception (the job, never started, stays in c). */
+static int _submit(_copy *c, mtc_handle *h)
+{
+    if (!c->job) return 0;
+    if (c->background) {
+        int rc = mtc_job_submit(c->job);
+        if (rc) {
+            PyErr_Format(PyExc_RuntimeError, "mtc_loader: cannot start the transfer thread: %s", strerror(-rc));
+            return -1;
+        }
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        mtc_job_run(c->job);
+        Py_END_ALLOW_THREADS
+    }
+    h->job = c->job;
+    c->job = NULL;
+    return 0;
+}
+
+/* Stage 5: the output views over the chunks and the rebuilt structure, made
+ * while the transfer thread stages. 0, or -1 with an exception. */
+static int _views_and_rebuild(_copy *c, mtc_handle *h)
+{
+    int64_t t0 = mtc_now_ns();
+    if (mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, c->chunk_skip, c->outputs)) return -1;
+    if (!(h->result = mtc_rebuild(c->st, c->t, c->outputs))) return -1;
+    mtc_cnt.ns_views += (uint64_t)(mtc_now_ns() - t0);
+    return 0;
+}
+
+/* _engine.start_copy(data, target, staging, pack, align, max_chunk, background)
+ * -> Handle: the stages above in order. New reference, or NULL with an
+ * exception set (a submitted job is waited for before the inputs go). */
 PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
@@ -63,240 +358,22 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_RuntimeError, "mtc_loader._engine used before _setup()");
         return NULL;
     }
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "_engine.start_copy(data, target, staging, pack, align, max_chunk, background)");
-        return NULL;
-    }
-    PyObject *data = args[0];
-    mtc_plan_opts o;
-    mtc_plan_default_opts(&o, (int32_t)PyLong_AsLong(args[1]));
-    o.staging = PyObject_IsTrue(args[2]);
-    o.pack = PyObject_IsTrue(args[3]);
-    o.align = PyLong_AsLongLong(args[4]);
-    o.max_chunk = PyLong_AsLongLong(args[5]);
-    int background = PyObject_IsTrue(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    if (o.target < -1 || o.target >= MTC_MAX_DEVICES || o.align <= 0 || o.max_chunk <= 0) {
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: bad engine arguments");
-        return NULL;
-    }
-
+    _copy c;
+    memset(&c, 0, sizeof c);
+    c.st = st;
+    if (_parse_args(args, nargs, &c)) return NULL;
     mtc_handle *h = mtc_handle_new(st);
     if (!h) return NULL;
-
-    mtc_plan plan;
-    memset(&plan, 0, sizeof plan);
-    PyObject **outputs = NULL, **chunk_t = NULL, *dev_obj = NULL;
-    uintptr_t *chunk_base = NULL;
-    Py_ssize_t *chunk_skip = NULL;
-    mtc_tree *t = &h->tree;
-    mtc_job *job = NULL;
-
-    int64_t t0 = mtc_now_ns();
-    if (mtc_traverse(st, data, t)) goto error;
-    int64_t t1 = mtc_now_ns();
-    mtc_cnt.ns_traverse += (uint64_t)(t1 - t0);
-    mtc_cnt.calls++;
-    mtc_cnt.leaves += t->nleaves;
-
-    int rc = mtc_plan_build(&plan, t->leaves, t->nleaves, t->shape, &o);
-    if (rc == 0 && plan.need_contig) {
-        int n = _make_contiguous(st, t, &plan);
-        if (n < 0) goto error;
-        mtc_cnt.made_contiguous += (uint64_t)n;
-        mtc_plan_free(&plan);
-        rc = mtc_plan_build(&plan, t->leaves, t->nleaves, t->shape, &o);
-    }
-    if (rc) {
-        PyErr_Format(rc == -ENOMEM ? PyExc_MemoryError : PyExc_ValueError,
-                     "mtc_loader: planning the copy failed (%s); check min_packed_alignment_bytes",
-                     strerror(-rc));
+    c.t = &h->tree;
+    if (_read_leaves(&c, args[0]) || _plan(&c) || _alloc_outputs(&c) || _submit(&c, h) ||
+        _views_and_rebuild(&c, h))
         goto error;
-    }
-#ifdef MTC_DEBUG
-    if (!mtc_plan_valid(&plan, t->leaves, t->nleaves, t->shape, &o)) {
-        PyErr_SetString(PyExc_SystemError, "mtc_loader: invalid plan");
-        goto error;
-    }
-#endif
-    int64_t t2 = mtc_now_ns();
-    mtc_cnt.ns_plan += (uint64_t)(t2 - t1);
-    mtc_cnt.packed += plan.count[MTC_ACT_PACK];
-    mtc_cnt.reused += plan.count[MTC_ACT_REUSE];
-    mtc_cnt.from_numpy += plan.count[MTC_ACT_FROM_NUMPY];
-    mtc_cnt.host_copies += plan.count[MTC_ACT_HOST_COPY];
-    mtc_cnt.staged += plan.count[MTC_ACT_H2D_STAGED];
-    mtc_cnt.direct += plan.count[MTC_ACT_H2D_DIRECT];
-    mtc_cnt.d2h += plan.count[MTC_ACT_D2H];
-    mtc_cnt.d2d += plan.count[MTC_ACT_D2D];
-    mtc_cnt.segments += plan.nsegs;
-    mtc_cnt.chunks += plan.nchunks;
-
-    /* ---- outputs that are not views ---- */
-    outputs = PyMem_Calloc(t->nleaves ? t->nleaves : 1, sizeof *outputs);
-    chunk_t = PyMem_Calloc(plan.nchunks ? plan.nchunks : 1, sizeof *chunk_t);
-    chunk_base = PyMem_Calloc(plan.nchunks ? plan.nchunks : 1, sizeof *chunk_base);
-    chunk_skip = PyMem_Calloc(plan.nchunks ? plan.nchunks : 1, sizeof *chunk_skip);
-    if (!outputs || !chunk_t || !chunk_base || !chunk_skip) {
-        PyErr_NoMemory();
-        goto error;
-    }
-    uint32_t nops = plan.nchunks, nitems = plan.nmembers, host_items = 0;
-    for (uint32_t i = 0; i < t->nleaves; i++) {
-        uint8_t a = t->leaves[i].action;
-        if (a == MTC_ACT_HOST_COPY) host_items++;
-        else if (a != MTC_ACT_REUSE && a != MTC_ACT_FROM_NUMPY && a != MTC_ACT_PACK) nops++;
-        if (a != MTC_ACT_REUSE && a != MTC_ACT_FROM_NUMPY && a != MTC_ACT_PACK) nitems++;
-    }
-    nops += host_items ? 1 : 0;
-    int need_job = nitems > 0;
-    uint64_t dev_mask = t->cuda_mask | (o.target >= 0 ? 1ull << o.target : 0);
-    if (need_job && dev_mask) {
-        if ((rc = mtc_cuda_load())) {
-            char desc[256];
-            mtc_cuda_describe(rc, desc, sizeof desc);
-            PyErr_Format(PyExc_RuntimeError, "mtc_loader: CUDA is needed for this copy but %s", desc);
-            goto error;
-        }
-    }
-    if (need_job) {
-        if (!(job = mtc_job_new(nops, nitems))) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        job->target = o.target;
-        job->staging = o.staging;
-        job->dev_mask = dev_mask;
-        if (dev_mask && mtc_out_capture_streams(st, job)) goto error;
-    }
-    if (!(dev_obj = mtc_out_device(st, o.target))) goto error;
-    int pin_chunks = o.target < 0; /* D2H packing writes into pinned host chunks */
-    for (uint32_t c = 0; c < plan.nchunks; c++) {
-        int64_t align = plan.chunks[c].align, bytes = plan.chunks[c].payload + align - 1;
-        PyObject *shape = Py_BuildValue("(L)", (long long)bytes);
-        if (!shape) goto error;
-        chunk_t[c] = mtc_out_empty(st, shape, st->uint8, pin_chunks ? st->device_cpu : dev_obj, pin_chunks);
-        Py_DECREF(shape);
-        if (!chunk_t[c]) goto error;
-        uintptr_t ptr;
-        if (mtc_out_data_ptr(st, chunk_t[c], &ptr)) goto error;
-        chunk_skip[c] = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
-        chunk_base[c] = ptr + (uintptr_t)chunk_skip[c];
-    }
-    uint32_t oi = 0, ii = 0;
-    /* packed items, chunk by chunk (segments are in chunk order) */
-    for (uint32_t s = 0; s < plan.nsegs;) {
-        int32_t c = plan.segs[s].chunk;
-        mtc_op *op = &job->ops[oi++];
-        op->kind = o.target >= 0 ? MTC_OP_H2D_CHUNK : MTC_OP_D2H_CHUNK;
-        op->dev = o.target;
-        op->dst = chunk_base[c];
-        op->nbytes = plan.chunks[c].payload;
-        op->first = ii;
-        for (; s < plan.nsegs && plan.segs[s].chunk == c; s++)
-            for (uint32_t k = 0; k < plan.segs[s].count; k++) {
-                uint32_t li = plan.members[plan.segs[s].first + k];
-                mtc_item_of_leaf(&job->items[ii++], t, li, (uintptr_t)mtc_plan_leaf_offset(&plan, &t->leaves[li]));
-            }
-        op->count = ii - op->first;
-    }
-    /* Own outputs: every leaf that is not reused or packed gets a new tensor.
-     * Host copies form one op; the others one op each. Two passes keep the
-     * host op's items consecutive. */
-    mtc_op *host_op = NULL;
-    for (int pass = 0; pass < 2; pass++) {
-        for (uint32_t i = 0; i < t->nleaves; i++) {
-            mtc_leaf *l = &t->leaves[i];
-            if (pass == 0 && l->action == MTC_ACT_REUSE) {
-                outputs[i] = Py_NewRef(t->objs[i]);
-                continue;
-            }
-            if (pass == 0 && l->action == MTC_ACT_FROM_NUMPY) {
-                if (!(outputs[i] = PyObject_CallOneArg(st->from_numpy, t->objs[i]))) goto error;
-                continue;
-            }
-            if (l->action == MTC_ACT_REUSE || l->action == MTC_ACT_FROM_NUMPY || l->action == MTC_ACT_PACK)
-                continue;
-            if ((l->action == MTC_ACT_HOST_COPY) != (pass == 1)) continue;
-            PyObject *shape = mtc_out_shape(t, l, 0);
-            if (!shape) goto error;
-            int pin = l->action == MTC_ACT_D2H && o.staging;
-            outputs[i] = mtc_out_empty(st, shape, st->dtypes[l->dtype], pin ? st->device_cpu : dev_obj, pin);
-            Py_DECREF(shape);
-            if (!outputs[i]) goto error;
-            uintptr_t dst;
-            if (mtc_out_data_ptr(st, outputs[i], &dst)) goto error;
-            mtc_op *op;
-            if (l->action == MTC_ACT_HOST_COPY) {
-                if (!host_op) {
-                    host_op = &job->ops[oi++];
-                    host_op->kind = MTC_OP_HOST_COPY;
-                    host_op->dev = -1;
-                    host_op->first = ii;
-                    host_op->count = 0;
-                }
-                op = host_op;
-            } else {
-                op = &job->ops[oi++];
-                op->kind = l->action == MTC_ACT_D2H ? MTC_OP_D2H
-                         : l->action == MTC_ACT_D2D ? MTC_OP_D2D : MTC_OP_H2D;
-                op->dev = l->action == MTC_ACT_D2H ? l->dev : o.target;
-                op->first = ii;
-                op->count = 0;
-            }
-            mtc_item_of_leaf(&job->items[ii++], t, i, dst);
-            op->count++;
-        }
-    }
-    if (job) {
-        job->nops = oi;
-        job->nitems = ii;
-    }
-    int64_t t3 = mtc_now_ns();
-    mtc_cnt.ns_outputs += (uint64_t)(t3 - t2);
-
-    /* ---- run or submit; views are made while the transfer thread stages ---- */
-    if (job) {
-        if (background) {
-            if ((rc = mtc_job_submit(job))) {
-                PyErr_Format(PyExc_RuntimeError, "mtc_loader: cannot start the transfer thread: %s", strerror(-rc));
-                goto error;
-            }
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            mtc_job_run(job);
-            Py_END_ALLOW_THREADS
-        }
-        h->job = job;
-        job = NULL;
-    }
-    if (mtc_out_views(st, t, &plan, chunk_t, chunk_skip, outputs)) goto error;
-    if (!(h->result = mtc_rebuild(st, t, outputs))) goto error;
-    mtc_cnt.ns_views += (uint64_t)(mtc_now_ns() - t3);
-
-    for (uint32_t i = 0; i < t->nleaves; i++) Py_XDECREF(outputs[i]);
-    for (uint32_t c = 0; c < plan.nchunks; c++) Py_XDECREF(chunk_t[c]);
-    PyMem_Free(outputs);
-    PyMem_Free(chunk_t);
-    PyMem_Free(chunk_base);
-    PyMem_Free(chunk_skip);
-    Py_XDECREF(dev_obj);
-    mtc_plan_free(&plan);
+    _copy_clear(&c);
     if (!h->job) mtc_handle_finish(h); /* nothing in flight: release the inputs now */
     return (PyObject *)h;
 
 error:
-    if (job) mtc_job_release(job);
-    if (outputs)
-        for (uint32_t i = 0; i < t->nleaves; i++) Py_XDECREF(outputs[i]);
-    if (chunk_t)
-        for (uint32_t c = 0; c < plan.nchunks; c++) Py_XDECREF(chunk_t[c]);
-    PyMem_Free(outputs);
-    PyMem_Free(chunk_t);
-    PyMem_Free(chunk_base);
-    PyMem_Free(chunk_skip);
-    Py_XDECREF(dev_obj);
-    mtc_plan_free(&plan);
+    _copy_clear(&c);
     Py_DECREF(h); /* waits for a submitted job before releasing the inputs */
     return NULL;
 }

@@ -95,21 +95,172 @@ static int _mul(int64_t a, int64_t b, int64_t *out)
     return 0;
 }
 
+/* The header: leaf and segment counts, the chunk's payload and alignment,
+ * bounded by the buffer and the region before anything is allocated.
+ * 0 or -EINVAL. */
+static int _decode_header(_rd *r, size_t len, uint64_t region_bytes, uint32_t *n, uint32_t *nsegs,
+                          int64_t *payload, int64_t *align)
+{
+    if (_get(r, 4) != MTC_LAYOUT_MAGIC || _get(r, 2) != MTC_LAYOUT_VERSION) return -EINVAL;
+    _get(r, 2);
+    *n = (uint32_t)_get(r, 4);
+    *nsegs = (uint32_t)_get(r, 4);
+    *payload = (int64_t)_get(r, 8);
+    *align = (int64_t)_get(r, 8);
+    /* every leaf takes >= 4 bytes and every segment >= 40: bound the counts by
+     * the buffer before allocating anything */
+    if (r->bad || *n > MTC_LAYOUT_MAX_LEAVES || (size_t)*n * 4 > len || (size_t)*nsegs * 40 > len ||
+        *nsegs > *n || *payload < 0 || *align < 1 || *align > MTC_LAYOUT_MAX_ALIGN || (*align & (*align - 1)) ||
+        (uint64_t)*payload > region_bytes || (uint64_t)*payload + (uint64_t)*align - 1 > region_bytes)
+        return -EINVAL;
+    return 0;
+}
+
+/* Leaf i: dtype and shape, contiguous byte strides, at most `payload` bytes.
+ * Grows L's dims arrays (capacity *cap_dims). 0, -EINVAL or -ENOMEM. */
+static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, int ndtypes, int64_t payload,
+                        uint32_t *cap_dims)
+{
+    mtc_leaf *l = &L->leaves[i];
+    uint64_t dt = _get(r, 2), nd = _get(r, 2);
+    if (r->bad || dt >= (uint64_t)ndtypes || nd > MTC_MAX_NDIM || elsize[dt] < 1) return -EINVAL;
+    if (L->ndims + nd > *cap_dims) {
+        while (L->ndims + nd > *cap_dims) *cap_dims *= 2;
+        int64_t *s = realloc(L->shape, *cap_dims * sizeof *s);
+        if (!s) return -ENOMEM;
+        L->shape = s;
+        int64_t *t = realloc(L->strides, *cap_dims * sizeof *t);
+        if (!t) return -ENOMEM;
+        L->strides = t;
+    }
+    l->dtype = (uint16_t)dt;
+    l->elsize = (uint16_t)elsize[dt];
+    l->ndim = (int32_t)nd;
+    l->dims = L->ndims;
+    l->dev = MTC_DEV_CPU;
+    l->flags = MTC_LEAF_CONTIGUOUS;
+    l->action = MTC_ACT_PACK;
+    l->seg = -1;
+    int64_t numel = 1;
+    for (uint64_t d = 0; d < nd; d++) {
+        int64_t v = (int64_t)_get(r, 8);
+        if (r->bad || v < 0 || _mul(numel, v, &numel)) return -EINVAL;
+        L->shape[L->ndims + d] = v;
+    }
+    if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) return -EINVAL;
+    /* Byte strides fit when the leaf has bytes (they are at most nbytes);
+     * a zero-size leaf may have dims whose strides do not (torch.empty(0,
+     * 2**60, 4) is a tensor): saturated, they address nothing. */
+    int64_t acc = l->elsize;
+    for (uint64_t d = nd; d-- > 0;) {
+        L->strides[L->ndims + d] = acc;
+        int64_t v = L->shape[L->ndims + d];
+        if (d && _mul(acc, v > 1 ? v : 1, &acc)) {
+            if (numel) return -EINVAL;
+            acc = INT64_MAX;
+        }
+    }
+    L->ndims += (uint32_t)nd;
+    return 0;
+}
+
+/* Member li of segment s at `slot`: same dtype, ndim and trailing shape as
+ * the segment's first member, aligned for a view of its dtype, inside the
+ * segment; *cursor is the next free row (SPLIT) or member index (UNIFORM).
+ * Sets *off to its byte offset in the segment. 0 or -EINVAL. */
+static int _check_member(const mtc_layout *L, const mtc_seg *s, const mtc_leaf *l, int64_t slot, int64_t align,
+                         int64_t *cursor, int64_t *off)
+{
+    const mtc_leaf *pr = &L->leaves[s->proto];
+    if (l->dtype != pr->dtype || l->ndim != pr->ndim) return -EINVAL;
+    for (int32_t d = 1; d < l->ndim; d++)
+        if (L->shape[l->dims + d] != L->shape[pr->dims + d]) return -EINVAL;
+    /* The chunk base is aligned to `align`; a view of the dtype needs its
+     * element size to divide that and the member's offset. (The planner
+     * aligns members to lcm(min alignment, elsize) only, not to the chunk's
+     * `align`, the lcm over all members.) */
+    int64_t a = l->elsize;
+    if (align % a || s->offset % a) return -EINVAL;
+    if (s->kind == MTC_SEG_UNIFORM) {
+        if (slot != *cursor) return -EINVAL;
+        for (int32_t d = 0; d < l->ndim; d++)
+            if (L->shape[l->dims + d] != L->shape[pr->dims + d]) return -EINVAL;
+        if (s->row_bytes % l->elsize || (s->count > 1 && s->row_bytes < l->nbytes)) return -EINVAL;
+        /* one member is viewed as the whole segment: typed.view(shape) */
+        if (s->count == 1 && s->bytes != l->nbytes) return -EINVAL;
+        if (_mul(slot, s->row_bytes, off)) return -EINVAL;
+        *cursor = slot + 1;
+    } else {
+        if (l->ndim < 1) return -EINVAL;
+        int64_t rb = l->elsize;
+        for (int32_t d = 1; d < l->ndim; d++)
+            if (_mul(rb, L->shape[l->dims + d], &rb)) return -EINVAL;
+        if (rb != s->row_bytes || slot < *cursor || slot > s->rows ||
+            L->shape[l->dims] > s->rows - slot) /* its rows end past the segment's */
+            return -EINVAL;
+        if (_mul(slot, rb, off)) return -EINVAL;
+        *cursor = slot + L->shape[l->dims];
+    }
+    if (*off > s->bytes || l->nbytes > s->bytes - *off || (s->offset + *off) % a) return -EINVAL;
+    return 0;
+}
+
+/* Segment g and its members: after the previous segment (*prev_end), inside
+ * the payload, every member placed once. 0 or -EINVAL. */
+static int _decode_segment(_rd *r, mtc_layout *L, uint32_t g, int64_t payload, int64_t align, int64_t *prev_end)
+{
+    mtc_plan *p = &L->plan;
+    uint32_t n = L->nleaves;
+    mtc_seg *s = &p->segs[g];
+    uint64_t kind = _get(r, 1);
+    _get(r, 3);
+    uint64_t count = _get(r, 4);
+    s->offset = (int64_t)_get(r, 8);
+    s->bytes = (int64_t)_get(r, 8);
+    s->rows = (int64_t)_get(r, 8);
+    s->row_bytes = (int64_t)_get(r, 8);
+    if (r->bad || (kind != MTC_SEG_SPLIT && kind != MTC_SEG_UNIFORM) || count == 0 ||
+        count > (uint64_t)(n - p->nmembers) || s->offset < *prev_end || s->bytes < 0 ||
+        s->offset > payload || s->bytes > payload - s->offset || s->rows < 0 || s->row_bytes < 0)
+        return -EINVAL;
+    /* segments in increasing offsets: they cannot overlap */
+    *prev_end = s->offset + s->bytes;
+    s->kind = (int32_t)kind;
+    s->chunk = 0;
+    s->first = p->nmembers;
+    s->count = (uint32_t)count;
+    int64_t cursor = 0; /* SPLIT: next free row; UNIFORM: next member index */
+    for (uint64_t k = 0; k < count; k++) {
+        uint64_t li = _get(r, 4);
+        int64_t slot = (int64_t)_get(r, 8), off;
+        if (r->bad || li >= n || L->leaves[li].seg != -1 || slot < 0) return -EINVAL;
+        mtc_leaf *l = &L->leaves[li];
+        if (k == 0) s->proto = (uint32_t)li;
+        if (_check_member(L, s, l, slot, align, &cursor, &off)) return -EINVAL;
+        l->seg = (int32_t)g;
+        l->slot = slot;
+        p->members[p->nmembers++] = (uint32_t)li;
+    }
+    if (s->bytes % L->leaves[s->proto].elsize) return -EINVAL; /* viewed as the dtype */
+    int64_t span;
+    if (s->kind == MTC_SEG_UNIFORM) {
+        if (cursor != s->count) return -EINVAL;
+        if (_mul(s->count - 1, s->row_bytes, &span) || span > s->bytes) return -EINVAL;
+    } else {
+        if (_mul(s->rows, s->row_bytes, &span) || span != s->bytes) return -EINVAL;
+    }
+    p->nsegs++;
+    return 0;
+}
+
 int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndtypes,
                       uint64_t region_bytes, mtc_layout *out)
 {
     memset(out, 0, sizeof *out);
     _rd r = {buf, buf + len, 0};
-    if (_get(&r, 4) != MTC_LAYOUT_MAGIC || _get(&r, 2) != MTC_LAYOUT_VERSION) return -EINVAL;
-    _get(&r, 2);
-    uint32_t n = (uint32_t)_get(&r, 4), nsegs = (uint32_t)_get(&r, 4);
-    int64_t payload = (int64_t)_get(&r, 8), align = (int64_t)_get(&r, 8);
-    /* every leaf takes >= 4 bytes and every segment >= 40: bound the counts by
-     * the buffer before allocating anything */
-    if (r.bad || n > MTC_LAYOUT_MAX_LEAVES || (size_t)n * 4 > len || (size_t)nsegs * 40 > len ||
-        nsegs > n || payload < 0 || align < 1 || align > MTC_LAYOUT_MAX_ALIGN || (align & (align - 1)) ||
-        (uint64_t)payload > region_bytes || (uint64_t)payload + (uint64_t)align - 1 > region_bytes)
-        return -EINVAL;
+    uint32_t n, nsegs;
+    int64_t payload, align;
+    if (_decode_header(&r, len, region_bytes, &n, &nsegs, &payload, &align)) return -EINVAL;
     int rc = -ENOMEM;
     mtc_layout *L = out;
     L->nleaves = n;
@@ -121,136 +272,20 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
     p->segs = calloc(nsegs ? nsegs : 1, sizeof *p->segs);
     p->members = calloc(n ? n : 1, sizeof *p->members);
     p->chunks = calloc(1, sizeof *p->chunks);
-    if (!L->leaves || !L->shape || !L->strides || !p->segs || !p->members || !p->chunks) goto fail;
-    rc = -EINVAL;
+    if (!L->leaves || !L->shape || !L->strides || !p->segs || !p->members || !p->chunks) goto error;
     p->nchunks = n ? 1 : 0;
     p->chunks[0].payload = payload;
     p->chunks[0].align = align;
-
-    for (uint32_t i = 0; i < n; i++) {
-        mtc_leaf *l = &L->leaves[i];
-        uint64_t dt = _get(&r, 2), nd = _get(&r, 2);
-        if (r.bad || dt >= (uint64_t)ndtypes || nd > MTC_MAX_NDIM || elsize[dt] < 1) goto fail;
-        if (L->ndims + nd > cap_dims) {
-            while (L->ndims + nd > cap_dims) cap_dims *= 2;
-            int64_t *s = realloc(L->shape, cap_dims * sizeof *s);
-            if (!s) { rc = -ENOMEM; goto fail; }
-            L->shape = s;
-            int64_t *t = realloc(L->strides, cap_dims * sizeof *t);
-            if (!t) { rc = -ENOMEM; goto fail; }
-            L->strides = t;
-        }
-        l->dtype = (uint16_t)dt;
-        l->elsize = (uint16_t)elsize[dt];
-        l->ndim = (int32_t)nd;
-        l->dims = L->ndims;
-        l->dev = MTC_DEV_CPU;
-        l->flags = MTC_LEAF_CONTIGUOUS;
-        l->action = MTC_ACT_PACK;
-        l->seg = -1;
-        int64_t numel = 1;
-        for (uint64_t d = 0; d < nd; d++) {
-            int64_t v = (int64_t)_get(&r, 8);
-            if (r.bad || v < 0 || _mul(numel, v, &numel)) goto fail;
-            L->shape[L->ndims + d] = v;
-        }
-        if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) goto fail;
-        /* Byte strides fit when the leaf has bytes (they are at most nbytes);
-         * a zero-size leaf may have dims whose strides do not (torch.empty(0,
-         * 2**60, 4) is a tensor): saturated, they address nothing. */
-        int64_t acc = l->elsize;
-        for (uint64_t d = nd; d-- > 0;) {
-            L->strides[L->ndims + d] = acc;
-            int64_t v = L->shape[L->ndims + d];
-            if (d && _mul(acc, v > 1 ? v : 1, &acc)) {
-                if (numel) goto fail;
-                acc = INT64_MAX;
-            }
-        }
-        L->ndims += (uint32_t)nd;
-    }
-
+    for (uint32_t i = 0; i < n; i++)
+        if ((rc = _decode_leaf(&r, L, i, elsize, ndtypes, payload, &cap_dims))) goto error;
+    rc = -EINVAL;
     int64_t prev_end = 0;
-    for (uint32_t g = 0; g < nsegs; g++) {
-        mtc_seg *s = &p->segs[g];
-        uint64_t kind = _get(&r, 1);
-        _get(&r, 3);
-        uint64_t count = _get(&r, 4);
-        s->offset = (int64_t)_get(&r, 8);
-        s->bytes = (int64_t)_get(&r, 8);
-        s->rows = (int64_t)_get(&r, 8);
-        s->row_bytes = (int64_t)_get(&r, 8);
-        if (r.bad || (kind != MTC_SEG_SPLIT && kind != MTC_SEG_UNIFORM) || count == 0 ||
-            count > (uint64_t)(n - p->nmembers) || s->offset < prev_end || s->bytes < 0 ||
-            s->offset > payload || s->bytes > payload - s->offset || s->rows < 0 || s->row_bytes < 0)
-            goto fail;
-        /* segments in increasing offsets: they cannot overlap */
-        prev_end = s->offset + s->bytes;
-        s->kind = (int32_t)kind;
-        s->chunk = 0;
-        s->first = p->nmembers;
-        s->count = (uint32_t)count;
-        int64_t cursor = 0; /* SPLIT: next free row; UNIFORM: next member index */
-        for (uint64_t k = 0; k < count; k++) {
-            uint64_t li = _get(&r, 4);
-            int64_t slot = (int64_t)_get(&r, 8);
-            if (r.bad || li >= n || L->leaves[li].seg != -1 || slot < 0) goto fail;
-            mtc_leaf *l = &L->leaves[li];
-            if (k == 0) s->proto = (uint32_t)li;
-            const mtc_leaf *pr = &L->leaves[s->proto];
-            /* one dtype, ndim and trailing shape per segment */
-            if (l->dtype != pr->dtype || l->ndim != pr->ndim) goto fail;
-            for (int32_t d = 1; d < l->ndim; d++)
-                if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
-            /* The chunk base is aligned to `align`; a view of the dtype needs
-             * its element size to divide that and the member's offset. (The
-             * planner aligns members to lcm(min alignment, elsize) only, not
-             * to the chunk's `align`, the lcm over all members.) */
-            int64_t a = l->elsize;
-            if (align % a || s->offset % a) goto fail;
-            int64_t off, end;
-            if (s->kind == MTC_SEG_UNIFORM) {
-                if (slot != cursor) goto fail;
-                for (int32_t d = 0; d < l->ndim; d++)
-                    if (L->shape[l->dims + d] != L->shape[pr->dims + d]) goto fail;
-                if (s->row_bytes % l->elsize || (s->count > 1 && s->row_bytes < l->nbytes)) goto fail;
-                /* one member is viewed as the whole segment: typed.view(shape) */
-                if (s->count == 1 && s->bytes != l->nbytes) goto fail;
-                if (_mul(slot, s->row_bytes, &off)) goto fail;
-                cursor = slot + 1;
-            } else {
-                if (l->ndim < 1) goto fail;
-                int64_t rb = l->elsize;
-                for (int32_t d = 1; d < l->ndim; d++)
-                    if (_mul(rb, L->shape[l->dims + d], &rb)) goto fail;
-                if (rb != s->row_bytes || slot < cursor || slot > s->rows ||
-                    L->shape[l->dims] > s->rows - slot) /* its rows end past the segment's */
-                    goto fail;
-                if (_mul(slot, rb, &off)) goto fail;
-                cursor = slot + L->shape[l->dims];
-            }
-            if (off > s->bytes || l->nbytes > s->bytes - off || (s->offset + off) % a) goto fail;
-            end = s->offset + off + l->nbytes;
-            (void)end;
-            l->seg = (int32_t)g;
-            l->slot = slot;
-            p->members[p->nmembers++] = (uint32_t)li;
-        }
-        if (s->bytes % L->leaves[s->proto].elsize) goto fail; /* viewed as the dtype */
-        if (s->kind == MTC_SEG_UNIFORM) {
-            if (cursor != s->count) goto fail;
-            int64_t span;
-            if (_mul(s->count - 1, s->row_bytes, &span) || span > s->bytes) goto fail;
-        } else {
-            int64_t span;
-            if (_mul(s->rows, s->row_bytes, &span) || span != s->bytes) goto fail;
-        }
-        p->nsegs++;
-    }
-    if (p->nmembers != n || r.p != r.end) goto fail; /* every leaf placed, nothing trailing */
+    for (uint32_t g = 0; g < nsegs; g++)
+        if (_decode_segment(&r, L, g, payload, align, &prev_end)) goto error;
+    if (p->nmembers != n || r.p != r.end) goto error; /* every leaf placed, nothing trailing */
     p->count[MTC_ACT_PACK] = n;
     return 0;
-fail:
+error:
     mtc_layout_free(L);
     return rc;
 }
