@@ -518,9 +518,10 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         goto error;
     }
     int64_t align = L.nleaves ? L.plan.chunks[0].align : 1;
-    if (_unpack_copy(st, h, ao, off, nbytes, align, target, background, &chunk, &skip, &region_owned) ||
-        _unpack_views(st, h, &L, chunk, skip))
+    if (_unpack_copy(st, h, ao, off, nbytes, align, target, background, &chunk, &skip, &region_owned))
         goto error;
+    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
+    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk, skip)) goto error;
     Py_DECREF(chunk);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);

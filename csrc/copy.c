@@ -315,6 +315,24 @@ static int _alloc_outputs(_copy *c)
     return 0;
 }
 
+/* The device tensors the outputs live in, for a consumer on another stream
+ * (Handle.buffers): every chunk and every own output on the target GPU. Only
+ * for a CUDA target. 0, or -1 with an exception. */
+static int _collect_buffers(_copy *c, mtc_handle *h)
+{
+    if (c->o.target < 0) return 0;
+    if (!(h->buffers = PyList_New(0))) return -1;
+    for (uint32_t k = 0; k < c->plan.nchunks; k++)
+        if (PyList_Append(h->buffers, c->chunk_t[k])) return -1;
+    for (uint32_t i = 0; i < c->t->nleaves; i++) {
+        uint8_t a = c->t->leaves[i].action;
+        if ((a == MTC_ACT_H2D_STAGED || a == MTC_ACT_H2D_DIRECT || a == MTC_ACT_D2D) &&
+            PyList_Append(h->buffers, c->outputs[i]))
+            return -1;
+    }
+    return 0;
+}
+
 /* Stage 4: hand the job to the transfer thread (or run it here, the GIL
  * released); once it runs, the handle owns it and waits for it before the
  * inputs go. 0, or -1 with an exception (the job, never started, stays in c). */
@@ -365,8 +383,8 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
     mtc_handle *h = mtc_handle_new(st);
     if (!h) return NULL;
     c.t = &h->tree;
-    if (_read_leaves(&c, args[0]) || _plan(&c) || _alloc_outputs(&c) || _submit(&c, h) ||
-        _views_and_rebuild(&c, h))
+    if (_read_leaves(&c, args[0]) || _plan(&c) || _alloc_outputs(&c) || _collect_buffers(&c, h) ||
+        _submit(&c, h) || _views_and_rebuild(&c, h))
         goto error;
     _copy_clear(&c);
     if (!h->job) mtc_handle_finish(h); /* nothing in flight: release the inputs now */

@@ -93,6 +93,14 @@ static PyObject *Handle_get(mtc_handle *h, PyObject *unused)
     return Py_NewRef(h->result);
 }
 
+/* The device tensors that hold the outputs (one per packed chunk, one per
+ * own output on the target GPU): what a consumer on another stream records
+ * with Tensor.record_stream. A new list (empty for a CPU target). */
+static PyObject *Handle_buffers(mtc_handle *h, PyObject *unused)
+{
+    return h->buffers ? PyList_GetSlice(h->buffers, 0, PyList_GET_SIZE(h->buffers)) : PyList_New(0);
+}
+
 static void Handle_dealloc(mtc_handle *h)
 {
     PyTypeObject *tp = Py_TYPE(h);
@@ -109,6 +117,7 @@ static void Handle_dealloc(mtc_handle *h)
     PyErr_Restore(exc_type, exc, tb);
     Py_CLEAR(h->result);
     Py_CLEAR(h->error);
+    Py_CLEAR(h->buffers);
     tp->tp_free((PyObject *)h);
     Py_DECREF(tp);
 }
@@ -116,6 +125,7 @@ static void Handle_dealloc(mtc_handle *h)
 static PyMethodDef Handle_methods[] = {
     {"ready", (PyCFunction)Handle_ready, METH_NOARGS, "True when get() would return without blocking."},
     {"get", (PyCFunction)Handle_get, METH_NOARGS, "Wait for the copy and return the copied structure."},
+    {"buffers", (PyCFunction)Handle_buffers, METH_NOARGS, "The device tensors the outputs live in."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -144,5 +154,6 @@ mtc_handle *mtc_handle_new(mtc_state *st)
     h->result = NULL;
     h->error = NULL;
     h->finished = 0;
+    h->buffers = NULL;
     return h;
 }

@@ -23,6 +23,8 @@ typedef struct mtc_handle {
     PyObject *result;    /* the rebuilt structure */
     int finished;        /* completion handled (inputs released, error reported) */
     PyObject *error;     /* the exception of a failed copy, raised by every get() */
+    PyObject *buffers;   /* list of the device tensors the outputs live in (chunks, own
+                            outputs) for Tensor.record_stream, or NULL (CPU target) */
 } mtc_handle;
 
 /* The heap type's spec (module.c creates the type in its exec slot). */

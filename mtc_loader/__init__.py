@@ -4,7 +4,8 @@ Three ways in, one C engine:
 
 - :func:`start_copy` / :class:`AsyncCopyHandle`: copy a nested structure to a device.
 - :class:`PackedCollate`: a DataLoader ``collate_fn`` that packs each batch into a shared arena.
-- :class:`PrefetchLoader`: keeps the next batches in flight to the device.
+- :class:`PrefetchLoader`: a daemon thread copies the next batches on the device's copy stream.
+- :func:`start_side_copy` / :func:`copy_stream`: one copy on the copy stream, for a custom loop.
 - :func:`stats`, :func:`configure`, :func:`trim`: the engine's counters and settings.
 """
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch  # noqa: F401  (the engine reaches torch through objects _setup han
 from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
-from .prefetch import PrefetchLoader
+from .prefetch import PrefetchLoader, SideCopy, copy_stream, start_side_copy
 
 __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
-           "stats", "configure", "trim"]
+           "SideCopy", "copy_stream", "start_side_copy", "stats", "configure", "trim"]
 __version__ = "0.1.0"
 
 

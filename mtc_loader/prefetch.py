@@ -1,32 +1,280 @@
-"""``PrefetchLoader``: keeps the next batches in flight to the device while the model trains."""
+"""The prefetch service: a daemon thread that takes each batch as it is produced, copies it on a
+dedicated copy stream of the device and builds it, so the training loop never waits for data.
+
+:class:`PrefetchLoader` wraps any iterable of batches. For each epoch it starts one thread that
+pulls batches from the iterable as soon as they are produced (at most ``depth`` finished batches
+wait for the caller), and for each one starts the copy (:meth:`~mtc_loader.PackedBatch.start_copy`
+for a packed batch: one DMA from the arena; :func:`~mtc_loader.start_copy` otherwise) with the
+device's **copy stream** current, waits until the copy is enqueued and the output structure is
+built (the GIL released while it waits), and records an event on the copy stream. The caller's
+``__next__`` only takes a finished batch: its current stream waits for that event on the GPU (no
+CPU synchronisation), and the batch's device buffers are recorded on the caller's stream for
+torch's caching allocator. :func:`start_side_copy` is the same unit of work for a hand-written
+loop.
+"""
 from __future__ import annotations
 
 import os
+import threading
+import time
+import weakref
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
 
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
 from .copy import start_copy
 
-__all__ = ["PrefetchLoader"]
+__all__ = ["PrefetchLoader", "SideCopy", "copy_stream", "start_side_copy"]
+
+_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def copy_stream(device: Any) -> "torch.cuda.Stream":
+    """The dedicated copy stream of a CUDA device (one per device and process, created on first
+    use), on which :class:`PrefetchLoader` and :func:`start_side_copy` issue their copies.
+
+    Args:
+        device: A CUDA device (``"cuda"`` means the current device).
+
+    Raises:
+        ValueError: For a device that is not a CUDA device.
+    """
+    index = target_index(device)
+    if index < 0:
+        raise ValueError(f"mtc_loader: copy_stream needs a CUDA device, got {device!r}")
+    return _copy_stream(index)
+
+
+def _copy_stream(index: int) -> "torch.cuda.Stream":
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        with _STREAMS_LOCK:
+            stream = _COPY_STREAMS.get(index)
+            if stream is None:
+                stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+class SideCopy:
+    """A copy issued on the device's copy stream (:func:`start_side_copy`); :meth:`get` hands the
+    result to the calling thread's current stream without a CPU synchronisation."""
+
+    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_done")
+
+    def __init__(self, handle: Any, index: int) -> None:
+        self._handle, self._index = handle, index
+        self._result: Any = None
+        self._event: Optional[torch.cuda.Event] = None
+        self._buffers: list = []
+        self._done = False
+
+    def ready(self) -> bool:
+        """True when :meth:`get` would return without waiting for the CPU side of the copy (the
+        GPU side may still run: :meth:`get` makes the caller's stream wait for it)."""
+        return self._done or self._handle.ready()
+
+    def _finish(self) -> None:
+        """Waits (GIL released) until every copy is enqueued on the copy stream and the output
+        structure is built, then records the copy stream's event. Any thread may call it; the
+        copy stream must be the one the copy was started on."""
+        if self._done:
+            return
+        self._result = self._handle.get()
+        if self._index >= 0:
+            self._buffers = self._handle._h.buffers()
+            self._event = torch.cuda.Event()
+            self._event.record(_copy_stream(self._index))
+        self._handle = None  # the engine's handle is no longer needed
+        self._done = True
+
+    def get(self) -> Any:
+        """The copied structure, usable in order on the calling thread's current stream.
+
+        The current stream waits (on the GPU) for the copy stream's event, and every output
+        buffer is recorded on it (``Tensor.record_stream``), so the caching allocator does not
+        reuse the memory while kernels queued there may still read it.
+
+        Raises:
+            RuntimeError: If the copy failed (as :meth:`AsyncCopyHandle.get`).
+        """
+        self._finish()
+        if self._event is not None:
+            consumer = torch.cuda.current_stream(self._index)
+            consumer.wait_event(self._event)
+            for buf in self._buffers:
+                buf.record_stream(consumer)
+            self._event = None
+            self._buffers = []
+        return self._result
+
+
+def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCopy:
+    """Start copying ``data`` (a nested structure or a :class:`~mtc_loader.PackedBatch`) to
+    ``device`` on the device's dedicated copy stream (:func:`copy_stream`) instead of the current
+    stream, so that the DMA overlaps the kernels queued on the current stream.
+
+    Unlike :func:`~mtc_loader.start_copy`, the copy does not wait for work queued earlier on the
+    caller's stream; :meth:`SideCopy.get` makes the caller's current stream wait for the copy
+    instead. This is what :class:`PrefetchLoader` does for every batch. For ``"cpu"`` it is
+    ``start_copy``.
+
+    Args:
+        data: The structure to copy, or a packed batch.
+        device: Target device.
+        **start_copy_options: Passed to :func:`~mtc_loader.start_copy`.
+    """
+    index = target_index(device)
+    if index < 0:
+        return SideCopy(_start(data, device, start_copy_options), index)
+    with torch.cuda.stream(_copy_stream(index)):
+        return SideCopy(_start(data, index, start_copy_options), index)
+
+
+def _start(batch: Any, device: Any, options: dict):
+    if isinstance(batch, PackedBatch):
+        return batch.start_copy(device, **options)
+    return start_copy(batch, device, **options)
+
+
+# ------------------------------------------------------------------------------ the service
+
+_END = object()
+
+
+class _Service:
+    """One epoch of a PrefetchLoader: the daemon thread and the queue of finished batches.
+
+    Queue items, in order: ``(SideCopy, None)`` for a batch, ``(None, exception)`` for an error
+    (the last item then), ``(_END, None)`` at the end.
+    """
+
+    def __init__(self, iterable: Iterable, index: int, device: Any, depth: int, options: dict,
+                 stats: dict) -> None:
+        self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        self.options, self.stats = options, stats
+        self.items: deque = deque()
+        self.cond = threading.Condition(threading.Lock())
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="mtc_loader-prefetch", daemon=True)
+        _SERVICES.add(self)
+        self.thread.start()
+
+    # -- the daemon thread
+    def _run(self) -> None:
+        it = None
+        try:
+            if self.index >= 0:
+                torch.cuda.set_device(self.index)
+                # this thread's current stream: every copy it starts is issued on it
+                torch.cuda.set_stream(_copy_stream(self.index))
+            it = iter(self.iterable)
+            while self._wait_for_room():
+                t0 = time.thread_time()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except BaseException as e:  # handed to the caller after the batches before it
+                    self._put((None, e))
+                    return
+                if self.stopping:
+                    del batch  # an unconsumed PackedBatch frees its region
+                    break
+                try:
+                    side = SideCopy(_start(batch, self.device, self.options), self.index)
+                    del batch
+                    side._finish()
+                except BaseException as e:
+                    self._put((None, e))
+                    return
+                self.stats["service_cpu_s"] += time.thread_time() - t0
+                self.stats["service_batches"] += 1
+                self._put((side, None))
+        except BaseException as e:  # iter() failed, or CUDA setup did
+            self._put((None, e))
+            return
+        finally:
+            del it  # a DataLoader iterator shuts its workers down
+            _reclaim_dead()
+        self._put((_END, None))
+
+    def _wait_for_room(self) -> bool:
+        with self.cond:
+            while len(self.items) >= self.depth and not self.stopping:
+                self.cond.wait()
+            return not self.stopping
+
+    def _put(self, item: tuple) -> None:
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify_all()
+
+    # -- the caller
+    def take(self) -> tuple:
+        with self.cond:
+            while not self.items:
+                self.cond.wait()
+            item = self.items.popleft()
+            self.cond.notify_all()
+            return item
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stops the thread after the batch it is on, drops the finished batches, joins."""
+        with self.cond:
+            self.stopping = True
+            self.items.clear()
+            self.cond.notify_all()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        with self.cond:
+            self.items.clear()  # what it finished while stopping
+        _SERVICES.discard(self)
+
+
+_SERVICES: "weakref.WeakSet[_Service]" = weakref.WeakSet()
+
+
+def _stop_all_services() -> None:
+    # Runs when the interpreter starts to shut down (before daemon threads are frozen): a
+    # service thread inside a torch operator at that point would abort the process.
+    for service in list(_SERVICES):
+        service.stop(timeout=30.0)
+
+
+threading._register_atexit(_stop_all_services)
 
 
 class PrefetchLoader:
-    """Wraps a DataLoader (or any iterable of batches) and yields the batches on ``device``.
+    """Wraps a DataLoader (or any iterable of batches) and yields the batches on ``device``,
+    copied ahead by a daemon thread on the device's copy stream.
 
-    While the caller works on batch k, batches k+1 .. k+depth are already on their way: a
-    :class:`~mtc_loader.PackedBatch` is DMA'd straight from the shared arena, any other batch
-    goes through :func:`~mtc_loader.start_copy` (``start_copy_options`` are passed on).
+    Per epoch, a daemon thread pulls batches from the iterable as soon as they are produced and,
+    for each, starts its copy with the device's :func:`copy_stream` current (a
+    :class:`~mtc_loader.PackedBatch` is DMA'd straight from the shared arena; any other batch goes
+    through :func:`~mtc_loader.start_copy` with ``start_copy_options``), builds its structure and
+    records an event. At most ``depth`` finished batches wait for the caller. ``__next__`` takes a
+    finished batch: the caller's current stream waits for its event on the GPU (no CPU
+    synchronisation), and its buffers are recorded on that stream for the caching allocator. The
+    copy engine thus copies batch k+1 while the SMs run step k, and the caller's thread does no
+    per-tensor work.
 
-    It forwards ``len()``, can be iterated once per epoch, re-raises the underlying iterator's
-    exceptions in order (after the batches that came before them), and when the loop breaks early
-    or the iterator is dropped it waits for the copies in flight and releases their regions.
+    It forwards ``len()``, can be iterated once per epoch, re-raises the iterable's exceptions
+    (and copy errors) in order, after the batches that came before them, and when the loop
+    breaks early or the iterator is dropped it stops the thread, drops the batches it finished
+    and lets the DataLoader shut its workers down. :meth:`stats` says whether the loop waited for
+    data.
 
     Args:
         iterable: The batches (e.g. a ``torch.utils.data.DataLoader``).
-        device: Target device, e.g. ``"cuda"``, ``"cuda:0"`` or ``"cpu"``.
-        depth: Batches kept in flight (>= 1).
+        device: Target device, e.g. ``"cuda"`` (the current device when iteration starts),
+            ``"cuda:0"`` or ``"cpu"``.
+        depth: Finished batches kept ready for the caller (>= 1).
+        **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
+            ``use_background_thread``).
     """
 
     def __init__(self, iterable: Iterable, device: Any, depth: int = 2, **start_copy_options: Any):
@@ -37,47 +285,70 @@ class PrefetchLoader:
         self.device = device
         self.depth = depth
         self.options = start_copy_options
+        self._stats = _new_stats()
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
-    def _start(self, batch: Any):
-        if isinstance(batch, PackedBatch):
-            return batch.start_copy(self.device, **self.options)
-        return start_copy(batch, self.device, **self.options)
+    def stats(self) -> dict:
+        """Where the time went, over every epoch so far.
+
+        Keys: ``batches``; ``wait_ms`` (total) and ``wait_ms_per_batch``: the caller's time in
+        ``__next__`` (waiting for a batch plus the hand-out); ``step_ms_per_batch``: the caller's
+        time between two ``__next__`` calls (its training step); ``data_bound``: the share of the
+        caller's time spent waiting for data (``wait / (wait + step)``; near 0 when the loop is
+        not data-bound); ``service_cpu_ms_per_batch``: CPU time of the prefetch thread per batch
+        (the next batch from the iterable, the copy's start, the views; an upper bound on the
+        time it holds the GIL).
+        """
+        s = self._stats
+        n, m = s["batches"], max(s["service_batches"], 1)
+        wait, step = s["wait_s"] * 1e3, s["step_s"] * 1e3
+        return {
+            "batches": n,
+            "wait_ms": wait,
+            "wait_ms_per_batch": wait / n if n else 0.0,
+            "step_ms_per_batch": step / s["steps"] if s["steps"] else 0.0,
+            "data_bound": wait / (wait + step) if wait + step > 0 else 0.0,
+            "service_cpu_ms_per_batch": s["service_cpu_s"] * 1e3 / m,
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats`."""
+        self._stats = _new_stats()
 
     def __iter__(self) -> Iterator[Any]:
         _reclaim_dead()  # regions left by workers of an earlier epoch that have exited since
-        it = iter(self.iterable)
-        pending: deque = deque()
-        error: BaseException | None = None
-        exhausted = False
-
-        def fill() -> None:
-            nonlocal error, exhausted
-            while not exhausted and error is None and len(pending) < self.depth:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    exhausted = True
-                except Exception as e:  # re-raised once the batches before it were handed out
-                    error = e
-                else:
-                    pending.append(self._start(batch))
-
+        index = target_index(self.device)  # "cuda" is the current device of the caller
+        device = self.device if index < 0 else torch.device("cuda", index)
+        stats = self._stats
+        service = _Service(self.iterable, index, device, self.depth, self.options, stats)
+        clock = time.perf_counter
         try:
-            fill()
-            while pending:
-                handle = pending.popleft()
-                fill()  # the next copy starts before the caller gets this batch
-                yield handle.get()
-            if error is not None:
-                raise error  # regions of a worker that died are reclaimed below
+            last = None
+            while True:
+                t0 = clock()
+                if last is not None:
+                    stats["step_s"] += t0 - last
+                    stats["steps"] += 1
+                side, error = service.take()
+                if error is not None:
+                    raise error
+                if side is _END:
+                    return
+                batch = side.get()
+                del side
+                last = clock()
+                stats["wait_s"] += last - t0
+                stats["batches"] += 1
+                yield batch
         finally:
-            pending.clear()  # handles wait for their copies as they go
-            del it  # a DataLoader iterator shuts its workers down
-            # batches the stopped workers had packed but never sent are theirs: reclaim them
-            _reclaim_dead()
+            service.stop()
+
+
+def _new_stats() -> dict:
+    return {"batches": 0, "wait_s": 0.0, "step_s": 0.0, "steps": 0, "service_cpu_s": 0.0,
+            "service_batches": 0}
 
 
 def _reclaim_dead() -> None:

@@ -1,0 +1,192 @@
+"""The prefetch service behind PrefetchLoader (CPU): a daemon thread takes each batch as it is
+produced; order, errors in order, early exit, stats, interpreter exit. The same service on CUDA
+(copy stream, events, record_stream) is tested in test_prefetch_cuda.py."""
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import mtc_loader
+from conftest import assert_tree_bitwise, seed_batch, tree_to
+from test_loader import ARENA, SeedSamples, reference, settle
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def service_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "mtc_loader-prefetch"]
+
+
+def wait_no_service_threads(timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while service_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert not service_threads(), "the prefetch thread outlived its iterator"
+
+
+class Recorder:
+    """An iterable of plain batches that records which thread produced each one."""
+
+    def __init__(self, n: int, bad_at: int = -1, raise_at: int = -1, delay: float = 0.0):
+        self.n, self.bad_at, self.raise_at, self.delay = n, bad_at, raise_at, delay
+        self.threads: list[str] = []
+        self.produced = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for k in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            self.threads.append(threading.current_thread().name)
+            self.produced += 1
+            if k == self.raise_at:
+                raise KeyError(f"iterable failed at {k}")
+            batch = seed_batch(2, seed=k)
+            if k == self.bad_at:
+                batch[1]["bad"] = np.array([object()], dtype=object)  # start_copy refuses it
+            yield batch
+
+
+def test_batches_come_from_the_service_thread_in_order():
+    src = Recorder(6)
+    got = list(mtc_loader.PrefetchLoader(src, "cpu", depth=2))
+    assert len(got) == 6
+    for k, b in enumerate(got):
+        assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cpu"), f"batch {k}")
+    assert set(src.threads) == {"mtc_loader-prefetch"}
+    wait_no_service_threads()
+
+
+def test_copy_error_comes_after_the_batches_before_it():
+    got = []
+    with pytest.raises(TypeError, match=r"data\[1\]\['bad'\].*dtype object"):
+        for k, b in enumerate(mtc_loader.PrefetchLoader(Recorder(6, bad_at=2), "cpu")):
+            assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cpu"), f"batch {k}")
+            got.append(k)
+    assert got == [0, 1]
+    wait_no_service_threads()
+
+
+def test_iterable_error_comes_after_the_batches_before_it():
+    got = []
+    with pytest.raises(KeyError, match="iterable failed at 3"):
+        for k, _ in enumerate(mtc_loader.PrefetchLoader(Recorder(6, raise_at=3), "cpu", depth=1)):
+            got.append(k)
+    assert got == [0, 1, 2]
+    wait_no_service_threads()
+
+
+def test_iter_error_is_raised_by_the_first_next():
+    class NoIter:
+        def __iter__(self):
+            raise OSError("cannot open the data set")
+
+    with pytest.raises(OSError, match="cannot open the data set"):
+        next(iter(mtc_loader.PrefetchLoader(NoIter(), "cpu")))
+    wait_no_service_threads()
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_depth_bounds_the_batches_taken_ahead(depth):
+    src = Recorder(20)
+    it = iter(mtc_loader.PrefetchLoader(src, "cpu", depth=depth))
+    next(it)
+    time.sleep(0.3)  # the service fills up to depth finished batches, plus the one it is on
+    assert 1 + depth <= src.produced <= 1 + depth + 1, src.produced
+    del it
+    wait_no_service_threads()
+
+
+def test_early_break_stops_the_thread_and_the_next_epoch_works():
+    src = Recorder(10, delay=0.01)
+    pl = mtc_loader.PrefetchLoader(src, "cpu")
+    for k, _ in enumerate(pl):
+        if k == 1:
+            break
+    wait_no_service_threads()
+    assert src.produced <= 5
+    assert len(list(pl)) == 10
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_packed_batches_early_break_frees_every_region(workers):
+    ds = SeedSamples(n=40)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    dl = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=pc)
+    refs = reference(ds, batch_size=4)
+    for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cpu", depth=3)):
+        assert_tree_bitwise(b, tree_to(refs[k], "cpu"), f"batch {k}")
+        if k == 1:
+            time.sleep(0.2)  # finished batches wait in the service's queue
+            break
+    del b
+    wait_no_service_threads()
+    assert settle(pc.arena)["slots_in_use"] == 0
+    assert pc.arena._a.valid()
+
+
+def test_stats_report_waiting_and_stepping():
+    pl = mtc_loader.PrefetchLoader(Recorder(8, delay=0.02), "cpu", depth=2)
+    for _ in pl:
+        time.sleep(0.005)  # the "step"
+    s = pl.stats()
+    assert s["batches"] == 8
+    assert s["step_ms_per_batch"] >= 4.0
+    assert s["wait_ms"] > 0 and 0.0 < s["data_bound"] < 1.0
+    assert s["service_cpu_ms_per_batch"] > 0
+    # a loader slower than the loop is data-bound; a fast one is not
+    slow = s["data_bound"]
+    pl.reset_stats()
+    assert pl.stats()["batches"] == 0
+    fast = mtc_loader.PrefetchLoader(Recorder(8), "cpu", depth=4)
+    for _ in fast:
+        time.sleep(0.02)
+    assert fast.stats()["data_bound"] < slow
+
+
+def test_start_side_copy_on_cpu_is_start_copy():
+    data = seed_batch(2, seed=5)
+    side = mtc_loader.start_side_copy(data, "cpu")
+    assert_tree_bitwise(side.get(), tree_to(data, "cpu"))
+    assert side.ready()
+    with pytest.raises(ValueError, match="copy_stream needs a CUDA device"):
+        mtc_loader.copy_stream("cpu")
+
+
+def test_interpreter_exit_with_the_service_busy(tmp_path):
+    """The service thread is stopped and joined when the interpreter begins to shut down, so it is
+    never frozen inside a torch operator (which aborts the process)."""
+    script = tmp_path / "exit_busy.py"
+    script.write_text(textwrap.dedent("""
+        import torch, mtc_loader
+        from torch.utils.data import DataLoader, Dataset
+
+        class Big(Dataset):
+            def __len__(self):
+                return 10_000
+            def __getitem__(self, i):
+                return {"x": torch.full((64, 1024), float(i)), "y": [torch.arange(i % 50) for _ in range(20)]}
+
+        pc = mtc_loader.PackedCollate(list, arena_bytes=64 << 20)
+        dl = DataLoader(Big(), batch_size=8, num_workers=2, collate_fn=pc)
+        it = iter(mtc_loader.PrefetchLoader(dl, "cpu", depth=4))
+        for _ in range(3):
+            next(it)
+        print("exiting", flush=True)
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "exiting" in r.stdout
+    assert "terminate called" not in r.stderr

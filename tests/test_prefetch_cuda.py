@@ -1,0 +1,154 @@
+"""The prefetch service on CUDA: copies on the device's copy stream, hand-out by event (no CPU
+sync), output memory recorded on the consumer's stream. Skipped without a GPU."""
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import mtc_loader
+from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_to
+from test_loader import ARENA, SeedSamples, reference, settle
+from test_prefetch import Recorder, wait_no_service_threads
+
+pytestmark = [pytest.mark.cuda, requires_cuda,
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+# ~1 s of GPU time on an H100 (cycles at ~1.7 GHz)
+LONG_KERNEL_CYCLES = 1_700_000_000
+
+
+def packed_loader(n=48, workers=2, batch_size=4):
+    ds = SeedSamples(n=n)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    dl = DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=pc)
+    return ds, pc, dl, reference(ds, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("consumer", ["default", "side"])
+def test_bitwise_on_the_consumer_stream(workers, consumer):
+    ds, pc, dl, refs = packed_loader(workers=workers)
+    stream = torch.cuda.Stream() if consumer == "side" else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        n = 0
+        for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=2)):
+            # consume on the consumer stream only: clone there, compare after a sync
+            copies = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b)
+            stream.synchronize()
+            assert_tree_bitwise(copies, tree_to(refs[k], "cuda:0"), f"batch {k}")
+            n += 1
+    assert n == len(refs)
+    wait_no_service_threads()
+    assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
+
+
+def test_plain_batches_through_start_copy_on_the_copy_stream():
+    got = list(mtc_loader.PrefetchLoader(Recorder(6), "cuda:0", depth=2))
+    torch.cuda.synchronize()
+    for k, b in enumerate(got):
+        assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cuda:0"), f"batch {k}")
+
+
+def test_copy_overlaps_a_long_kernel():
+    """start_side_copy: the copy completes while a long kernel still runs on the current stream;
+    start_copy on the current stream would wait behind it."""
+    data = seed_batch(16, seed=3)
+    mtc_loader.start_side_copy(data, "cuda").get()  # warm up: threads, pinned slabs
+    torch.cuda.synchronize()
+    cur = torch.cuda.current_stream()
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)
+    side = mtc_loader.start_side_copy(data, "cuda")
+    side._finish()
+    deadline = time.monotonic() + 0.5
+    while not side._event.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert side._event.query(), "the side copy did not finish while the kernel ran"
+    assert not cur.query(), "the long kernel ended too soon for this test to mean anything"
+    out = side.get()  # the current stream now waits for the copy (already done)
+    plain = mtc_loader.start_copy(data, "cuda").get()
+    done = torch.cuda.Event()
+    done.record(cur)
+    assert not done.query(), "start_copy's copy should be queued behind the kernel"
+    torch.cuda.synchronize()
+    assert_tree_bitwise(out, tree_to(data, "cuda:0"))
+    assert_tree_bitwise(plain, tree_to(data, "cuda:0"))
+
+
+def test_next_batch_is_ready_while_the_step_runs():
+    """PrefetchLoader: while step k's long kernel runs, batch k+1 is copied on the copy stream and
+    __next__ returns it without a CPU wait for the GPU."""
+    ds, pc, dl, refs = packed_loader(n=24, workers=2)
+    pl = mtc_loader.PrefetchLoader(dl, "cuda", depth=2)
+    it = iter(pl)
+    first = next(it)
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)  # "step 0"
+    time.sleep(0.2)  # the service finishes the next batches meanwhile
+    t0 = time.perf_counter()
+    second = next(it)
+    took = time.perf_counter() - t0
+    assert took < 0.1, f"__next__ waited {took:.3f} s: it waited for the GPU"
+    assert not torch.cuda.current_stream().query(), "the long kernel ended too soon"
+    torch.cuda.synchronize()
+    assert_tree_bitwise(first, tree_to(refs[0], "cuda:0"), "batch 0")
+    assert_tree_bitwise(second, tree_to(refs[1], "cuda:0"), "batch 1")
+    del it
+    wait_no_service_threads()
+
+
+def test_batches_kept_alive_across_many_steps():
+    """Every batch is kept while later batches arrive and the consumer allocates and frees on its
+    stream: no buffer is reused under a live batch (run under compute-sanitizer too)."""
+    ds, pc, dl, refs = packed_loader(n=64, workers=2)
+    kept = []
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=3)):
+            kept.append(b)
+            for _ in range(3):  # churn the caching allocator on the consumer stream
+                x = torch.empty(1 << 16, device="cuda").fill_(k)
+                del x
+            if k % 4 == 3:
+                kept = kept[-8:]  # drop old batches: their memory goes back to the allocator
+                refs_k = refs[k - len(kept) + 1:k + 1]
+                side.synchronize()
+                for j, (got, ref) in enumerate(zip(kept, refs_k)):
+                    assert_tree_bitwise(got, tree_to(ref, "cuda:0"), f"batch {k - len(kept) + 1 + j}")
+    torch.cuda.synchronize()
+    del kept
+    gc.collect()
+    wait_no_service_threads()
+    assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
+
+
+def test_early_break_exception_and_del_on_cuda():
+    got = []
+    with pytest.raises(TypeError, match="dtype object"):
+        for k, b in enumerate(mtc_loader.PrefetchLoader(Recorder(6, bad_at=3), "cuda", depth=2)):
+            got.append(k)
+    assert got == [0, 1, 2]
+    ds, pc, dl, refs = packed_loader(n=40, workers=2)
+    for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=3)):
+        if k == 1:
+            break
+    it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=3))
+    next(it)
+    time.sleep(0.2)
+    del it, b
+    wait_no_service_threads()
+    assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
+    assert pc.arena._a.valid()
+
+
+def test_loop_stats_on_cuda():
+    ds, pc, dl, refs = packed_loader(n=32, workers=2)
+    pl = mtc_loader.PrefetchLoader(dl, "cuda", depth=2)
+    for b in pl:
+        torch.cuda._sleep(10_000_000)  # a ~6 ms step of real GPU work
+    s = pl.stats()
+    assert s["batches"] == len(refs)
+    assert 0.0 <= s["data_bound"] <= 1.0
+    assert s["service_cpu_ms_per_batch"] > 0
