@@ -65,13 +65,16 @@ outside the timed region). Per epoch, from ``iter()`` to the synchronization aft
   first batch; the thread's CPU time (``thread_time``) is in the JSON;
 - ``step ms``: the training thread's time per batch in the step (issuing the kernels; it blocks
   only when the launch queue is full or the allocator waits), median over rounds of the mean;
-- ``wall ms``: epoch time / batches.
+- ``wall ms``: epoch time / batches;
+- ``thread ms``: for the PrefetchLoader methods, the CPU time of its prefetch thread per batch
+  (``PrefetchLoader.stats()`` over the timed epochs: an upper bound on the GIL it holds).
 
 Outputs (in ``--out``, default ``bench/results``): ``bench_train.json`` (machine info, config,
-every epoch's samples and per-batch times), ``bench_train.png`` (fraction of the ideal and next
-ms per method; skipped with a notice without matplotlib), and a table on stdout with issue 10's
-targets next to the results. The targets are checked only on a GPU at full size (not
-``--quick``). ``--device cpu --quick`` is a smoke test: tiny images, and everything runs on the CPU.
+every epoch's samples and per-batch times, ``PrefetchLoader.stats()``, the arena's counters),
+``bench_train.png`` (fraction of the ideal and next ms per method; skipped with a notice without
+matplotlib), and a table on stdout with issue 10's targets next to the results. The targets are
+checked only on a GPU at full size (not ``--quick``). ``--device cpu --quick`` is a smoke test:
+tiny images, and everything runs on the CPU.
 """
 from __future__ import annotations
 
@@ -455,9 +458,10 @@ def summarize(res: dict[str, dict[str, dict]]) -> None:
 
 def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> None:
     print("samples/s: median over rounds, whole epoch (steady: from the first batch in hand); next: the training "
-          "thread's time in __next__ per batch (steady: without the epoch's first); step: its time in the step")
+          "thread's time in __next__ per batch (steady: without the epoch's first); step: its time in the step; "
+          "thread: the prefetch thread's CPU time per batch")
     header = (f"{'config':<7} {'method':<36} {'samples/s':>10} {'of ideal':>9} {'steady':>7} {'next ms':>8} "
-              f"{'steady':>7} {'step ms':>8} {'wall ms':>8} {'issue 10 before':>15}")
+              f"{'steady':>7} {'step ms':>8} {'wall ms':>8} {'thread ms':>9} {'issue 10 before':>15}")
     print(header)
     print("-" * len(header))
     for cfg, methods in res.items():
@@ -467,9 +471,11 @@ def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> 
             steady = f"{100 * r['steady_fraction_of_ideal']:.1f}%" if r["steady_fraction_of_ideal"] is not None else "-"
             before = ISSUE10_BEFORE.get((cfg, name))
             before_s = f"{100 * before:.1f}%" if before is not None else ""
+            ps = r.get("prefetch_stats")
+            thread = f"{ps['service_cpu_ms_per_batch']:.3f}" if ps else "-"
             print(f"{cfg:<7} {LABELS[name]:<36} {r['samples_per_s']:>10.1f} {frac:>9} {steady:>7} "
                   f"{r['next_ms']:>8.3f} {r['next_steady_ms']:>7.3f} {r['step_ms']:>8.3f} {r['wall_ms']:>8.2f} "
-                  f"{before_s:>15}")
+                  f"{thread:>9} {before_s:>15}")
         print(f"{'':<7} ({c.height}x{c.width} images, width {c.channels})")
         print()
 
@@ -622,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         for m, iterable in methods.items():  # warm-up epoch; its first batch checked bitwise
             e = run_epoch(iterable, step, device, args.batch_size, check=check)
             res[cfg_name][m]["warmup"] = e
+            if hasattr(iterable, "reset_stats"):  # PrefetchLoader: count the timed epochs only
+                iterable.reset_stats()
         for r in range(args.rounds):
             k = r % len(args.methods)
             for m in args.methods[k:] + args.methods[:k]:
@@ -630,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
         line = ", ".join(f"{m} {statistics.median(e['samples_per_s'] for e in res[cfg_name][m]['epochs']):.1f}"
                          for m in args.methods)
         print(f"[{cfg_name}] samples/s: {line}", flush=True)
+        for m, iterable in methods.items():
+            if hasattr(iterable, "stats"):  # PrefetchLoader: its service thread's CPU time, waits
+                res[cfg_name][m]["prefetch_stats"] = iterable.stats()
         if "packed_collate" in extra:
             arena_stats[cfg_name] = extra["packed_collate"].stats()
         del methods, extra, step, preloaded, ds
