@@ -41,7 +41,11 @@ static int64_t _round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 int64_t mtc_plan_leaf_align(const mtc_plan_opts *o, uint32_t elsize)
 {
-    return _lcm(o->align, elsize ? elsize : 1);
+    /* the reference implementation's rule: round_up(max(min, elsize), elsize),
+     * e.g. 8 for 6 and float32 (not the lcm, 12) */
+    int64_t e = elsize ? elsize : 1, a = o->align > e ? o->align : e;
+    if (a > ((int64_t)1 << 40)) return 0;
+    return _round_up(a, e);
 }
 
 /* Decides the action of one leaf. Packing is only considered here; whether a

@@ -13,7 +13,8 @@
  * SPLIT segment (the segment viewed as (rows, *trailing), cut with one
  * split_with_sizes; members start on rows whose byte offset is aligned, and
  * the rows between them are padding). Every member's byte offset from the
- * chunk's aligned base is a multiple of lcm(min alignment, element size).
+ * chunk's aligned base is a multiple of round_up(max(min alignment, element size),
+ * element size), the reference implementation's rule.
  *
  * Names starting with `_` are internal to plan.c. Functions return 0 or a
  * negative errno.
@@ -118,7 +119,8 @@ int mtc_plan_build(mtc_plan *p, mtc_leaf *leaves, uint32_t n, const int64_t *sha
 /* Frees what mtc_plan_build allocated; the plan may be reused afterwards. */
 void mtc_plan_free(mtc_plan *p);
 
-/* Effective alignment of a packed leaf: lcm(opts->align, elsize), or 0 on overflow. */
+/* Effective alignment of a packed leaf, the reference's rule:
+ * round_up(max(opts->align, elsize), elsize); 0 past 2^40. */
 int64_t mtc_plan_leaf_align(const mtc_plan_opts *o, uint32_t elsize);
 
 /*

@@ -80,8 +80,9 @@ def start_copy(
             tensor; for CUDA → CPU with pinned staging, small GPU tensors are likewise copied
             into one pinned chunk.
         min_packed_alignment_bytes: Minimum byte alignment of each packed tensor's start. The
-            effective alignment is ``lcm(min_packed_alignment_bytes, element_size)``, which is
-            ``max(...)`` for powers of two.
+            effective alignment is ``round_up(max(min_packed_alignment_bytes, element_size),
+            element_size)`` (the reference implementation's rule): ``max(...)`` for powers of
+            two; 8 for 6 and float32, 16 for 6 and complex128, 6 for 6 and uint8.
         max_packed_chunk_bytes: Maximum payload of each packed chunk (data plus alignment
             padding; the allocation may be slightly larger to align the chunk's start).
         use_background_thread: Run the copy (staging, allocation of pinned memory, copy

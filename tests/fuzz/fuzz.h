@@ -106,6 +106,15 @@ static inline int64_t fz_lcm(int64_t a, int64_t b)
     return r;
 }
 
+/* The alignment of a packed leaf, the reference implementation's rule:
+ * round_up(max(min, elsize), elsize); 0 past 2^40, as the planner refuses it. */
+static inline int64_t fz_ref_align(int64_t min, int64_t elsize)
+{
+    int64_t a = min > elsize ? min : elsize;
+    if (a > ((int64_t)1 << 40)) return 0;
+    return (a + elsize - 1) / elsize * elsize;
+}
+
 /* ---------------------------------------------------------------- leaves */
 
 /*

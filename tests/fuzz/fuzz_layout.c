@@ -36,7 +36,8 @@
 
 /*
  * The checks. `min_align` > 0: every member's offset must also be a multiple
- * of lcm(min_align, elsize) (the planner's promise; unknown to the decoder).
+ * of round_up(max(min_align, elsize), elsize) (the planner's promise; unknown to
+ * the decoder).
  */
 static void check_layout(const mtc_layout *L, uint64_t region, int64_t min_align)
 {
@@ -153,8 +154,8 @@ static void check_layout(const mtc_layout *L, uint64_t region, int64_t min_align
             int64_t start = s->offset + off;
             FZ_CHECK(start % l->elsize == 0, "leaf %u at %lld, elsize %d", li, (long long)start, l->elsize);
             if (min_align > 0) {
-                int64_t a = fz_lcm(min_align, l->elsize);
-                FZ_CHECK(a && start % a == 0, "leaf %u at %lld not aligned to lcm(%lld, %d)", li, (long long)start,
+                int64_t a = fz_ref_align(min_align, l->elsize);
+                FZ_CHECK(a && start % a == 0, "leaf %u at %lld not aligned to the alignment of (%lld, %d)", li, (long long)start,
                          (long long)min_align, l->elsize);
             }
             FZ_CHECK(start >= 0 && start <= payload && l->nbytes <= payload - start);

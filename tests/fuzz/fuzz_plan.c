@@ -4,7 +4,7 @@
  * mtc_plan_build(), whose result must pass mtc_plan_valid() and, checked here
  * independently of plan.c, everything the copy and the output views rely on:
  * actions by the rules of start_copy's docstring, every packed leaf exactly
- * once in one segment, inside its chunk, aligned to lcm(align, elsize), no
+ * once in one segment, inside its chunk, aligned to round_up(max(align, elsize), elsize), no
  * two packed leaves overlapping, chunks within max_packed_chunk_bytes,
  * segments that view creation can express. Every packed leaf's bytes are
  * then written in a heap buffer of exactly the chunk's payload (ASan).
@@ -51,7 +51,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t shape[MAX_LEAVES * MAX_ND];
     memset(leaves, 0, sizeof leaves);
     uint32_t nd = 0;
-    int64_t all_align = 1; /* lcm of every leaf's lcm(align, elsize): a chunk's alignment divides it */
+    int64_t all_align = 1; /* lcm of every leaf's alignment: a chunk's alignment divides it */
     for (uint32_t i = 0; i < n; i++) {
         mtc_leaf *l = &leaves[i];
         uint8_t h = fz_u8(&f);
@@ -91,7 +91,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         l->data = (uintptr_t)0x10000 * (i + 1);
         l->action = 0xee; /* overwritten by the planner */
         l->seg = 12345;
-        int64_t la = fz_lcm(o.align, l->elsize);
+        int64_t la = fz_ref_align(o.align, l->elsize);
         if (all_align) all_align = la ? fz_lcm(all_align, la) : 0; /* 0: past int64 */
     }
 
@@ -217,7 +217,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                      "leaf %u outside seg %u", li, g);
             int64_t start = s->offset + off;
             FZ_CHECK(start == mtc_plan_leaf_offset(&p, l));
-            int64_t la = fz_lcm(o.align, l->elsize);
+            int64_t la = fz_ref_align(o.align, l->elsize);
             FZ_CHECK(la && start % la == 0 && ch->align % la == 0, "leaf %u at %lld, align %lld, chunk align %lld",
                      li, (long long)start, (long long)la, (long long)ch->align);
             if (l->nbytes) spans[nspans++] = (span){start, start + l->nbytes, li};
