@@ -124,7 +124,7 @@ def main() -> int:
     args = ap.parse_args()
 
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; one process per GPU
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)           # "cuda" now means this rank's GPU
         device = torch.device("cuda", local_rank)
