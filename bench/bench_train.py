@@ -104,7 +104,7 @@ from workloads import NUM_CAMERAS, NUM_CLASSES, count_tensors, iter_leaves, seed
 
 import mtc_loader  # noqa: E402
 
-METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed"]
+METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
     "plain": "DataLoader(pin_memory) + .to(nb)",
@@ -112,6 +112,7 @@ LABELS = {
     "start_copy": "DataLoader + start_copy().get()",
     "prefetch_plain": "PrefetchLoader(DataLoader)",
     "packed": "PackedCollate + PrefetchLoader",
+    "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
@@ -360,6 +361,10 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
             extra["packed_collate"] = pc
+        elif name == "packed_gil5ms":  # the service without its GIL switch-interval setting
+            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
+            out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
+                                                  gil_switch_interval=None)
         else:
             raise ValueError(name)
     return out, extra

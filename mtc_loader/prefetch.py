@@ -15,6 +15,7 @@ loop.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
@@ -145,6 +146,43 @@ def _start(batch: Any, device: Any, options: dict):
 _END = object()
 
 
+class _SwitchInterval:
+    """Lowers the interpreter's GIL switch interval while at least one service works on a batch.
+
+    A launch-bound training thread holds the GIL almost all the time; the service thread gets it
+    only when the interpreter forces a switch, after ``sys.getswitchinterval()`` (5 ms by
+    default). The service releases the GIL several times per batch (the DataLoader's pipe reads
+    and polls, the wait for the copy), and each time it must wait for another forced switch: at
+    5 ms per wait it falls behind a 10 ms step. A short interval while it works bounds each wait;
+    the time it holds the GIL stays the same. Restored when no service works any more (unless the
+    program changed it meanwhile).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.saved = 0.0
+        self.ours = 0.0
+
+    def enter(self, interval: float) -> None:
+        with self.lock:
+            self.active += 1
+            if self.active == 1:
+                self.saved = sys.getswitchinterval()
+                if interval < self.saved:
+                    sys.setswitchinterval(interval)
+                self.ours = sys.getswitchinterval()
+
+    def exit(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if self.active == 0 and sys.getswitchinterval() == self.ours:
+                sys.setswitchinterval(self.saved)
+
+
+_SWITCH = _SwitchInterval()
+
+
 class _Service:
     """One epoch of a PrefetchLoader: the daemon thread and the queue of finished batches.
 
@@ -153,9 +191,9 @@ class _Service:
     """
 
     def __init__(self, iterable: Iterable, index: int, device: Any, depth: int, options: dict,
-                 stats: dict) -> None:
+                 stats: dict, switch_interval: Optional[float]) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
-        self.options, self.stats = options, stats
+        self.options, self.stats, self.switch_interval = options, stats, switch_interval
         self.items: deque = deque()
         self.cond = threading.Condition(threading.Lock())
         self.stopping = False
@@ -174,23 +212,12 @@ class _Service:
             it = iter(self.iterable)
             while self._wait_for_room():
                 t0 = time.thread_time()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except BaseException as e:  # handed to the caller after the batches before it
-                    self._put((None, e))
+                side, error, end = self._one_batch(it)
+                if error is not None:  # handed to the caller after the batches before it
+                    self._put((None, error))
                     return
-                if self.stopping:
-                    del batch  # an unconsumed PackedBatch frees its region
+                if end:
                     break
-                try:
-                    side = SideCopy(_start(batch, self.device, self.options), self.index)
-                    del batch
-                    side._finish()
-                except BaseException as e:
-                    self._put((None, e))
-                    return
                 self.stats["service_cpu_s"] += time.thread_time() - t0
                 self.stats["service_batches"] += 1
                 self._put((side, None))
@@ -201,6 +228,31 @@ class _Service:
             del it  # a DataLoader iterator shuts its workers down
             _reclaim_dead()
         self._put((_END, None))
+
+    def _one_batch(self, it: Iterator) -> tuple:
+        """The next batch from the iterable, its copy started on the copy stream and finished:
+        ``(SideCopy, None, False)``, ``(None, exception, False)`` or ``(None, None, True)`` at
+        the end (or when stopping)."""
+        switch = self.switch_interval is not None
+        if switch:
+            _SWITCH.enter(self.switch_interval)
+        try:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None, None, True
+            if self.stopping:
+                del batch  # an unconsumed PackedBatch frees its region
+                return None, None, True
+            side = SideCopy(_start(batch, self.device, self.options), self.index)
+            del batch
+            side._finish()
+            return side, None, False
+        except BaseException as e:
+            return None, e, False
+        finally:
+            if switch:
+                _SWITCH.exit()
 
     def _wait_for_room(self) -> bool:
         with self.cond:
@@ -273,17 +325,28 @@ class PrefetchLoader:
         device: Target device, e.g. ``"cuda"`` (the current device when iteration starts),
             ``"cuda:0"`` or ``"cpu"``.
         depth: Finished batches kept ready for the caller (>= 1).
+        gil_switch_interval: The interpreter's GIL switch interval (seconds) while the thread
+            works on a batch (``sys.setswitchinterval``; restored when it waits): a launch-bound
+            training thread holds the GIL almost always, and the thread waits for a forced
+            switch each time it needs the GIL back, 5 ms by default. ``None`` leaves the
+            interval alone.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
             ``use_background_thread``).
     """
 
-    def __init__(self, iterable: Iterable, device: Any, depth: int = 2, **start_copy_options: Any):
+    def __init__(self, iterable: Iterable, device: Any, depth: int = 2, *,
+                 gil_switch_interval: Optional[float] = 0.0005, **start_copy_options: Any):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
+        if gil_switch_interval is not None and (isinstance(gil_switch_interval, bool) or not (
+                isinstance(gil_switch_interval, (int, float)) and 0 < gil_switch_interval <= 1)):
+            raise ValueError("mtc_loader: gil_switch_interval must be None or a number of seconds in "
+                             f"(0, 1], got {gil_switch_interval!r}")
         target_index(device)  # fail early on a bad device
         self.iterable = iterable
         self.device = device
         self.depth = depth
+        self.gil_switch_interval = gil_switch_interval
         self.options = start_copy_options
         self._stats = _new_stats()
 
@@ -322,7 +385,8 @@ class PrefetchLoader:
         index = target_index(self.device)  # "cuda" is the current device of the caller
         device = self.device if index < 0 else torch.device("cuda", index)
         stats = self._stats
-        service = _Service(self.iterable, index, device, self.depth, self.options, stats)
+        service = _Service(self.iterable, index, device, self.depth, self.options, stats,
+                           self.gil_switch_interval)
         clock = time.perf_counter
         try:
             last = None

@@ -190,3 +190,28 @@ def test_interpreter_exit_with_the_service_busy(tmp_path):
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "exiting" in r.stdout
     assert "terminate called" not in r.stderr
+
+
+def test_gil_switch_interval_lowered_while_working_and_restored():
+    default = sys.getswitchinterval()
+    seen = []
+
+    class Watch(Recorder):
+        def __iter__(self):
+            for b in super().__iter__():
+                seen.append(sys.getswitchinterval())  # the service thread is working on a batch
+                yield b
+
+    assert len(list(mtc_loader.PrefetchLoader(Watch(5), "cpu", gil_switch_interval=0.0002))) == 5
+    assert seen and all(abs(s - 0.0002) < 1e-9 for s in seen), seen
+    wait_no_service_threads()
+    assert sys.getswitchinterval() == default
+    seen.clear()
+    assert len(list(mtc_loader.PrefetchLoader(Watch(3), "cpu", gil_switch_interval=None))) == 3
+    assert seen and all(s == default for s in seen)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 2.0, "fast", True])
+def test_bad_gil_switch_interval(bad):
+    with pytest.raises(ValueError, match="gil_switch_interval"):
+        mtc_loader.PrefetchLoader([], "cpu", gil_switch_interval=bad)
