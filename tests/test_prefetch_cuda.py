@@ -152,3 +152,24 @@ def test_loop_stats_on_cuda():
     assert s["batches"] == len(refs)
     assert 0.0 <= s["data_bound"] <= 1.0
     assert s["service_cpu_ms_per_batch"] > 0
+
+
+def test_interpreter_exit_with_the_service_busy_on_cuda(tmp_path):
+    script = tmp_path / "exit_busy_cuda.py"
+    script.write_text(
+        "import torch, mtc_loader\n"
+        "from torch.utils.data import DataLoader\n"
+        "class DS(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 10_000\n"
+        "    def __getitem__(self, i): return {'x': torch.full((256, 1024), float(i)), 'y': [torch.arange(i % 50)] * 20}\n"
+        "dl = DataLoader(DS(), batch_size=8, num_workers=2, collate_fn=mtc_loader.PackedCollate(list, arena_bytes=256 << 20))\n"
+        "it = iter(mtc_loader.PrefetchLoader(dl, 'cuda', depth=4))\n"
+        "for _ in range(3):\n"
+        "    b = next(it)\n"
+        "    torch.cuda._sleep(100_000_000)\n"
+        "print('exiting', flush=True)\n")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "exiting" in r.stdout and "terminate called" not in r.stderr
