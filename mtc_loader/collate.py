@@ -14,6 +14,7 @@ import weakref
 from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
+import torch
 from torch.utils.data import default_collate
 
 from . import _engine
@@ -88,11 +89,13 @@ class PackedBatch:
     when it is garbage collected in the main process.
     """
 
-    __slots__ = ("_arena", "_off", "_nbytes", "_owner", "_layout", "_skeleton", "_state", "__weakref__")
+    __slots__ = ("_arena", "_off", "_nbytes", "_owner", "_layout", "_skeleton", "_state", "_moved",
+                 "__weakref__")
 
     def __init__(self, arena: Arena, off: int, nbytes: int, owner: int, layout: bytes, skeleton: Any):
         self._arena, self._off, self._nbytes, self._owner = arena, off, nbytes, owner
         self._layout, self._skeleton = layout, skeleton
+        self._moved: Optional[tuple] = None  # (target index, structure) after to()
         self._state = "held" if owner == os.getpid() and arena.creator == owner else "sent"
 
     def __reduce__(self):
@@ -128,6 +131,49 @@ class PackedBatch:
     def unpack(self, device: Any = "cpu") -> Any:
         """The batch's structure with its tensors on ``device`` (blocking)."""
         return self.start_copy(device).get()
+
+    def to(self, device: Any, non_blocking: bool = False, **ignored: Any) -> Any:
+        """The batch's structure with its tensors on ``device``, as ``tensor.to(device)`` would
+        move one tensor: what Lightning (``move_data_to_device``) and accelerate
+        (``send_to_device``) call on any batch object that has a ``to`` method, so that a
+        ``PackedCollate`` batch moves inside their loops with no other change.
+
+        The first call unpacks the batch (:meth:`unpack`: one DMA from the page-locked arena
+        for a CUDA device, no host copy). The batch remembers the result: a second ``to`` with
+        the same device returns the same structure (a framework that moves a batch twice costs
+        nothing), and one with another device copies that structure there with
+        :func:`~mtc_loader.start_copy`'s defaults.
+
+        Args:
+            device: Target device (``"cuda"``, ``"cuda:N"``, ``torch.device``, ``"cpu"``).
+            non_blocking: Accepted for compatibility and not needed: the result is ready in
+                order on the current CUDA stream, as after ``tensor.to(device,
+                non_blocking=True)`` from pinned memory, and the source is the arena region,
+                which the engine keeps until its DMA has completed (so no host buffer can be
+                reused under the copy, the hazard ``non_blocking=False`` protects against).
+                Kernels queued on the current stream, and any read from the host
+                (``.item()``, ``.cpu()``), see the data; another stream must wait for the
+                current one, as for any tensor.
+            **ignored: Other keywords of ``Tensor.to`` (``copy``, ``memory_format``) are
+                ignored; a ``dtype`` raises ``TypeError`` (the batch keeps its dtypes).
+
+        Raises:
+            RuntimeError: When the batch was consumed by :meth:`unpack` or :meth:`start_copy`,
+                or lives in another process (see :meth:`unpack`).
+        """
+        if ignored.get("dtype") is not None or isinstance(non_blocking, torch.dtype):
+            raise TypeError("mtc_loader: PackedBatch.to moves a batch to a device and keeps its "
+                            "dtypes; convert the tensors after the move")
+        index = target_index(device)
+        if self._moved is not None:
+            moved_index, out = self._moved
+            if moved_index == index:
+                return out
+            h = _engine.start_copy(out, index, True, True, 16, 33554432, True)
+            return AsyncCopyHandle(h).get()
+        out = self.start_copy(device).get()
+        self._moved = (index, out)
+        return out
 
     def __del__(self):
         if getattr(self, "_state", None) == "held":

@@ -1,0 +1,125 @@
+"""Hugging Face accelerate: a training loop over a loader from ``accelerator.prepare`` with
+``collate_fn=PackedCollate(...)`` and nothing else changed (``send_to_device`` calls
+``PackedBatch.to``), with the prefetch service added by ``mtc_loader.accelerate.prefetch``, and
+over the per-process DataLoaders accelerate re-creates for two processes; the batches the loop
+saw are checked bitwise. Runs on the CPU here and on CUDA on the GPU machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+accelerate = pytest.importorskip("accelerate")
+
+import mtc_loader  # noqa: E402
+import mtc_loader.accelerate  # noqa: E402
+from accelerate.data_loader import prepare_data_loader  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
+from frameworks import NestedSamples, check_seen, collate, record  # noqa: E402
+from mtc_loader.prefetch import PrefetchLoader  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+@pytest.fixture
+def accelerator(request):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = accelerate.Accelerator(cpu=request.param == "cpu", gradient_accumulation_steps=2)
+    yield acc
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def packed() -> mtc_loader.PackedCollate:
+    return mtc_loader.PackedCollate(collate, arena_bytes=16 << 20)
+
+
+def train(acc, loader, model, optimizer, epochs: int = 2) -> list:
+    """The loop accelerate's documentation shows, with gradient accumulation; records every
+    batch and whether accelerate saw the end of the loader at it."""
+    seen = []
+    for _ in range(epochs):
+        for batch in loader:
+            with acc.accumulate(model):
+                seen.append(record(batch) + (acc.gradient_state.end_of_dataloader, acc.sync_gradients))
+                loss = model(batch["x"]).square().mean()
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    return seen
+
+
+def run(acc, collate_fn, with_prefetch: bool, n: int = 20) -> list:
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(NestedSamples(n), batch_size=4, shuffle=True, num_workers=2, collate_fn=collate_fn)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    if with_prefetch:
+        assert mtc_loader.accelerate.prefetch(loader) is loader
+        assert isinstance(loader.base_dataloader, PrefetchLoader)
+        assert isinstance(loader, DataLoader)  # accelerate's own isinstance guarantee holds
+    return train(acc, loader, model, optimizer)
+
+
+def check_end_flags(seen: list, per_epoch: int) -> None:
+    """accelerate marks the end of the loader at the last batch of each epoch, and only there:
+    prefetching ahead must not move it (gradient accumulation syncs on it)."""
+    ends = [s[3] for s in seen]
+    assert ends == ([False] * (per_epoch - 1) + [True]) * (len(seen) // per_epoch)
+    # gradient_accumulation_steps=2: every second step syncs, and the last step of an epoch
+    # (an odd count: only because accelerate saw the end there)
+    syncs = [s[4] for s in seen]
+    epoch = [(k + 1) % 2 == 0 or k == per_epoch - 1 for k in range(per_epoch)]
+    assert syncs == epoch * (len(seen) // per_epoch), syncs
+
+
+@pytest.mark.parametrize("accelerator", DEVICES, indirect=True)
+@pytest.mark.parametrize("with_prefetch", [False, True], ids=["collate_only", "prefetch"])
+def test_accelerate_loop_packed(accelerator, with_prefetch):
+    seen = run(accelerator, packed(), with_prefetch)
+    check_seen([s[:3] for s in seen], accelerator.device, NestedSamples(20), range(20), epochs=2)
+    check_end_flags(seen, per_epoch=5)
+
+
+@pytest.mark.parametrize("accelerator", DEVICES, indirect=True)
+def test_accelerate_prefetch_plain_batches(accelerator):
+    seen = run(accelerator, collate, with_prefetch=True)
+    check_seen([s[:3] for s in seen], accelerator.device, NestedSamples(20), range(20), epochs=2)
+    check_end_flags(seen, per_epoch=5)
+
+
+@pytest.mark.parametrize("accelerator", DEVICES, indirect=True)
+@pytest.mark.parametrize("with_prefetch", [False, True], ids=["collate_only", "prefetch"])
+def test_accelerate_recreated_for_two_processes(accelerator, with_prefetch):
+    """accelerate re-creates the DataLoader per process (a sharded batch sampler); one
+    PackedCollate serves both re-created loaders, and each process's shard arrives intact."""
+    ds = NestedSamples(24)
+    collate_fn = packed()
+    indices = []
+    for rank in range(2):
+        base = DataLoader(ds, batch_size=4, shuffle=False, num_workers=2, collate_fn=collate_fn)
+        loader = prepare_data_loader(base, accelerator.device, num_processes=2, process_index=rank,
+                                     put_on_device=True)
+        assert loader.collate_fn is collate_fn
+        if with_prefetch:
+            mtc_loader.accelerate.prefetch(loader, depth=1)
+        seen = [record(b) for b in loader]
+        check_seen(seen, accelerator.device, ds, [i for _, _, b in seen for i in b["idx"].tolist()], epochs=1)
+        indices += [i for _, _, b in seen for i in b["idx"].tolist()]
+    assert sorted(indices) == list(range(24))
+
+
+@pytest.mark.parametrize("accelerator", ["cpu"], indirect=True)
+def test_prefetch_errors(accelerator):
+    with pytest.raises(TypeError, match="mtc_loader: prefetch needs a DataLoader returned by accelerator.prepare"):
+        mtc_loader.accelerate.prefetch(DataLoader(NestedSamples(4)))
+    loader = accelerator.prepare(DataLoader(NestedSamples(4), collate_fn=collate))
+    inner = mtc_loader.accelerate.prefetch(loader).base_dataloader
+    assert mtc_loader.accelerate.prefetch(loader).base_dataloader is inner  # once
+    unplaced = accelerate.data_loader.prepare_data_loader(DataLoader(NestedSamples(4)), put_on_device=False)
+    with pytest.raises(ValueError, match="mtc_loader: this loader was prepared without device placement"):
+        mtc_loader.accelerate.prefetch(unplaced)

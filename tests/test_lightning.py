@@ -1,0 +1,116 @@
+"""PyTorch Lightning: ``Trainer.fit`` with ``collate_fn=PackedCollate(...)`` and nothing else
+changed (Lightning's device placement calls ``PackedBatch.to``), and with the prefetch service
+added by ``mtc_loader.lightning.PrefetchCallback``; the batches the model saw are checked
+bitwise. Runs on the CPU accelerator here and on CUDA on the GPU machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+L = pytest.importorskip("lightning.pytorch")
+
+import mtc_loader  # noqa: E402
+import mtc_loader.lightning  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
+from frameworks import NestedSamples, check_seen, collate, record  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    # Lightning 2.6 with torch 2.13, not ours
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+]
+
+
+class Recording(L.LightningModule):
+    """Records every batch its training and validation steps receive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.seen: list = []
+        self.seen_val: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(record(batch))
+        return self.layer(batch["x"]).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.seen_val.append(record(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(accelerator: str, collate_fn, callbacks=(), epochs: int = 2, val: bool = False) -> Recording:
+    ds = NestedSamples(24)
+    model = Recording()
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, collate_fn=collate_fn)
+    val_loader = DataLoader(NestedSamples(8), batch_size=4, num_workers=2, collate_fn=collate_fn) if val else None
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=list(callbacks))
+    trainer.fit(model, loader, val_loader)
+    return model
+
+
+def device_of(accelerator: str) -> torch.device:
+    return torch.device("cpu") if accelerator == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+
+ACCELERATORS = ["cpu", pytest.param("gpu", marks=requires_cuda)]
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_fit_packed_collate_only(accelerator):
+    """The user changes the collate_fn only: Lightning moves each PackedBatch with its .to."""
+    before = mtc_loader.stats()["calls"]
+    model = fit(accelerator, mtc_loader.PackedCollate(collate, arena_bytes=16 << 20), val=True)
+    check_seen(model.seen, device_of(accelerator), NestedSamples(24), range(24), epochs=2)
+    check_seen(model.seen_val, device_of(accelerator), NestedSamples(8), range(8), epochs=2)
+    # unpack does not go through start_copy's traversal: the engine's start_copy count is unchanged
+    assert mtc_loader.stats()["calls"] == before
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_fit_prefetch_callback(accelerator, packed):
+    """PrefetchCallback: every loader goes through the prefetch service; the steps receive the
+    same batches, on the device, and the callback reports the training loader's stats."""
+    callback = mtc_loader.lightning.PrefetchCallback(depth=2)
+    collate_fn = mtc_loader.PackedCollate(collate, arena_bytes=16 << 20) if packed else collate
+    model = fit(accelerator, collate_fn, callbacks=[callback], val=True)
+    check_seen(model.seen, device_of(accelerator), NestedSamples(24), range(24), epochs=2)
+    check_seen(model.seen_val, device_of(accelerator), NestedSamples(8), range(8), epochs=2)
+    stats = callback.stats()
+    assert stats["batches"] == 12, stats  # 6 batches per epoch, 2 epochs, counted by the service
+    assert callback._strategy is None  # teardown undid the hook
+
+
+def test_prefetch_callback_sets_sampler_epoch():
+    """Lightning sets the epoch of a sampler that has set_epoch through the wrapper (a
+    DistributedSampler shuffles differently each epoch): the two epochs see different orders."""
+    ds = NestedSamples(24)
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+    model = Recording()
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
+                        collate_fn=mtc_loader.PackedCollate(collate, arena_bytes=16 << 20))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[mtc_loader.lightning.PrefetchCallback()])
+    trainer.fit(model, loader)
+    expect = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        expect.append(list(sampler))
+    assert expect[0] != expect[1]
+    seen = [i for _, _, b in model.seen for i in b["idx"].tolist()]
+    assert seen == expect[0] + expect[1]
+    check_seen(model.seen, torch.device("cpu"), ds, expect[0] + expect[1], epochs=1)
+
+
+def test_prefetch_callback_bad_depth():
+    with pytest.raises(ValueError, match="mtc_loader: depth"):
+        mtc_loader.lightning.PrefetchCallback(depth=0)
