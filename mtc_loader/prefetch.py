@@ -23,6 +23,7 @@ from collections import deque
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
@@ -145,6 +146,13 @@ def _start(batch: Any, device: Any, options: dict):
 
 _END = object()
 
+# torch.profiler ranges (record_function), entered only while a profiler runs: the caller's wait
+# and hand-out in __next__, and the service thread's copy of one batch (recorded in traces that
+# profile every thread: torch.profiler.profile(experimental_config=
+# torch._C._profiler._ExperimentalConfig(profile_all_threads=True)))
+_RANGE_NEXT = "mtc_loader.prefetch.next"
+_RANGE_COPY = "mtc_loader.prefetch.copy_batch"
+
 
 class _SwitchInterval:
     """Lowers the interpreter's GIL switch interval while at least one service works on a batch.
@@ -244,9 +252,15 @@ class _Service:
             if self.stopping:
                 del batch  # an unconsumed PackedBatch frees its region
                 return None, None, True
-            side = SideCopy(_start(batch, self.device, self.options), self.index)
-            del batch
-            side._finish()
+            if _profiler._is_profiler_enabled:  # a module flag: free when no profiler runs
+                with _profiler.record_function(_RANGE_COPY):
+                    side = SideCopy(_start(batch, self.device, self.options), self.index)
+                    del batch
+                    side._finish()
+            else:
+                side = SideCopy(_start(batch, self.device, self.options), self.index)
+                del batch
+                side._finish()
             return side, None, False
         except BaseException as e:
             return None, e, False
@@ -395,12 +409,17 @@ class PrefetchLoader:
                 if last is not None:
                     stats["step_s"] += t0 - last
                     stats["steps"] += 1
-                side, error = service.take()
+                if _profiler._is_profiler_enabled:  # a module flag: free when no profiler runs
+                    with _profiler.record_function(_RANGE_NEXT):
+                        side, error = service.take()
+                        batch = side.get() if error is None and side is not _END else None
+                else:
+                    side, error = service.take()
+                    batch = side.get() if error is None and side is not _END else None
                 if error is not None:
                     raise error
                 if side is _END:
                     return
-                batch = side.get()
                 del side
                 last = clock()
                 stats["wait_s"] += last - t0
