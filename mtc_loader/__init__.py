@@ -25,7 +25,7 @@ __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "Pre
 __version__ = "0.1.0"
 
 
-def stats() -> dict:
+def stats() -> dict[str, int]:
     """The engine's counters: calls, tensors by path (packed, reused, staged, ...), bytes per
     direction, DMA calls, per-stage times in ns, pinned-memory use (held, in use, high water,
     waits at the cap), threads."""

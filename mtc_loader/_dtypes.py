@@ -69,7 +69,7 @@ def numpy_table() -> dict[int, int]:
                ("u", 2): torch.uint16, ("u", 4): torch.uint32, ("u", 8): torch.uint64,
                ("f", 2): torch.float16, ("f", 4): torch.float32, ("f", 8): torch.float64,
                ("c", 8): torch.complex64, ("c", 16): torch.complex128}
-    table = {}
+    table: dict[int, int] = {}
     for c in "?bBhHiIlLqQefdFD":
         npdt = np.dtype(c)
         tdt = by_kind.get((npdt.kind, npdt.itemsize))
@@ -81,7 +81,7 @@ def numpy_table() -> dict[int, int]:
 def numpy_zero_copy() -> list[int]:
     """numpy type numbers that torch.from_numpy accepts (it refuses e.g. ``ulonglong``,
     although ``ulong`` is the same size): other arrays are copied."""
-    out = []
+    out: list[int] = []
     for c in "?bBhHiIlLqQefdFD":
         try:
             torch.from_numpy(np.zeros(1, dtype=c))

@@ -55,7 +55,7 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def flatten(obj: Any) -> tuple[list, tuple]:
+def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """Children of a container, and ``(context, path segments)`` to rebuild it and name them."""
     if _is_namedtuple(obj):
         return list(obj), ((_NAMEDTUPLE, type(obj)), [f".{f}" for f in type(obj)._fields])
@@ -70,7 +70,7 @@ def flatten(obj: Any) -> tuple[list, tuple]:
     return [getattr(obj, n) for n in names], ((_DATACLASS, obj, names), [f".{n}" for n in names])
 
 
-def unflatten(context: tuple, values: list) -> Any:
+def unflatten(context: tuple[Any, ...], values: list[Any]) -> Any:
     """The container of ``context`` (same type, same attributes) holding ``values``."""
     kind = context[0]
     if kind == _NAMEDTUPLE:

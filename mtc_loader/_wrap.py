@@ -9,7 +9,7 @@ back as it is: the framework's device placement costs one call per batch.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Generator, Iterable, Iterator
 
 from . import _engine
 from ._device import target_index
@@ -70,6 +70,7 @@ class PrefetchingDataLoader(PrefetchLoader):
     def __iter__(self) -> Iterator[Any]:
         index = target_index(self.device)
         inner = super().__iter__()
+        assert isinstance(inner, Generator)
         try:
             for batch in inner:
                 yield OnDevice(batch, index)
@@ -80,7 +81,7 @@ class PrefetchingDataLoader(PrefetchLoader):
 _OWN = frozenset(("iterable", "device", "depth", "options"))
 
 
-def wrap(loader: Iterable, device: Any, depth: int, options: dict) -> PrefetchingDataLoader:
+def wrap(loader: Iterable[Any], device: Any, depth: int, options: dict[str, Any]) -> PrefetchingDataLoader:
     """The loader wrapped once (a loader already wrapped is returned as it is)."""
     if isinstance(loader, PrefetchingDataLoader):
         return loader

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 try:
-    from accelerate.data_loader import DataLoaderShard
+    from accelerate.data_loader import DataLoaderShard  # type: ignore[import-untyped]
 except ImportError:
     raise ImportError("mtc_loader: mtc_loader.accelerate needs accelerate (pip install accelerate)") from None
 

@@ -27,7 +27,7 @@ __all__ = ["Arena", "PackedBatch", "PackedCollate", "LEAF"]
 
 
 # Arenas of this process by token, so that an unpickled PackedBatch finds its arena.
-_ARENAS: "weakref.WeakValueDictionary[tuple, Arena]" = weakref.WeakValueDictionary()
+_ARENAS: "weakref.WeakValueDictionary[tuple[int, int, int], Arena]" = weakref.WeakValueDictionary()
 
 
 class Arena:
@@ -46,17 +46,17 @@ class Arena:
             _engine_arena = _engine.arena_create(nbytes)
             st = os.fstat(_engine_arena.fileno())
             _token = (os.getpid(), st.st_dev, st.st_ino)
-        self._a = _engine_arena
+        self._a: _engine.Arena = _engine_arena
         self.token = _token
         self.creator = _token[0]
         _ARENAS[_token] = self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         # DupFd hands the descriptor to a child being spawned (spawn / forkserver) or, outside
         # process start-up, through multiprocessing's resource sharer.
         return (_attach, (reduction.DupFd(self._a.fileno()), self.token))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Allocator counters: bytes, slots in use, allocs, frees, waits, timeouts, reclaimed."""
         return self._a.stats()
 
@@ -69,7 +69,7 @@ class Arena:
         return f"<Arena {s['bytes'] >> 20} MiB, {s['bytes_in_use'] >> 10} KiB in use>"
 
 
-def _attach(dupfd: Any, token: tuple) -> Arena:
+def _attach(dupfd: Any, token: tuple[int, int, int]) -> Arena:
     existing = _ARENAS.get(token)
     fd = dupfd.detach()
     try:
@@ -95,10 +95,10 @@ class PackedBatch:
     def __init__(self, arena: Arena, off: int, nbytes: int, owner: int, layout: bytes, skeleton: Any):
         self._arena, self._off, self._nbytes, self._owner = arena, off, nbytes, owner
         self._layout, self._skeleton = layout, skeleton
-        self._moved: Optional[tuple] = None  # (target index, structure) after to()
+        self._moved: Optional[tuple[int, Any]] = None  # (target index, structure) after to()
         self._state = "held" if owner == os.getpid() and arena.creator == owner else "sent"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_batch, (self._arena.token, self._off, self._nbytes, self._owner,
                                  self._layout, self._skeleton))
 
@@ -111,7 +111,7 @@ class PackedBatch:
         """The arena is page-locked already: ``DataLoader(pin_memory=True)`` does no work here."""
         return self
 
-    def _take(self):
+    def _take(self) -> Any:
         if self._state == "consumed":
             raise RuntimeError("mtc_loader: this PackedBatch was already unpacked (a batch is consumed once)")
         if self._state == "sent":
@@ -119,7 +119,7 @@ class PackedBatch:
         self._state = "consumed"
         return self._arena._a
 
-    def start_copy(self, device: Any, *, use_background_thread: bool = True, **_ignored: Any):
+    def start_copy(self, device: Any, *, use_background_thread: bool = True, **_ignored: Any) -> AsyncCopyHandle:
         """Start the copy of the batch to ``device``: one DMA from the arena for a CUDA target (no
         host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle."""
         target = target_index(device)
@@ -175,7 +175,7 @@ class PackedBatch:
         self._moved = (index, out)
         return out
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_state", None) == "held":
             try:
                 self._arena._a.release(self._off, os.getpid())
@@ -186,7 +186,8 @@ class PackedBatch:
         return f"<PackedBatch {self._nbytes} bytes at {self._off} ({self._state})>"
 
 
-def _rebuild_batch(token, off, nbytes, owner, layout, skeleton) -> PackedBatch:
+def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: int, layout: bytes,
+                   skeleton: Any) -> PackedBatch:
     arena = _ARENAS.get(token)
     if arena is None:
         raise RuntimeError("mtc_loader: a PackedBatch arrived in a process that does not hold its arena")
@@ -217,7 +218,7 @@ class PackedCollate:
         min_packed_alignment_bytes: Alignment of every tensor in the region (a power of two).
     """
 
-    def __init__(self, collate_fn: Optional[Callable[[list], Any]] = None, *, arena_bytes: int = 256 << 20,
+    def __init__(self, collate_fn: Optional[Callable[[list[Any]], Any]] = None, *, arena_bytes: int = 256 << 20,
                  timeout: float = 60.0, min_packed_alignment_bytes: int = 16,
                  arena: Optional[Arena] = None):
         if collate_fn is None:
@@ -231,11 +232,11 @@ class PackedCollate:
         self.timeout = float(timeout)
         self.align = align
 
-    def __call__(self, samples: list) -> PackedBatch:
+    def __call__(self, samples: list[Any]) -> PackedBatch:
         batch = self.collate_fn(samples)
         off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
         return PackedBatch(self.arena, off, nbytes, os.getpid(), layout, skeleton)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """The arena's counters."""
         return self.arena.stats()

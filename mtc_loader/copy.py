@@ -23,7 +23,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def start_copy(
-    data: Union[list, tuple, dict, torch.Tensor, np.ndarray],
+    data: Union[list[Any], tuple[Any, ...], dict[Any, Any], torch.Tensor, np.ndarray[Any, Any]],
     device: Union[str, torch.device],
     *,
     use_pinned_staging: bool = True,

@@ -27,7 +27,7 @@ class AsyncCopyHandle:
             bool: ``True`` if the copy has completed (``get()`` would return without
             blocking), ``False`` otherwise.
         """
-        return self._h.ready()
+        return bool(self._h.ready())
 
     def get(self) -> Any:
         """Block until the copy is done and return the result.

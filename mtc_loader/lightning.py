@@ -17,7 +17,7 @@ try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package
     try:
-        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
     except ImportError:
         raise ImportError("mtc_loader: mtc_loader.lightning needs PyTorch Lightning "
                           "(pip install lightning)") from None
@@ -27,7 +27,7 @@ from ._wrap import PrefetchingDataLoader, wrap
 __all__ = ["PrefetchCallback"]
 
 
-class PrefetchCallback(Callback):  # type: ignore[misc]
+class PrefetchCallback(Callback):
     """Runs every DataLoader of the Trainer (training, validation, test, predict) through the
     prefetch service (:class:`~mtc_loader.PrefetchLoader`) on the Trainer's device.
 
@@ -74,7 +74,7 @@ class PrefetchCallback(Callback):  # type: ignore[misc]
             return wrapped
 
         # an instance attribute: only this Trainer's strategy, undone in teardown()
-        strategy.process_dataloader = process_dataloader
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
         self._strategy = strategy
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -82,6 +82,6 @@ class PrefetchCallback(Callback):  # type: ignore[misc]
             self._strategy.__dict__.pop("process_dataloader", None)
             self._strategy = None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The training loader's :meth:`~mtc_loader.PrefetchLoader.stats` (empty before fit)."""
         return self._train.stats() if self._train is not None else {}

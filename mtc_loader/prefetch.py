@@ -28,6 +28,7 @@ import torch.autograd.profiler as _profiler
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
 from .copy import start_copy
+from .handle import AsyncCopyHandle
 
 __all__ = ["PrefetchLoader", "SideCopy", "copy_stream", "start_side_copy"]
 
@@ -57,7 +58,7 @@ def _copy_stream(index: int) -> "torch.cuda.Stream":
         with _STREAMS_LOCK:
             stream = _COPY_STREAMS.get(index)
             if stream is None:
-                stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+                stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
     return stream
 
 
@@ -71,7 +72,7 @@ class SideCopy:
         self._handle, self._index = handle, index
         self._result: Any = None
         self._event: Optional[torch.cuda.Event] = None
-        self._buffers: list = []
+        self._buffers: list[torch.Tensor] = []
         self._done = False
 
     def ready(self) -> bool:
@@ -88,7 +89,7 @@ class SideCopy:
         self._result = self._handle.get()
         if self._index >= 0:
             self._buffers = self._handle._h.buffers()
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(_copy_stream(self._index))
         self._handle = None  # the engine's handle is no longer needed
         self._done = True
@@ -136,7 +137,7 @@ def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCo
         return SideCopy(_start(data, index, start_copy_options), index)
 
 
-def _start(batch: Any, device: Any, options: dict):
+def _start(batch: Any, device: Any, options: dict[str, Any]) -> AsyncCopyHandle:
     if isinstance(batch, PackedBatch):
         return batch.start_copy(device, **options)
     return start_copy(batch, device, **options)
@@ -198,11 +199,11 @@ class _Service:
     (the last item then), ``(_END, None)`` at the end.
     """
 
-    def __init__(self, iterable: Iterable, index: int, device: Any, depth: int, options: dict,
-                 stats: dict, switch_interval: Optional[float]) -> None:
+    def __init__(self, iterable: Iterable[Any], index: int, device: Any, depth: int, options: dict[str, Any],
+                 stats: dict[str, Any], switch_interval: Optional[float]) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
         self.options, self.stats, self.switch_interval = options, stats, switch_interval
-        self.items: deque = deque()
+        self.items: deque[tuple[Any, Optional[BaseException]]] = deque()
         self.cond = threading.Condition(threading.Lock())
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="mtc_loader-prefetch", daemon=True)
@@ -274,13 +275,13 @@ class _Service:
                 self.cond.wait()
             return not self.stopping
 
-    def _put(self, item: tuple) -> None:
+    def _put(self, item: tuple[Any, Optional[BaseException]]) -> None:
         with self.cond:
             self.items.append(item)
             self.cond.notify_all()
 
     # -- the caller
-    def take(self) -> tuple:
+    def take(self) -> tuple[Any, Optional[BaseException]]:
         with self.cond:
             while not self.items:
                 self.cond.wait()
@@ -311,7 +312,7 @@ def _stop_all_services() -> None:
         service.stop(timeout=30.0)
 
 
-threading._register_atexit(_stop_all_services)
+threading._register_atexit(_stop_all_services)  # type: ignore[attr-defined]
 
 
 class PrefetchLoader:
@@ -348,8 +349,8 @@ class PrefetchLoader:
             ``use_background_thread``).
     """
 
-    def __init__(self, iterable: Iterable, device: Any, depth: int = 2, *,
-                 gil_switch_interval: Optional[float] = 0.0005, **start_copy_options: Any):
+    def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
+                 gil_switch_interval: Optional[float] = 0.0005, **start_copy_options: Any) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
         if gil_switch_interval is not None and (isinstance(gil_switch_interval, bool) or not (
@@ -367,7 +368,7 @@ class PrefetchLoader:
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Where the time went, over every epoch so far.
 
         Keys: ``batches``; ``wait_ms`` (total) and ``wait_ms_per_batch``: the caller's time in
@@ -429,7 +430,7 @@ class PrefetchLoader:
             service.stop()
 
 
-def _new_stats() -> dict:
+def _new_stats() -> dict[str, Any]:
     return {"batches": 0, "wait_s": 0.0, "step_s": 0.0, "steps": 0, "service_cpu_s": 0.0,
             "service_batches": 0}
 
