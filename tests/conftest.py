@@ -11,6 +11,12 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
+if os.environ.get("MTC_TEST_INSTALLED"):
+    # .ci/run's wheel check: the tests must exercise the installed wheel, not the source tree
+    import mtc_loader
+    if "site-packages" not in mtc_loader.__file__:
+        raise RuntimeError(f"mtc_loader: MTC_TEST_INSTALLED is set but mtc_loader comes from {mtc_loader.__file__}")
+
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the GPU machine)")
 requires_2gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs two CUDA GPUs")
 
