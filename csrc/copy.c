@@ -16,6 +16,7 @@
 #include "cuda.h"
 #include "handle.h"
 #include "outputs.h"
+#include "nvtx.h"
 
 /* Replaces leaves that need a contiguous source by contiguous copies
  * (tensor.contiguous() / numpy ascontiguousarray); returns how many. */
@@ -114,7 +115,10 @@ static int _parse_args(PyObject *const *args, Py_ssize_t nargs, _copy *c)
 static int _read_leaves(_copy *c, PyObject *data)
 {
     int64_t t0 = mtc_now_ns();
-    if (mtc_traverse(c->st, data, c->t)) return -1;
+    mtc_nvtx_push(MTC_NVTX_TRAVERSE);
+    int rc = mtc_traverse(c->st, data, c->t);
+    mtc_nvtx_pop();
+    if (rc) return -1;
     mtc_cnt.ns_traverse += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.calls++;
     mtc_cnt.leaves += c->t->nleaves;
@@ -360,8 +364,11 @@ static int _submit(_copy *c, mtc_handle *h)
 static int _views_and_rebuild(_copy *c, mtc_handle *h)
 {
     int64_t t0 = mtc_now_ns();
-    if (mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, c->chunk_skip, c->outputs)) return -1;
-    if (!(h->result = mtc_rebuild(c->st, c->t, c->outputs))) return -1;
+    mtc_nvtx_push(MTC_NVTX_VIEWS);
+    int rc = mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, c->chunk_skip, c->outputs) ||
+             !(h->result = mtc_rebuild(c->st, c->t, c->outputs));
+    mtc_nvtx_pop();
+    if (rc) return -1;
     mtc_cnt.ns_views += (uint64_t)(mtc_now_ns() - t0);
     return 0;
 }

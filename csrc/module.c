@@ -19,6 +19,7 @@
 #include "hostcopy.h"
 #include "slab.h"
 #include "transfer.h"
+#include "nvtx.h"
 
 mtc_counters mtc_cnt;
 
@@ -199,11 +200,53 @@ static PyObject *engine_cuda_available(PyObject *module, PyObject *unused)
     return PyLong_FromLong(n < 0 ? 0 : n);
 }
 
+/* ---------------------------------------------------------------- NVTX */
+
+/* The entry points that run a whole stage, each inside its NVTX range
+ * (nvtx.h; nothing but a branch when no tool is attached). Same return
+ * convention as the function they wrap. */
+#define _NVTX_WRAPPED(name, range, fn)                                                  \
+    static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs)    \
+    {                                                                                  \
+        mtc_nvtx_push(range);                                                          \
+        PyObject *r = fn(module, args, nargs);                                         \
+        mtc_nvtx_pop();                                                                \
+        return r;                                                                      \
+    }
+_NVTX_WRAPPED(engine_start_copy, MTC_NVTX_START_COPY, mtc_copy_start)
+_NVTX_WRAPPED(engine_pack, MTC_NVTX_PACK, mtc_collate_pack)
+_NVTX_WRAPPED(engine_unpack, MTC_NVTX_UNPACK, mtc_collate_unpack)
+#undef _NVTX_WRAPPED
+
+/* nvtx_push(name): a range of the Python side (mtc_loader/_trace.py) in the
+ * engine's domain; None. */
+static PyObject *engine_nvtx_push(PyObject *module, PyObject *name)
+{
+    const char *s = PyUnicode_AsUTF8(name);
+    if (!s) return NULL;
+    mtc_nvtx_push_name(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_nvtx_pop(PyObject *module, PyObject *unused)
+{
+    mtc_nvtx_pop();
+    Py_RETURN_NONE;
+}
+
+/* nvtx_info() -> {"compiled": built with the NVTX headers, "enabled": a tool
+ * may be attached (NVTX_INJECTION64_PATH was set at import)} */
+static PyObject *engine_nvtx_info(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{sOsO}", "compiled", mtc_nvtx_compiled() ? Py_True : Py_False, "enabled",
+                         mtc_nvtx_on ? Py_True : Py_False);
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef engine_methods[] = {
     {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
-    {"start_copy", (PyCFunction)(void (*)(void))mtc_copy_start, METH_FASTCALL,
+    {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
      "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},
     {"stats", engine_stats, METH_NOARGS, "Engine counters as a dict."},
     {"set_pinned_cap", engine_set_pinned_cap, METH_O, "Cap on pinned staging bytes per device."},
@@ -212,10 +255,13 @@ static PyMethodDef engine_methods[] = {
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
-    {"pack", (PyCFunction)(void (*)(void))mtc_collate_pack, METH_FASTCALL,
+    {"pack", (PyCFunction)(void (*)(void))engine_pack, METH_FASTCALL,
      "pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)"},
-    {"unpack", (PyCFunction)(void (*)(void))mtc_collate_unpack, METH_FASTCALL,
+    {"unpack", (PyCFunction)(void (*)(void))engine_unpack, METH_FASTCALL,
      "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> mtc_handle"},
+    {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
+    {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
+    {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -239,6 +285,7 @@ static int engine_exec(PyObject *module)
     st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
     if (!st->kw_dtype_device || !st->kw_dtype_device_pin) return -1;
     mtc_engine_init_once();
+    mtc_nvtx_init();
     return PyModule_AddObjectRef(module, "mtc_handle", (PyObject *)st->handle_type);
 }
 

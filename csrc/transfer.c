@@ -15,6 +15,7 @@
 #include "hostcopy.h"
 #include "plan.h"
 #include "ring.h"
+#include "nvtx.h"
 
 int64_t mtc_now_ns(void)
 {
@@ -706,6 +707,7 @@ void mtc_job_run(mtc_job *j)
     CUcontext saved = NULL;
     int cuda = j->dev_mask != 0;
     j->t_start = mtc_now_ns();
+    mtc_nvtx_push(MTC_NVTX_JOB);
     if (j->t_submit) _COUNT(ns_queue, j->t_start - j->t_submit);
     else _COUNT(jobs_inline, 1);
     if (cuda) {
@@ -722,6 +724,7 @@ void mtc_job_run(mtc_job *j)
             continue;
         }
         const mtc_op *op = &j->ops[i];
+        mtc_nvtx_push(MTC_NVTX_OP);
         switch (op->kind) {
         case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
         case MTC_OP_H2D_CHUNK: _op_h2d_chunk(&r, op); break;
@@ -748,11 +751,13 @@ void mtc_job_run(mtc_job *j)
         case MTC_OP_H2D_REGION: _op_h2d_region(&r, op); break;
         default: _fail(&r, -EINVAL, -1, "running an unknown operation");
         }
+        mtc_nvtx_pop();
     }
     /* Even after an error: copies already queued may read inputs or write
      * outputs, and the handle must not release them before they finish. */
     if (r.sync_mask) _sync_streams(&r);
     if (cuda && !mtc_cuda_load()) mtc_cu.cuCtxSetCurrent(saved);
+    mtc_nvtx_pop();
     _publish(j);
 }
 

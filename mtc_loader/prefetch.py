@@ -23,8 +23,8 @@ from collections import deque
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-import torch.autograd.profiler as _profiler
 
+from . import _trace
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
 from .copy import start_copy
@@ -147,9 +147,9 @@ def _start(batch: Any, device: Any, options: dict[str, Any]) -> AsyncCopyHandle:
 
 _END = object()
 
-# torch.profiler ranges (record_function), entered only while a profiler runs: the caller's wait
-# and hand-out in __next__, and the service thread's copy of one batch (recorded in traces that
-# profile every thread: torch.profiler.profile(experimental_config=
+# NVTX and torch.profiler ranges (_trace), entered only when a tool is attached: the caller's wait
+# and hand-out in __next__, and the service thread's copy of one batch (in torch.profiler traces
+# that profile every thread: torch.profiler.profile(experimental_config=
 # torch._C._profiler._ExperimentalConfig(profile_all_threads=True)))
 _RANGE_NEXT = "mtc_loader.prefetch.next"
 _RANGE_COPY = "mtc_loader.prefetch.copy_batch"
@@ -253,8 +253,8 @@ class _Service:
             if self.stopping:
                 del batch  # an unconsumed PackedBatch frees its region
                 return None, None, True
-            if _profiler._is_profiler_enabled:  # a module flag: free when no profiler runs
-                with _profiler.record_function(_RANGE_COPY):
+            if _trace.active():  # free when no tool is attached
+                with _trace.Range(_RANGE_COPY):
                     side = SideCopy(_start(batch, self.device, self.options), self.index)
                     del batch
                     side._finish()
@@ -410,8 +410,8 @@ class PrefetchLoader:
                 if last is not None:
                     stats["step_s"] += t0 - last
                     stats["steps"] += 1
-                if _profiler._is_profiler_enabled:  # a module flag: free when no profiler runs
-                    with _profiler.record_function(_RANGE_NEXT):
+                if _trace.active():  # free when no tool is attached
+                    with _trace.Range(_RANGE_NEXT):
                         side, error = service.take()
                         batch = side.get() if error is None and side is not _END else None
                 else:
