@@ -68,6 +68,8 @@ def check_seen(seen: list, device: torch.device, dataset: NestedSamples, expect_
     ``device``, bitwise equal to the collate of the samples its indices name; over the epochs
     the indices are each of ``expect_indices`` exactly ``epochs`` times."""
     assert seen, "the model saw no batch"
+    if device.type == "cuda" and device.index is None:  # accelerate's torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
     indices = []
     for k, (kind, devices, batch) in enumerate(seen):
         assert kind is dict, f"step {k} got a {kind.__name__}, not the collated dict"
