@@ -60,12 +60,14 @@ class PrefetchingDataLoader(PrefetchLoader):
         return getattr(iterable, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # attributes a framework sets on the DataLoader after Lightning's or accelerate's
-        # processing (Lightning's worker_init_fn) go to the DataLoader
-        if name in _OWN or name.startswith("_"):
+        # an attribute of the DataLoader that a framework sets after its processing (Lightning's
+        # worker_init_fn) goes to the DataLoader; the loader's own stay here
+        iterable = self.__dict__.get("iterable")
+        if (iterable is None or name in _OWN or name.startswith("_") or name in self.__dict__
+                or not hasattr(iterable, name)):
             object.__setattr__(self, name, value)
         else:
-            setattr(self.iterable, name, value)
+            setattr(iterable, name, value)
 
     def __iter__(self) -> Iterator[Any]:
         index = target_index(self.device)
@@ -78,7 +80,7 @@ class PrefetchingDataLoader(PrefetchLoader):
             inner.close()  # stops the service thread now, not when the generator is collected
 
 
-_OWN = frozenset(("iterable", "device", "depth", "options"))
+_OWN = frozenset(("iterable", "device", "depth", "options", "gil_switch_interval"))
 
 
 def wrap(loader: Iterable[Any], device: Any, depth: int, options: dict[str, Any]) -> PrefetchingDataLoader:

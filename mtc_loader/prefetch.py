@@ -238,13 +238,14 @@ class _Service:
             _reclaim_dead()
         self._put((_END, None))
 
-    def _one_batch(self, it: Iterator) -> tuple:
+    def _one_batch(self, it: Iterator[Any]) -> tuple[Optional[SideCopy], Optional[BaseException], bool]:
         """The next batch from the iterable, its copy started on the copy stream and finished:
         ``(SideCopy, None, False)``, ``(None, exception, False)`` or ``(None, None, True)`` at
         the end (or when stopping)."""
-        switch = self.switch_interval is not None
-        if switch:
-            _SWITCH.enter(self.switch_interval)
+        interval = self.switch_interval
+        switch = interval is not None
+        if interval is not None:
+            _SWITCH.enter(interval)
         try:
             try:
                 batch = next(it)

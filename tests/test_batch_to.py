@@ -86,3 +86,26 @@ def test_to_cuda_then_elsewhere(packer, non_blocking):
     torch.cuda.current_stream().synchronize()
     assert_tree_bitwise(back, ref)
     assert_tree_bitwise(out, tree_to(ref, out["x"].device))
+
+
+def test_prefetching_loader_stands_in_for_its_dataloader(packer):
+    """The integrations' wrapper: the DataLoader's attributes read and set through it, its own
+    kept, batches yielded on the device with a to() that hands them over as they are."""
+    from mtc_loader._wrap import OnDevice, PrefetchingDataLoader
+    loader = torch.utils.data.DataLoader(DS, batch_size=4, collate_fn=packer)
+    wrapped = PrefetchingDataLoader(loader, "cpu", 1)
+    assert wrapped.sampler is loader.sampler and wrapped.batch_size == 4 and len(wrapped) == 2
+
+    def init(worker_id):
+        return None
+    wrapped.worker_init_fn = init  # Lightning seeds workers this way
+    assert loader.worker_init_fn is init
+    wrapped.depth = 2
+    assert wrapped.depth == 2 and not hasattr(loader, "depth")
+    batches = list(wrapped)
+    assert all(type(b) is OnDevice for b in batches)
+    out = batches[1].to(torch.device("cpu"))
+    assert out is batches[1].batch
+    assert_tree_bitwise(out, collate([DS[i] for i in range(4, 8)]))
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute
