@@ -403,32 +403,62 @@ class PrefetchLoader:
         stats = self._stats
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval)
-        clock = time.perf_counter
         try:
-            last = None
-            while True:
-                t0 = clock()
-                if last is not None:
-                    stats["step_s"] += t0 - last
-                    stats["steps"] += 1
-                if _trace.active():  # free when no tool is attached
-                    with _trace.Range(_RANGE_NEXT):
-                        side, error = service.take()
-                        batch = side.get() if error is None and side is not _END else None
-                else:
-                    side, error = service.take()
-                    batch = side.get() if error is None and side is not _END else None
-                if error is not None:
-                    raise error
-                if side is _END:
+            # The generator's frame never holds the batch it handed out: a reference kept over
+            # the yield would free the previous batch (hundreds of tensors) inside the next
+            # __next__ instead of where the caller drops it.
+            hand = _HandOut(service, stats)
+            while hand.pending():
+                try:
+                    yield hand.take()
+                except _EpochEnd:
                     return
-                del side
-                last = clock()
-                stats["wait_s"] += last - t0
-                stats["batches"] += 1
-                yield batch
         finally:
             service.stop()
+
+
+class _HandOut:
+    """The caller's side of one epoch: takes finished batches and counts the time it waited."""
+
+    __slots__ = ("service", "stats", "last", "done")
+
+    def __init__(self, service: _Service, stats: dict[str, Any]) -> None:
+        self.service, self.stats = service, stats
+        self.last: Optional[float] = None
+        self.done = False
+
+    def pending(self) -> bool:
+        return not self.done
+
+    def take(self) -> Any:
+        """The next batch, handed to the caller's current stream; raises the epoch's error;
+        at the end returns nothing and marks the epoch done (the generator then returns)."""
+        stats = self.stats
+        t0 = time.perf_counter()
+        if self.last is not None:
+            stats["step_s"] += t0 - self.last
+            stats["steps"] += 1
+        if _trace.active():  # free when no tool is attached
+            with _trace.Range(_RANGE_NEXT):
+                side, error = self.service.take()
+                batch = side.get() if error is None and side is not _END else None
+        else:
+            side, error = self.service.take()
+            batch = side.get() if error is None and side is not _END else None
+        if error is not None:
+            self.done = True
+            raise error
+        if side is _END:
+            self.done = True
+            raise _EpochEnd
+        self.last = time.perf_counter()
+        stats["wait_s"] += self.last - t0
+        stats["batches"] += 1
+        return batch
+
+
+class _EpochEnd(Exception):
+    """Internal: the service has no more batches."""
 
 
 def _new_stats() -> dict[str, Any]:
