@@ -6,10 +6,20 @@ Environment switches:
   MTC_DEBUG=1            -O0 -g and the engine's invariant checks (mtc_*_valid) on hot paths
   MTC_NVTX_INCLUDE=DIR   where the nvtx3 headers are (default: the nvidia-nvtx-cu12 package, a
                          build requirement in pyproject.toml, else a CUDA toolkit's include dir)
+  MTC_NO_LIBURING=1      build without liburing even where it is installed (FileTensor reads
+                         then use pread on helper threads)
+
+liburing (Debian: liburing-dev) is found with pkg-config, or by its header and library in the
+compiler's default paths; without it the build still succeeds and file reads use pread.
 """
 import glob
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 import numpy
 from setuptools import Extension, setup
@@ -51,6 +61,44 @@ if sanitize:
     flags = {"address": "-fsanitize=address,undefined", "thread": "-fsanitize=thread"}[sanitize]
     extra_compile += [flags, "-fno-omit-frame-pointer", "-O1"]
     extra_link += [flags]
+
+
+def _liburing() -> tuple[list, list]:
+    """(compile flags, link flags) for liburing, or ([], []) where it is absent."""
+    if os.environ.get("MTC_NO_LIBURING"):
+        return [], []
+    if shutil.which("pkg-config"):
+        try:
+            cflags = subprocess.run(["pkg-config", "--cflags", "liburing"], check=True,
+                                    capture_output=True, text=True).stdout.split()
+            libs = subprocess.run(["pkg-config", "--libs", "liburing"], check=True,
+                                  capture_output=True, text=True).stdout.split()
+            return cflags, libs
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    # No .pc file: try the header and the library in the compiler's default paths.
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "probe.c")
+        with open(src, "w") as f:
+            f.write("#include <liburing.h>\nint main(void){struct io_uring r; (void)r; return 0;}\n")
+        try:
+            ok = subprocess.run(cc + [src, "-o", os.path.join(d, "probe"), "-luring"],
+                                capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+    return ([], ["-luring"]) if ok else ([], [])
+
+
+uring_cflags, uring_libs = _liburing()
+if uring_libs:
+    extra_compile += uring_cflags
+    extra_link += uring_libs
+    define_macros.append(("MTC_HAVE_LIBURING", "1"))
+else:
+    print("mtc_loader: liburing not found (apt-get install liburing-dev): FileTensor reads will use "
+          "pread on helper threads", file=sys.stderr)
+
 if os.environ.get("MTC_DEBUG"):
     extra_compile += ["-O0", "-UNDEBUG"]
     define_macros.append(("MTC_DEBUG", "1"))
