@@ -241,7 +241,7 @@ static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, 
             rc = -ENODATA;
             break;
         }
-        if ((uint64_t)n < want) _COUNT(short_reads, 1);
+        if ((uint64_t)n < len - done) _COUNT(short_reads, 1); /* counted as by the ring */
         done += (uint64_t)n;
     }
     close(fd);
@@ -357,6 +357,7 @@ typedef struct _unit {
     uint64_t off;      /* file offset of the unit's first byte */
     char *dst;
     uint64_t len, done;
+    uint64_t asked;    /* length of the read in flight */
     uint64_t base;     /* bytes of the request before this unit */
 } _unit;
 
@@ -414,9 +415,14 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
         _unit *u = &w->units[ui];
         uint64_t want = u->len - u->done;
         if (want > _MAX_ONE_READ) want = _MAX_ONE_READ;
-        if (max_io && want > max_io) want = max_io;
+        if (max_io && want > max_io) {
+            /* an O_DIRECT read must stay a whole number of blocks */
+            uint64_t cap = u->direct ? (max_io / _DIRECT_ALIGN ? max_io / _DIRECT_ALIGN : 1) * _DIRECT_ALIGN : max_io;
+            if (want > cap) want = cap;
+        }
         int fd = u->direct ? w->dfd[u->req] : w->fd[u->req];
         io_uring_prep_read(sqe, fd, u->dst + u->done, (unsigned)want, u->off + u->done);
+        u->asked = want;
         io_uring_sqe_set_data64(sqe, ui);
         queued++;
     }
@@ -439,11 +445,12 @@ static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
     }
     u->done += (uint64_t)res;
     if (u->done < u->len) {
-        /* A short read (the end of the file, or a read split by the kernel or
-         * by max_io). The rest of an O_DIRECT unit may start unaligned now:
-         * it continues buffered, which any offset allows. */
+        /* Not all of the unit yet: a read cut by max_io or the 1 GiB step,
+         * or a short read (the end of the file, a signal, the kernel's
+         * choice). After a short one, the rest of an O_DIRECT unit may start
+         * unaligned: it continues buffered, which any offset allows. */
         _COUNT(short_reads, 1);
-        u->direct = 0;
+        if ((uint64_t)res < u->asked) u->direct = 0;
         w->pending[w->npending++] = ui;
     } else if (u->direct) {
         _COUNT(direct_reads, 1);
