@@ -10,7 +10,10 @@ Environment switches:
                          then use pread on helper threads)
 
 liburing (Debian: liburing-dev) is found with pkg-config, or by its header and library in the
-compiler's default paths; without it the build still succeeds and file reads use pread.
+compiler's default paths; without it the build still succeeds and file reads use pread. Where
+its static library is there (Debian ships liburing.a, position-independent), it is linked in
+statically with its symbols kept private, so the extension needs no liburing at run time (it
+can be carried to a machine that lacks it).
 """
 import glob
 import importlib.util
@@ -63,17 +66,30 @@ if sanitize:
     extra_link += [flags]
 
 
+def _static_liburing(libdirs: list) -> list:
+    """Link flags for liburing.a where it is found, else []."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    try:
+        out = subprocess.run(cc + ["-print-file-name=liburing.a"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        out = ""
+    for d in libdirs + ([os.path.dirname(out)] if os.path.isabs(out) else []):
+        if os.path.exists(os.path.join(d, "liburing.a")):
+            return [os.path.join(d, "liburing.a"), "-Wl,--exclude-libs,liburing.a"]
+    return []
+
+
 def _liburing() -> tuple[list, list]:
     """(compile flags, link flags) for liburing, or ([], []) where it is absent."""
     if os.environ.get("MTC_NO_LIBURING"):
         return [], []
     if shutil.which("pkg-config"):
         try:
-            cflags = subprocess.run(["pkg-config", "--cflags", "liburing"], check=True,
-                                    capture_output=True, text=True).stdout.split()
-            libs = subprocess.run(["pkg-config", "--libs", "liburing"], check=True,
-                                  capture_output=True, text=True).stdout.split()
-            return cflags, libs
+            run = lambda *a: subprocess.run(["pkg-config", *a, "liburing"], check=True,  # noqa: E731
+                                            capture_output=True, text=True).stdout.split()
+            cflags, libs = run("--cflags"), run("--libs")
+            static = _static_liburing(run("--variable=libdir"))
+            return cflags, static or libs
         except (OSError, subprocess.CalledProcessError):
             pass
     # No .pc file: try the header and the library in the compiler's default paths.
@@ -87,7 +103,7 @@ def _liburing() -> tuple[list, list]:
                                 capture_output=True).returncode == 0
         except OSError:
             ok = False
-    return ([], ["-luring"]) if ok else ([], [])
+    return ([], _static_liburing([]) or ["-luring"]) if ok else ([], [])
 
 
 uring_cflags, uring_libs = _liburing()

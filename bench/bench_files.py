@@ -27,7 +27,8 @@ the same files, ``collate_fn`` keeping the samples separate (``list``), batches 
 What is timed: one warm-up epoch per loader, then ``--rounds`` rounds; in each round every
 method runs one epoch with the page cache warm (every file read just before) and one with it
 cold (every file's pages dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` right before the
-epoch), methods interleaved and their order rotated between rounds. Per method and cache state:
+epoch), methods interleaved and their order rotated between rounds (which cache state goes first
+alternating). Per method and cache state:
 ``ms/batch`` (epoch wall time / batches, median over rounds; the device synchronized at each
 batch) and ``GB/s`` (file bytes per batch / ms per batch). In the same run, the raw read
 bandwidth of the same files: a sequential ``O_DIRECT`` read of each (cold, one thread, 8 MiB
@@ -228,8 +229,11 @@ def main(argv=None) -> int:
             raw["direct_cold"].append(raw_read_gbps(paths, direct=True))
             warm_cache(paths)
             raw["buffered_warm"].append(raw_read_gbps(paths, direct=False))
+            # the first epoch after another method's runs slower (its workers were idle): the
+            # cache states take turns at going first
+            states = ("warm", "cold") if r % 2 == 0 else ("cold", "warm")
             for m in order:
-                for state in ("warm", "cold"):
+                for state in states:
                     if state == "cold":
                         drop_cache(paths)
                     else:
