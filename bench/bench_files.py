@@ -3,7 +3,8 @@
 Usage::
 
     python3 bench/bench_files.py [--device cuda:0] [--workers 4] [--batch-size 8]
-                                 [--samples 48] [--rounds 3] [--quick] [--dir DIR] [--out DIR]
+                                 [--samples 48] [--rounds 3] [--warmup 6] [--quick] [--dir DIR]
+                                 [--out DIR]
 
 The data, written by the benchmark itself into ``--dir`` (default: a temporary folder, removed
 at the end): per sample 10 LiDAR-like sweeps stored as raw float32 ``.bin`` files (35,000 points
@@ -24,7 +25,10 @@ the same files, ``collate_fn`` keeping the samples separate (``list``), batches 
   ``.bin`` sweeps (offset 0) land 4 KiB-aligned and are read with ``O_DIRECT`` (bypassing the
   page cache) except for their unaligned tails.
 
-What is timed: one warm-up epoch per loader, then ``--rounds`` rounds; in each round every
+What is timed: ``--warmup`` untimed epochs per loader (default 6: every worker has then written
+most of the arena once, so that the timed epochs do not pay the first touch of its pages, which
+costs a page fault per 4 KiB in each worker process and is the same for every packed method),
+then ``--rounds`` rounds; in each round every
 method runs one epoch with the page cache warm (every file read just before) and one with it
 cold (every file's pages dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` right before the
 epoch), methods interleaved and their order rotated between rounds (which cache state goes first
@@ -185,6 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--samples", type=int, default=0, help="samples (default 48; --quick 16)")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=-1, help="untimed epochs per loader first (default 6; --quick 1)")
     p.add_argument("--prefetch", type=int, default=2, help="DataLoader prefetch_factor (default 2)")
     p.add_argument("--arena-mib", type=int, default=0,
                    help="PackedCollate arena (default: room for every batch in flight)")
@@ -195,6 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.samples = a.samples or (16 if a.quick else 48)
     a.rounds = a.rounds or (1 if a.quick else 3)
+    a.warmup = a.warmup if a.warmup >= 0 else (1 if a.quick else 6)
     per_batch = a.batch_size * (SWEEPS * POINTS * 5 * 4 + CAMS * int(np.prod(CAM_SHAPE)) + 16 * 4096)
     if not a.arena_mib:
         a.arena_mib = ((a.workers * a.prefetch + 4) * per_batch >> 20) + 16
@@ -220,7 +226,8 @@ def main(argv=None) -> int:
 
         loaders = {m: make_loader(m, root, args) for m in args.methods}
         for m, (dl, _) in loaders.items():  # warm-up: workers started, arena and pinned memory in place
-            run_epoch(m, dl, args.device)
+            for _ in range(args.warmup):
+                run_epoch(m, dl, args.device)
         times = {m: {"warm": [], "cold": []} for m in args.methods}
         raw = {"direct_cold": [], "buffered_warm": []}
         order = list(args.methods)
