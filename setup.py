@@ -8,6 +8,8 @@ Environment switches:
                          build requirement in pyproject.toml, else a CUDA toolkit's include dir)
   MTC_NO_LIBURING=1      build without liburing even where it is installed (FileTensor reads
                          then use pread on helper threads)
+  MTC_LIBURING_PREFIX=D  take liburing from D/include (liburing.h, liburing/) and D/lib/liburing.a
+                         (a copy of Debian's liburing-dev files, for a machine without it)
 
 liburing (Debian: liburing-dev) is found with pkg-config, or by its header and library in the
 compiler's default paths; without it the build still succeeds and file reads use pread. Where
@@ -83,6 +85,13 @@ def _liburing() -> tuple[list, list]:
     """(compile flags, link flags) for liburing, or ([], []) where it is absent."""
     if os.environ.get("MTC_NO_LIBURING"):
         return [], []
+    prefix = os.environ.get("MTC_LIBURING_PREFIX")
+    if prefix:
+        prefix = os.path.abspath(prefix)
+        static = _static_liburing([os.path.join(prefix, "lib")])
+        if not static or not os.path.exists(os.path.join(prefix, "include", "liburing.h")):
+            raise SystemExit(f"MTC_LIBURING_PREFIX={prefix}: no include/liburing.h and lib/liburing.a there")
+        return [f"-I{os.path.join(prefix, 'include')}"], static
     if shutil.which("pkg-config"):
         try:
             run = lambda *a: subprocess.run(["pkg-config", *a, "liburing"], check=True,  # noqa: E731
