@@ -158,6 +158,44 @@ def test_shapes_and_offsets(tmp_path, reader, shape, offset):
     check_equal(pc([ft]).unpack()[0], ref, torch.float32, "packed")
 
 
+def test_random_batches(tmp_path, reader):
+    """Random leaves (dtype, shape, offset, file or stacked files) in random containers, packed
+    and copied, against numpy reading the same bytes; prints the seed when it fails."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    dts = numpy_dtypes()
+    try:
+        for rnd in range(4):
+            batch, refs = [], []
+            for i in range(int(rng.integers(1, 40))):
+                dt, npdt = dts[int(rng.integers(len(dts)))]
+                shape = tuple(int(d) for d in rng.integers(0, 9, int(rng.integers(0, 4))))
+                n = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
+                head, rows = int(rng.integers(0, 9000)), int(rng.integers(1, 4))
+                fts, arrs = [], []
+                for r in range(rows):
+                    a = rng.integers(0, 256, n, dtype=np.uint8)
+                    if npdt.kind == "b":
+                        a &= 1
+                    path = tmp_path / f"{rnd}_{i}_{r}.bin"
+                    write_raw(path, a, head=head, tail=int(rng.integers(0, 3)), seed=i)
+                    fts.append(FileTensor(path, dt, shape, head))
+                    arrs.append(a.view(npdt).reshape(shape))
+                leaf, ref = (fts[0], arrs[0]) if rows == 1 else (FileTensor.stack(fts), np.stack(arrs))
+                batch.append({"x": leaf, "i": i} if rng.integers(2) else (leaf,))
+                refs.append((ref, dt))
+            align = int(2 ** rng.integers(0, 13))
+            for how, out in (("start_copy", start_copy(batch, "cpu").get()),
+                             ("packed", PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)(
+                                 batch).unpack())):
+                for i, (ref, dt) in enumerate(refs):
+                    got = out[i]["x"] if isinstance(out[i], dict) else out[i][0]
+                    check_equal(got, ref, dt, f"{how} round {rnd} leaf {i} (align {align})")
+    except BaseException:
+        print(f"test_random_batches: seed {seed}")
+        raise
+
+
 def test_shape_none_and_minus_one(tmp_path, reader):
     ref = np.arange(35 * 5, dtype=np.float32).reshape(35, 5)
     write_raw(tmp_path / "s.bin", ref, head=8)
