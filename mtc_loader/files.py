@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ _NP_TO_TORCH = {np.dtype(k): v for k, v in {
     "c8": torch.complex64, "c16": torch.complex128}.items()}
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+Part = tuple[Union[str, bytes], int, int]  # (path, offset, nbytes)
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -52,15 +53,16 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
         if not npdt.isnative and npdt.itemsize > 1:
             raise TypeError(f"mtc_loader: FileTensor dtype {npdt.str} has non-native byte order; the "
                             "bytes are read as they are in the file, so only native order is supported")
-        dt = _NP_TO_TORCH.get(npdt.newbyteorder("="))
-        if dt is None:
+        found = _NP_TO_TORCH.get(npdt.newbyteorder("="))
+        if found is None:
             raise TypeError(f"mtc_loader: numpy dtype {npdt} has no torch equivalent that mtc_loader reads")
+        dt = found
     if dt not in _CODE:
         raise TypeError(f"mtc_loader: dtype {dt} cannot be read bytewise from a file")
     return dt
 
 
-def _spec(dtype: torch.dtype, shape: tuple, parts: Sequence[tuple]) -> bytes:
+def _spec(dtype: torch.dtype, shape: tuple[int, ...], parts: Sequence[Part]) -> bytes:
     """The engine's view of a FileTensor (csrc/uring.h: header, dims, parts, path pool)."""
     pool = bytearray()
     packed = []
@@ -96,10 +98,15 @@ class FileTensor:
     """
 
     __slots__ = ("dtype", "shape", "parts", "_spec")
+    dtype: torch.dtype
+    shape: torch.Size
+    parts: tuple[Part, ...]
+    _spec: bytes
 
     def __init__(self, path: PathLike, dtype: Any, shape: Optional[Sequence[int]] = None, offset: int = 0):
         dt = _torch_dtype(dtype)
         path = os.fspath(path)
+        where = os.fsdecode(path)
         if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
             raise ValueError(f"mtc_loader: FileTensor offset must be a non-negative int, got {offset!r}")
         offset = int(offset)
@@ -107,14 +114,14 @@ class FileTensor:
         if shape is None or (isinstance(shape, (tuple, list)) and -1 in shape):
             rest = os.stat(path).st_size - offset
             if rest < 0 or rest % size:
-                raise ValueError(f"mtc_loader: {path!r} has {max(rest, 0)} bytes after offset {offset}, "
+                raise ValueError(f"mtc_loader: {where!r} has {max(rest, 0)} bytes after offset {offset}, "
                                  f"not a whole number of {dt} elements ({size} bytes each)")
-            shape = (rest // size,) if shape is None else _fill_minus_one(path, tuple(shape), rest // size)
-        shape = _check_shape(shape)
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        self._init(dt, shape, ((path, offset, numel * size),))
+            shape = (rest // size,) if shape is None else _fill_minus_one(where, tuple(shape), rest // size)
+        dims = _check_shape(shape)
+        numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        self._init(dt, dims, ((path, offset, numel * size),))
 
-    def _init(self, dtype: torch.dtype, shape: tuple, parts: tuple) -> None:
+    def _init(self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...]) -> None:
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "shape", torch.Size(shape))
         object.__setattr__(self, "parts", parts)
@@ -134,8 +141,8 @@ class FileTensor:
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
             elif version == (2, 0):
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+            else:  # 3.0 (utf-8 field names): numpy's private reader, as np.load uses it
+                shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
             offset = f.tell()
         if fortran and len(shape) > 1:
             raise ValueError(f"mtc_loader: {path!r} holds a Fortran-ordered array; FileTensor reads C "
@@ -149,7 +156,7 @@ class FileTensor:
     # ---- a tensor-like surface: what a collate function may look at
 
     @property
-    def path(self) -> str:
+    def path(self) -> Union[str, bytes]:
         """The file (of a single-file FileTensor; a stacked one has ``parts``)."""
         if len(self.parts) != 1:
             raise AttributeError("mtc_loader: a stacked FileTensor has one file per row: see .parts")
@@ -172,7 +179,7 @@ class FileTensor:
     def dim(self) -> int:
         return len(self.shape)
 
-    def size(self, dim: Optional[int] = None):
+    def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
@@ -182,12 +189,13 @@ class FileTensor:
         """The tensor, read now into ordinary (pageable) CPU memory by the engine."""
         from .copy import start_copy  # copy imports collate imports _tree imports us
 
-        return start_copy(self, "cpu").get()
+        out: torch.Tensor = start_copy(cast(Any, self), "cpu").get()
+        return out
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("mtc_loader: a FileTensor is immutable")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.dtype, tuple(self.shape), self.parts))
 
     def __repr__(self) -> str:
@@ -215,7 +223,7 @@ class FileTensor:
         return _rebuild(first.dtype, (len(items), *first.shape), parts)
 
 
-def _check_shape(shape: Any) -> tuple:
+def _check_shape(shape: Any) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
     try:
@@ -228,7 +236,7 @@ def _check_shape(shape: Any) -> tuple:
     return dims
 
 
-def _fill_minus_one(path: str, shape: tuple, numel: int) -> tuple:
+def _fill_minus_one(path: str, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
     if shape.count(-1) != 1:
         raise ValueError(f"mtc_loader: FileTensor shape {shape} may hold one -1 at most")
     known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
@@ -237,13 +245,13 @@ def _fill_minus_one(path: str, shape: tuple, numel: int) -> tuple:
     return tuple(numel // known if d == -1 else d for d in shape)
 
 
-def _rebuild(dtype: torch.dtype, shape: tuple, parts: tuple) -> FileTensor:
+def _rebuild(dtype: torch.dtype, shape: Sequence[int], parts: Sequence[Part]) -> FileTensor:
     ft = FileTensor.__new__(FileTensor)
     ft._init(dtype, tuple(shape), tuple((p, int(o), int(n)) for p, o, n in parts))
     return ft
 
 
-def _collate_file_tensors(batch, *, collate_fn_map=None) -> FileTensor:
+def _collate_file_tensors(batch: Sequence[FileTensor], *, collate_fn_map: Any = None) -> FileTensor:
     return FileTensor.stack(batch)
 
 
@@ -259,7 +267,7 @@ def _register_default_collate() -> None:
 _register_default_collate()
 
 
-def file_reader() -> dict:
+def file_reader() -> dict[str, Any]:
     """How this process reads FileTensors: ``{"mode": "io_uring" | "pread", "reason": str | None,
     "forced": bool}``. ``MTC_FILE_READER=pread`` forces the pread path; otherwise pread runs only
     where io_uring cannot be set up (``reason`` says why) or liburing was absent at build time."""
