@@ -300,7 +300,9 @@ static int _read_files(_run *r, uintptr_t base, const mtc_item *items, uint32_t 
         }
     }
     mtc_uring_err fe = {0, 0};
+    mtc_nvtx_push_name("file reads"); /* inside its op's range: how much of the op is disk */
     int rc = mtc_uring_read(reqs, nreq, &fe);
+    mtc_nvtx_pop();
     if (rc) {
         mtc_uring_err pe = {reqs[fe.index].part, fe.got};
         _fail_file(r, rc, reqs[fe.index].tag, &pe);
