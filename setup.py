@@ -6,10 +6,25 @@ Environment switches:
   MTC_DEBUG=1            -O0 -g and the engine's invariant checks (mtc_*_valid) on hot paths
   MTC_NVTX_INCLUDE=DIR   where the nvtx3 headers are (default: the nvidia-nvtx-cu12 package, a
                          build requirement in pyproject.toml, else a CUDA toolkit's include dir)
+  MTC_NO_LIBURING=1      build without liburing even where it is installed (FileTensor reads
+                         then use pread on helper threads)
+  MTC_LIBURING_PREFIX=D  take liburing from D/include (liburing.h, liburing/) and D/lib/liburing.a
+                         (a copy of Debian's liburing-dev files, for a machine without it)
+
+liburing (Debian: liburing-dev) is found with pkg-config, or by its header and library in the
+compiler's default paths; without it the build still succeeds and file reads use pread. Where
+its static library is there (Debian ships liburing.a, position-independent), it is linked in
+statically with its symbols kept private, so the extension needs no liburing at run time (it
+can be carried to a machine that lacks it).
 """
 import glob
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 import numpy
 from setuptools import Extension, setup
@@ -51,6 +66,64 @@ if sanitize:
     flags = {"address": "-fsanitize=address,undefined", "thread": "-fsanitize=thread"}[sanitize]
     extra_compile += [flags, "-fno-omit-frame-pointer", "-O1"]
     extra_link += [flags]
+
+
+def _static_liburing(libdirs: list) -> list:
+    """Link flags for liburing.a where it is found, else []."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    try:
+        out = subprocess.run(cc + ["-print-file-name=liburing.a"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        out = ""
+    for d in libdirs + ([os.path.dirname(out)] if os.path.isabs(out) else []):
+        if os.path.exists(os.path.join(d, "liburing.a")):
+            return [os.path.join(d, "liburing.a"), "-Wl,--exclude-libs,liburing.a"]
+    return []
+
+
+def _liburing() -> tuple[list, list]:
+    """(compile flags, link flags) for liburing, or ([], []) where it is absent."""
+    if os.environ.get("MTC_NO_LIBURING"):
+        return [], []
+    prefix = os.environ.get("MTC_LIBURING_PREFIX")
+    if prefix:
+        prefix = os.path.abspath(prefix)
+        static = _static_liburing([os.path.join(prefix, "lib")])
+        if not static or not os.path.exists(os.path.join(prefix, "include", "liburing.h")):
+            raise SystemExit(f"MTC_LIBURING_PREFIX={prefix}: no include/liburing.h and lib/liburing.a there")
+        return [f"-I{os.path.join(prefix, 'include')}"], static
+    if shutil.which("pkg-config"):
+        try:
+            run = lambda *a: subprocess.run(["pkg-config", *a, "liburing"], check=True,  # noqa: E731
+                                            capture_output=True, text=True).stdout.split()
+            cflags, libs = run("--cflags"), run("--libs")
+            static = _static_liburing(run("--variable=libdir"))
+            return cflags, static or libs
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    # No .pc file: try the header and the library in the compiler's default paths.
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "probe.c")
+        with open(src, "w") as f:
+            f.write("#include <liburing.h>\nint main(void){struct io_uring r; (void)r; return 0;}\n")
+        try:
+            ok = subprocess.run(cc + [src, "-o", os.path.join(d, "probe"), "-luring"],
+                                capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+    return ([], _static_liburing([]) or ["-luring"]) if ok else ([], [])
+
+
+uring_cflags, uring_libs = _liburing()
+if uring_libs:
+    extra_compile += uring_cflags
+    extra_link += uring_libs
+    define_macros.append(("MTC_HAVE_LIBURING", "1"))
+else:
+    print("mtc_loader: liburing not found (apt-get install liburing-dev): FileTensor reads will use "
+          "pread on helper threads", file=sys.stderr)
+
 if os.environ.get("MTC_DEBUG"):
     extra_compile += ["-O0", "-UNDEBUG"]
     define_macros.append(("MTC_DEBUG", "1"))

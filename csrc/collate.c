@@ -15,6 +15,7 @@
 #include "arena.h"
 #include "copy.h"
 #include "cuda.h"
+#include "files.h"
 #include "handle.h"
 #include "hostcopy.h"
 #include "layout.h"
@@ -216,8 +217,9 @@ static int _pack_alloc_region(mtc_arena *a, int64_t payload, double timeout, uin
 }
 
 /* Writes every leaf of t into the region at `dst` as plan p places them: one
- * host-copy job run here with the GIL released (helpers for big leaves).
- * 0, or -1 with MemoryError. */
+ * host-copy job run here with the GIL released (helpers for big leaves; the
+ * FileTensor leaves read straight into the region, one batch of reads).
+ * 0, or -1 with MemoryError or the exception of a failed file read. */
 static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
 {
     if (!t->nleaves) return 0;
@@ -235,8 +237,20 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
     Py_BEGIN_ALLOW_THREADS
     mtc_job_run(job);
     Py_END_ALLOW_THREADS
+    int rc = 0;
+    if (job->err) { /* only file reads fail here */
+        rc = -1;
+        PyObject *exc = job->err_leaf >= 0 && (t->leaves[job->err_leaf].flags & MTC_LEAF_FILE)
+                            ? mtc_files_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
+                            : (PyErr_Format(PyExc_RuntimeError, "mtc_loader: packing the batch failed while %s: %s",
+                                            job->err_where, strerror(-job->err)), NULL);
+        if (exc) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+    }
     mtc_job_release(job);
-    return 0;
+    return rc;
 }
 
 /* The descriptor's layout (bytes) and skeleton (the structure with LEAF in

@@ -49,6 +49,7 @@ void mtc_item_of_leaf(mtc_item *it, const mtc_tree *t, uint32_t i, uintptr_t dst
     it->elsize = l->elsize;
     it->dev = l->dev;
     it->leaf = (int32_t)i;
+    it->file = (l->flags & MTC_LEAF_FILE) ? (const void *)l->data : NULL;
     if (l->flags & MTC_LEAF_CONTIGUOUS) {
         it->shape = it->strides = NULL;
     } else {

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cuda.h"
+#include "files.h"
 #include "hostcopy.h"
 
 /* Releases inputs once the job completed; sets h->error for a failed job.
@@ -18,7 +19,14 @@ void mtc_handle_finish(mtc_handle *h)
 {
     if (h->finished) return;
     h->finished = 1;
-    if (h->job && h->job->err) {
+    if (h->job && h->job->err && h->job->err_leaf >= 0 && (uint32_t)h->job->err_leaf < h->tree.nleaves &&
+        (h->tree.leaves[h->job->err_leaf].flags & MTC_LEAF_FILE)) {
+        /* a failed file read: the exception names the file and the leaf */
+        mtc_job *j = h->job;
+        if (!(h->error = mtc_files_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
+            PyErr_Clear();
+        Py_CLEAR(h->result);
+    } else if (h->job && h->job->err) {
         mtc_job *j = h->job;
         char desc[256];
         if (j->err == -E2BIG)

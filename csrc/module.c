@@ -15,11 +15,13 @@
 #include "collate.h"
 #include "copy.h"
 #include "cuda.h"
+#include "files.h"
 #include "handle.h"
 #include "hostcopy.h"
 #include "slab.h"
 #include "transfer.h"
 #include "nvtx.h"
+#include "uring.h"
 
 mtc_counters mtc_cnt;
 
@@ -159,6 +161,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("pinned_slabs_in_use", tot.slabs_in_use); P("pinned_allocs", tot.allocs);
     P("pinned_reuses", tot.reuses); P("pinned_waits", tot.waits); P("pinned_evictions", tot.evictions);
 #undef P
+    if (mtc_files_stats(d)) goto error;
     return d;
 error:
     Py_DECREF(d);
@@ -190,6 +193,7 @@ static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
 {
     Py_BEGIN_ALLOW_THREADS
     mtc_engine_shutdown();
+    mtc_uring_shutdown();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -262,6 +266,9 @@ static PyMethodDef engine_methods[] = {
     {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
     {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
     {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
+    {"file_reader", mtc_files_reader, METH_NOARGS, "file_reader() -> (mode, reason or None, forced)"},
+    {"file_configure", mtc_files_configure, METH_VARARGS,
+     "file_configure(depth, max_io, direct, mode): the file reader's settings (tests)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -57,6 +57,7 @@ static uint8_t _action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *needs
     *needs_contig = 0;
     if (o->target == MTC_DEV_CPU) {
         if (l->dev == MTC_DEV_CPU) {
+            if (l->flags & MTC_LEAF_FILE) return MTC_ACT_HOST_COPY; /* read into a new tensor */
             if (!(l->flags & MTC_LEAF_NUMPY)) return MTC_ACT_REUSE;
             return (l->flags & MTC_LEAF_ZEROCOPY) ? MTC_ACT_FROM_NUMPY : MTC_ACT_HOST_COPY;
         }

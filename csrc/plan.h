@@ -32,6 +32,7 @@
 #define MTC_LEAF_CONTIGUOUS 0x1  /* row-major contiguous (strides may be ignored) */
 #define MTC_LEAF_NUMPY      0x2  /* a numpy.ndarray, not a torch.Tensor */
 #define MTC_LEAF_ZEROCOPY   0x4  /* numpy array that torch.from_numpy can wrap as is */
+#define MTC_LEAF_FILE       0x8  /* bytes in files (a FileTensor): `data` is its spec (uring.h), read, never copied */
 
 /* actions */
 enum {

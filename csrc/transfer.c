@@ -16,6 +16,7 @@
 #include "plan.h"
 #include "ring.h"
 #include "nvtx.h"
+#include "uring.h"
 
 int64_t mtc_now_ns(void)
 {
@@ -254,8 +255,65 @@ static int _fail(_run *r, int err, int32_t leaf, const char *where)
     return err;
 }
 
+/* Records a failed read of a file-backed item: the part of its spec and the
+ * bytes of it that arrived, for the binding layer's message. */
+static int _fail_file(_run *r, int err, int32_t leaf, const mtc_uring_err *fe)
+{
+    mtc_job *j = r->job;
+    if (!j->err) {
+        j->err_part = fe->index;
+        j->err_got = fe->got;
+    }
+    return _fail(r, err, leaf, "reading a file");
+}
+
+/* Reads the file-backed items among items[0..n) to address base + dst (base
+ * 0: dst is the address; unsigned arithmetic, so a base below dst is fine)
+ * as one batch of requests, one per file part. 0, or the failure recorded in
+ * the job. */
+static int _read_files(_run *r, uintptr_t base, const mtc_item *items, uint32_t n)
+{
+    uint32_t nreq = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!items[i].file) continue;
+        mtc_file_spec_hdr h;
+        memcpy(&h, items[i].file, sizeof h);
+        nreq += h.nparts;
+    }
+    if (!nreq) return 0;
+    mtc_uring_req *reqs = malloc(nreq * sizeof *reqs);
+    if (!reqs) return _fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
+    uint32_t q = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!items[i].file) continue;
+        mtc_file_spec s;
+        /* checked when the leaf was read (files.c); the bytes are immutable */
+        mtc_uring_spec_view(items[i].file, mtc_uring_spec_size(items[i].file), &s);
+        char *dst = (char *)(base + items[i].dst);
+        for (uint32_t k = 0; k < s.h.nparts; k++) {
+            mtc_file_part p;
+            const char *path;
+            mtc_uring_spec_part(&s, k, &p, &path);
+            reqs[q++] = (mtc_uring_req){.path = path, .offset = p.offset, .nbytes = p.nbytes, .dst = dst,
+                                        .tag = items[i].leaf, .part = k};
+            dst += p.nbytes;
+        }
+    }
+    mtc_uring_err fe = {0, 0};
+    mtc_nvtx_push_name("file reads"); /* inside its op's range: how much of the op is disk */
+    int rc = mtc_uring_read(reqs, nreq, &fe);
+    mtc_nvtx_pop();
+    if (rc) {
+        mtc_uring_err pe = {reqs[fe.index].part, fe.got};
+        _fail_file(r, rc, reqs[fe.index].tag, &pe);
+    }
+    free(reqs);
+    return rc;
+}
+
 static void _stage_item(char *base, const mtc_item *it)
 {
+    if (it->file) return; /* read by _read_files */
     if (it->shape)
         mtc_copy_strided(base + it->dst, (const void *)it->src, it->ndim, it->shape, it->strides,
                          it->elsize);
@@ -282,7 +340,7 @@ static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t 
         if (tasks > n) tasks = n;
         _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks};
         mtc_parallel_for(_stage_task, &c, (n + c.per_task - 1) / c.per_task);
-    } else if (n == 1 && !items[0].shape) {
+    } else if (n == 1 && !items[0].shape && !items[0].file) {
         mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes);
     } else {
         for (uint32_t i = 0; i < n; i++) _stage_item(base, &items[i]);
@@ -333,7 +391,8 @@ static int _op_h2d_chunk(_run *r, const mtc_op *op)
         char *buf = malloc(op->nbytes ? (size_t)op->nbytes : 1);
         if (!buf) return _fail(r, -ENOMEM, leaf0, "allocating a staging buffer");
         _stage_items(buf, items, op->count, op->nbytes);
-        rc = _dma_h2d(r, op->dst, buf, (size_t)op->nbytes, s, leaf0);
+        rc = _read_files(r, (uintptr_t)buf, items, op->count);
+        if (!rc) rc = _dma_h2d(r, op->dst, buf, (size_t)op->nbytes, s, leaf0);
         free(buf);
         return rc;
     }
@@ -343,7 +402,8 @@ static int _op_h2d_chunk(_run *r, const mtc_op *op)
     if ((rc = mtc_slab_alloc(pool, (size_t)op->nbytes, &slab)))
         return _fail(r, rc, leaf0, "allocating pinned staging memory");
     _stage_items(slab->ptr, items, op->count, op->nbytes);
-    if ((rc = _dma_h2d(r, op->dst, slab->ptr, (size_t)op->nbytes, s, leaf0))) {
+    if ((rc = _read_files(r, (uintptr_t)slab->ptr, items, op->count)) ||
+        (rc = _dma_h2d(r, op->dst, slab->ptr, (size_t)op->nbytes, s, leaf0))) {
         mtc_slab_release(pool, slab, 0);
         return rc;
     }
@@ -360,12 +420,19 @@ typedef struct _piece {
     size_t n;
     mtc_slab *slab;
     mtc_flag done;
+    const void *file;   /* a file-backed item's spec: bytes [foff, foff + n) of it are read */
+    uint64_t foff;
+    int err;            /* the read's failure */
+    mtc_uring_err ferr;
 } _piece;
 
 static void _piece_task(void *arg, uint32_t i)
 {
     _piece *p = &((_piece *)arg)[i];
-    memcpy(p->slab->ptr, p->src, p->n);
+    if (p->file) /* pread on this helper: the pieces of one file are read in parallel */
+        p->err = mtc_uring_pread_range(p->file, p->foff, p->n, p->slab->ptr, &p->ferr);
+    else
+        memcpy(p->slab->ptr, p->src, p->n);
     mtc_flag_set(&p->done);
 }
 
@@ -416,6 +483,16 @@ static int _ops_h2d(_run *r, const mtc_op *ops, uint32_t nops)
              * pinned it runs asynchronously, so get() must wait for it
              * (DESIGN: "no input will be read any more"). */
             r->sync_mask |= 1ull << dev;
+            if (it->file) {
+                /* read into pageable memory: the driver copies it out before the call returns */
+                char *buf = malloc((size_t)it->nbytes);
+                if (!buf) return _fail(r, -ENOMEM, it->leaf, "allocating a read buffer");
+                rc = _read_files(r, (uintptr_t)buf - it->dst, it, 1);
+                if (!rc) rc = _dma_h2d(r, it->dst, buf, (size_t)it->nbytes, s, it->leaf);
+                free(buf);
+                if (rc) return rc;
+                continue;
+            }
             if ((rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf))) return rc;
         }
         return 0;
@@ -454,6 +531,8 @@ static int _ops_h2d(_run *r, const mtc_op *ops, uint32_t nops)
             pc[i].src = (const char *)it->src + off;
             pc[i].dst = it->dst + (CUdeviceptr)off;
             pc[i].n = (size_t)it->nbytes - off < piece ? (size_t)it->nbytes - off : piece;
+            pc[i].file = it->file;
+            pc[i].foff = off;
             mtc_flag_init(&pc[i].done);
             leaf_of[i] = it->leaf;
         }
@@ -471,6 +550,7 @@ static int _ops_h2d(_run *r, const mtc_op *ops, uint32_t nops)
         for (i = a; i < b; i++) {
             if (!pc[i].slab) continue;
             mtc_flag_wait(&pc[i].done, -1);
+            if (!err && pc[i].err) err = _fail_file(r, pc[i].err, leaf_of[i], &pc[i].ferr);
             if (!err && (err = _dma_h2d(r, pc[i].dst, pc[i].slab->ptr, pc[i].n, s, leaf_of[i])) == 0)
                 err = _release_after(r, pool, pc[i].slab, s, leaf_of[i]);
             else
@@ -651,12 +731,14 @@ static void _op_host_copy(_run *r, const mtc_op *op)
     int64_t t0 = mtc_now_ns();
     for (uint32_t k = 0; k < op->count; k++) {
         const mtc_item *it = &j->items[op->first + k];
+        if (it->file) continue; /* read below, all files in one batch */
         if (it->shape)
             mtc_copy_strided((void *)it->dst, (const void *)it->src, it->ndim, it->shape, it->strides, it->elsize);
         else if (it->nbytes)
             mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes);
         _COUNT(bytes_host, it->nbytes);
     }
+    _read_files(r, 0, &j->items[op->first], op->count);
     _COUNT(items_copied, op->count);
     _COUNT(ns_stage, mtc_now_ns() - t0);
 }

@@ -46,6 +46,7 @@ typedef struct mtc_item {
     int32_t elsize;
     int32_t dev;            /* device of a device source, else -1 */
     int32_t leaf;           /* for error messages */
+    const void *file;       /* a file-backed source: its spec (uring.h), read instead of src; else NULL */
 } mtc_item;
 
 typedef struct mtc_op {
@@ -75,6 +76,8 @@ typedef struct mtc_job {
     int err;
     int32_t err_leaf;
     char err_where[64];
+    uint32_t err_part;          /* a failed file read: the part of the leaf's spec, */
+    uint64_t err_got;           /* and the bytes of it that arrived */
     /* timing (ns, CLOCK_MONOTONIC) */
     int64_t t_submit, t_start, t_end;
 } mtc_job;

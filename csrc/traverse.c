@@ -6,6 +6,8 @@
 #include "traverse.h"
 
 #include <numpy/arrayobject.h>
+
+#include "files.h"
 #include <string.h>
 
 /* ---- growable arrays ---- */
@@ -360,6 +362,30 @@ static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj
     return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
 }
 
+/* A FileTensor: contiguous bytes in files, read when copied. The tree keeps
+ * its spec (immutable bytes) alive, not the FileTensor. */
+static int _read_file(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
+{
+    mtc_leaf l;
+    int64_t dims[MTC_MAX_NDIM];
+    PyObject *spec;
+    if (mtc_files_leaf(st, obj, &l, dims, &spec)) return -1;
+    int rc = -1;
+    if (_reserve_leaf(t, l.ndim)) goto out;
+    l.dims = t->ndims;
+    int64_t acc = l.elsize;
+    for (int d = l.ndim - 1; d >= 0; d--) {
+        t->shape[t->ndims + d] = dims[d];
+        t->strides[t->ndims + d] = acc;
+        acc *= dims[d] > 1 ? dims[d] : 1;
+    }
+    t->leaves[t->nleaves] = l;
+    rc = _finish_leaf(t, &t->leaves[t->nleaves], node, spec);
+out:
+    Py_DECREF(spec);
+    return rc;
+}
+
 int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
 {
     /* Metadata is re-read in place: the new object has the same shape, so its
@@ -455,6 +481,11 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
         if (n < 0) return -1;
         if (_reserve_leaf(t, 0)) return -1;
         return kind == MTC_KIND_TENSOR ? _read_tensor(st, t, n, obj) : _read_ndarray(st, t, n, obj);
+    }
+    if (kind == MTC_KIND_FILE) {
+        int32_t n = _add_node(t, MTC_NODE_LEAF, parent, pos);
+        if (n < 0) return -1;
+        return _read_file(st, t, n, obj);
     }
     nkind = MTC_NODE_GENERIC;
 

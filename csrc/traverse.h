@@ -29,7 +29,7 @@ enum {
 };
 
 /* kinds returned by the Python classifier */
-enum { MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3 };
+enum { MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3, MTC_KIND_FILE = 4 };
 
 typedef struct mtc_node {
     uint8_t kind;
@@ -44,7 +44,7 @@ typedef struct mtc_tree {
     mtc_node *nodes;
     uint32_t nnodes, cap_nodes;
     mtc_leaf *leaves;
-    PyObject **objs;     /* owned: the tensor / ndarray of each leaf */
+    PyObject **objs;     /* owned: the tensor / ndarray of each leaf (a FileTensor's spec bytes) */
     uint32_t *leaf_node; /* node of each leaf, for error paths */
     uint32_t nleaves, cap_leaves;
     int64_t *shape;      /* dims of all leaves */

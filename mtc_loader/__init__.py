@@ -6,6 +6,8 @@ Three ways in, one C engine:
 - :class:`PackedCollate`: a DataLoader ``collate_fn`` that packs each batch into a shared arena.
 - :class:`PrefetchLoader`: a daemon thread copies the next batches on the device's copy stream.
 - :func:`start_side_copy` / :func:`copy_stream`: one copy on the copy stream, for a custom loop.
+- :class:`FileTensor`: a leaf naming bytes in a file, read by io_uring straight into the batch's
+  pinned memory when it is packed or copied (:func:`file_reader` says how reads run here).
 - :func:`stats`, :func:`configure`, :func:`trim`: the engine's counters and settings.
 """
 from __future__ import annotations
@@ -18,17 +20,21 @@ import torch  # noqa: F401  (the engine reaches torch through objects _setup han
 from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
+from .files import FileTensor, file_reader
 from .prefetch import PrefetchLoader, SideCopy, copy_stream, start_side_copy
 
 __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
-           "SideCopy", "copy_stream", "start_side_copy", "stats", "configure", "trim"]
+           "SideCopy", "copy_stream", "start_side_copy", "FileTensor", "file_reader", "stats", "configure",
+           "trim"]
 __version__ = "0.1.0"
 
 
 def stats() -> dict[str, int]:
     """The engine's counters: calls, tensors by path (packed, reused, staged, ...), bytes per
     direction, DMA calls, per-stage times in ns, pinned-memory use (held, in use, high water,
-    waits at the cap), threads."""
+    waits at the cap), threads; file-backed reads of this process by path (``file_reads_uring``,
+    ``file_reads_pread``: file parts read; ``file_bytes_read``, ``file_reads_direct``: O_DIRECT
+    segments, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
     return _engine.stats()
 
 

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from ._dtypes import supported_dtype
+from .files import FileTensor
 
-LEAF_KIND, TENSOR, NDARRAY, GENERIC = 0, 1, 2, 3
+LEAF_KIND, TENSOR, NDARRAY, GENERIC, FILE = 0, 1, 2, 3, 4
 
 _NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS = range(5)
 
@@ -44,6 +45,8 @@ def classify(tp: type) -> int:
         return TENSOR
     if issubclass(tp, np.ndarray):
         return NDARRAY
+    if issubclass(tp, FileTensor):
+        return FILE
     if issubclass(tp, (list, tuple, dict)):
         return GENERIC
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):

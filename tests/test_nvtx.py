@@ -97,3 +97,33 @@ def test_nothing_without_a_tool(tmp_path):
     if not _engine.nvtx_info()["compiled"]:
         pytest.skip("the engine was built without the nvtx3 headers")
     assert run(tmp_path) == []
+
+
+FILES_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, torch, mtc_loader
+    np.arange(100, dtype=np.float32).tofile(sys.argv[1])
+    ft = mtc_loader.FileTensor(sys.argv[1], torch.float32)
+    out = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([ft, ft]).unpack()
+    assert torch.equal(out[1], torch.arange(100, dtype=torch.float32))
+    assert torch.equal(ft.load(), torch.arange(100, dtype=torch.float32))
+""")
+
+
+def test_file_reads_range(tmp_path, tool):
+    """FileTensor reads show as a "file reads" range inside pack and inside a copy op."""
+    log = tmp_path / "nvtx.log"
+    env = dict(os.environ, MTC_NVTX_LOG=str(log), NVTX_INJECTION64_PATH=str(tool))
+    subprocess.run([sys.executable, "-c", FILES_SCRIPT, str(tmp_path / "f.bin")], env=env, check=True,
+                   timeout=120)
+    events = [line.split(" ", 4) for line in log.read_text().splitlines()]
+    stack: dict = collections.defaultdict(list)
+    inside = collections.Counter()
+    for pid, tid, what, *rest in events:
+        if what == "push":
+            if rest[1] == "file reads":
+                inside[stack[(pid, tid)][-1] if stack[(pid, tid)] else None] += 1
+            stack[(pid, tid)].append(rest[1])
+        elif what == "pop":
+            stack[(pid, tid)].pop()
+    assert inside == {"copy op": 2}, inside  # the pack's host-copy op, and load()'s
+    assert all(not s for s in stack.values()), stack

@@ -1,0 +1,566 @@
+/*
+ * uring.c - reads of file-backed leaves by io_uring, or pread on the helper
+ * threads (see uring.h).
+ */
+#include "uring.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#ifdef MTC_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+#include "atomics.h"
+#include "hostcopy.h"
+
+/* O_DIRECT needs the file offset, the length and the memory address aligned
+ * to the device's logical block; 4 KiB covers every block size in use. */
+#define _DIRECT_ALIGN ((uint64_t)4096)
+/* A single read's length is a u32 in the SQE, and Linux caps one read at
+ * just under 2 GiB: larger reads are completed in steps like short ones. */
+#define _MAX_ONE_READ ((uint64_t)1 << 30)
+/* pread fallback: pieces one helper reads, so one large file keeps several busy. */
+#define _PREAD_PIECE ((uint64_t)4 << 20)
+
+/* ---- configuration, state, counters ---- */
+
+static struct {
+    pthread_mutex_t lock;     /* the ring and the mode: one caller at a time */
+    int state;                /* 0 not set up, else MTC_URING_MODE_* */
+    int forced;
+    const char *why;
+    char why_buf[160];
+    unsigned depth;
+    uint64_t max_io;          /* 0: unlimited (tests lower it to force short reads) */
+    int direct;
+    int want_mode;            /* 0 automatic, else forced MTC_URING_MODE_* */
+    int env_read;
+#ifdef MTC_HAVE_LIBURING
+    struct io_uring ring;
+#endif
+} _u = {.lock = PTHREAD_MUTEX_INITIALIZER, .depth = 128, .direct = 1};
+
+static struct {
+    _Atomic uint64_t reads_uring, reads_pread, bytes, direct_reads, submits, short_reads, errors;
+} _st;
+
+#define _COUNT(field, v) mtc_fetch_add_relaxed(&_st.field, (uint64_t)(v))
+
+void mtc_uring_get_stats(mtc_uring_stats *o)
+{
+    o->reads_uring = mtc_load_relaxed(&_st.reads_uring);
+    o->reads_pread = mtc_load_relaxed(&_st.reads_pread);
+    o->bytes = mtc_load_relaxed(&_st.bytes);
+    o->direct_reads = mtc_load_relaxed(&_st.direct_reads);
+    o->submits = mtc_load_relaxed(&_st.submits);
+    o->short_reads = mtc_load_relaxed(&_st.short_reads);
+    o->errors = mtc_load_relaxed(&_st.errors);
+}
+
+/* Caller holds _u.lock. */
+static void _teardown_locked(void)
+{
+#ifdef MTC_HAVE_LIBURING
+    if (_u.state == MTC_URING_MODE_URING) io_uring_queue_exit(&_u.ring);
+#endif
+    _u.state = 0;
+}
+
+/* In the child of a fork: the parent's ring is the parent's (its mapping and
+ * fd were copied, its in-flight reads are not ours); drop our copy and build
+ * a ring of our own on first use. The child has one thread, and the lock may
+ * have been held by a thread that does not exist here: re-create it. */
+static void _after_fork_child(void)
+{
+    pthread_mutex_init(&_u.lock, NULL);
+    _teardown_locked();
+}
+
+static pthread_once_t _once = PTHREAD_ONCE_INIT;
+
+static void _init_once(void)
+{
+    pthread_atfork(NULL, NULL, _after_fork_child);
+}
+
+/* Caller holds _u.lock. */
+static void _read_env_locked(void)
+{
+    if (_u.env_read) return;
+    _u.env_read = 1;
+    const char *e;
+    if ((e = getenv("MTC_URING_DEPTH")) && *e) _u.depth = (unsigned)strtoul(e, NULL, 10);
+    if ((e = getenv("MTC_URING_MAX_IO")) && *e) _u.max_io = strtoull(e, NULL, 10);
+    if ((e = getenv("MTC_FILE_DIRECT")) && *e) _u.direct = strcmp(e, "0") != 0;
+    if ((e = getenv("MTC_FILE_READER")) && *e)
+        _u.want_mode = strcmp(e, "pread") == 0 ? MTC_URING_MODE_PREAD : strcmp(e, "uring") == 0 ? MTC_URING_MODE_URING : 0;
+}
+
+/* Sets the mode up (the ring, when io_uring works). Caller holds _u.lock. */
+static void _setup_locked(void)
+{
+    _read_env_locked();
+    if (_u.state) return;
+    _u.forced = 0;
+    if (_u.want_mode == MTC_URING_MODE_PREAD) {
+        _u.state = MTC_URING_MODE_PREAD;
+        _u.forced = 1;
+        _u.why = "MTC_FILE_READER=pread asked for it";
+        return;
+    }
+#ifdef MTC_HAVE_LIBURING
+    int rc = io_uring_queue_init(_u.depth, &_u.ring, 0);
+    if (rc < 0) {
+        /* ENOSYS: kernel without io_uring; EPERM: io_uring_disabled or a
+         * seccomp filter; ENOMEM: RLIMIT_MEMLOCK on old kernels */
+        snprintf(_u.why_buf, sizeof _u.why_buf, "io_uring_queue_init(%u) failed: %s", _u.depth, strerror(-rc));
+        _u.why = _u.why_buf;
+        _u.state = MTC_URING_MODE_PREAD;
+        return;
+    }
+    /* IORING_OP_READ arrived in Linux 5.6; earlier rings cannot serve us */
+    struct io_uring_probe *p = io_uring_get_probe_ring(&_u.ring);
+    int can_read = p && io_uring_opcode_supported(p, IORING_OP_READ);
+    if (p) io_uring_free_probe(p);
+    if (!can_read) {
+        io_uring_queue_exit(&_u.ring);
+        _u.why = "the kernel's io_uring lacks IORING_OP_READ (Linux < 5.6)";
+        _u.state = MTC_URING_MODE_PREAD;
+        return;
+    }
+    _u.state = MTC_URING_MODE_URING;
+    _u.why = NULL;
+#else
+    _u.why = "liburing was absent when mtc_loader was built";
+    _u.state = MTC_URING_MODE_PREAD;
+#endif
+}
+
+int mtc_uring_mode(const char **why, int *forced)
+{
+    pthread_once(&_once, _init_once);
+    pthread_mutex_lock(&_u.lock);
+    _setup_locked();
+    int mode = _u.state;
+    if (why) *why = _u.why;
+    if (forced) *forced = _u.forced;
+    pthread_mutex_unlock(&_u.lock);
+    return mode;
+}
+
+void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode)
+{
+    pthread_once(&_once, _init_once);
+    pthread_mutex_lock(&_u.lock);
+    _read_env_locked();
+    _teardown_locked();
+    _u.depth = depth;
+    _u.max_io = max_io;
+    _u.direct = direct;
+    _u.want_mode = mode;
+    pthread_mutex_unlock(&_u.lock);
+}
+
+void mtc_uring_shutdown(void)
+{
+    pthread_mutex_lock(&_u.lock);
+    _teardown_locked();
+    pthread_mutex_unlock(&_u.lock);
+}
+
+/* ---- the spec ---- */
+
+int mtc_uring_spec_view(const void *buf, size_t len, mtc_file_spec *out)
+{
+    const uint8_t *b = buf;
+    if (len < sizeof out->h) return -EINVAL;
+    memcpy(&out->h, b, sizeof out->h);
+    const mtc_file_spec_hdr *h = &out->h;
+    if (h->magic != MTC_FILE_SPEC_MAGIC || h->ndim > 64 || h->nparts == 0 || h->nbytes < 0) return -EINVAL;
+    size_t need = sizeof *h + (size_t)h->ndim * sizeof(int64_t) + (size_t)h->nparts * sizeof(mtc_file_part);
+    if ((uint64_t)h->nparts > len / sizeof(mtc_file_part) || need > len || len - need != h->paths_bytes)
+        return -EINVAL;
+    out->dims = (const int64_t *)(b + sizeof *h);
+    out->parts = b + sizeof *h + (size_t)h->ndim * sizeof(int64_t);
+    out->paths = (const char *)(b + need);
+    uint64_t sum = 0;
+    for (uint32_t k = 0; k < h->nparts; k++) {
+        mtc_file_part p;
+        memcpy(&p, out->parts + (size_t)k * sizeof p, sizeof p);
+        if ((uint64_t)p.path + p.path_len >= h->paths_bytes || out->paths[p.path + p.path_len] != '\0' ||
+            memchr(out->paths + p.path, '\0', p.path_len) || p.nbytes > (uint64_t)INT64_MAX - sum ||
+            p.offset > (uint64_t)INT64_MAX - p.nbytes)
+            return -EINVAL;
+        sum += p.nbytes;
+    }
+    return sum == (uint64_t)h->nbytes ? 0 : -EINVAL;
+}
+
+size_t mtc_uring_spec_size(const void *buf)
+{
+    mtc_file_spec_hdr h;
+    memcpy(&h, buf, sizeof h);
+    return sizeof h + (size_t)h.ndim * sizeof(int64_t) + (size_t)h.nparts * sizeof(mtc_file_part) + h.paths_bytes;
+}
+
+void mtc_uring_spec_part(const mtc_file_spec *s, uint32_t k, mtc_file_part *part, const char **path)
+{
+    memcpy(part, s->parts + (size_t)k * sizeof *part, sizeof *part);
+    *path = s->paths + part->path;
+}
+
+/* Reads len bytes of path at off into dst with pread, completing short
+ * reads. 0, or -errno / -ENODATA with *got = the bytes that arrived. */
+static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, uint64_t max_io, uint64_t *got)
+{
+    uint64_t done = 0;
+    int rc = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        *got = 0;
+        return -errno;
+    }
+    while (done < len) {
+        uint64_t want = len - done;
+        if (want > _MAX_ONE_READ) want = _MAX_ONE_READ;
+        if (max_io && want > max_io) want = max_io;
+        ssize_t n = pread(fd, dst + done, (size_t)want, (off_t)(off + done));
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            rc = -errno;
+            break;
+        }
+        if (n == 0) { /* end of file before the request's end */
+            rc = -ENODATA;
+            break;
+        }
+        if ((uint64_t)n < len - done) _COUNT(short_reads, 1); /* counted as by the ring */
+        done += (uint64_t)n;
+    }
+    close(fd);
+    *got = done;
+    return rc;
+}
+
+int mtc_uring_pread_range(const void *spec, uint64_t begin, uint64_t len, void *dst, mtc_uring_err *err)
+{
+    mtc_file_spec s;
+    if (mtc_uring_spec_view(spec, mtc_uring_spec_size(spec), &s)) return -EINVAL;
+    uint64_t max_io = _u.max_io; /* a plain read of a setting tests change between runs */
+    uint64_t at = 0; /* leaf offset of part k */
+    for (uint32_t k = 0; k < s.h.nparts && len; k++) {
+        mtc_file_part p;
+        const char *path;
+        mtc_uring_spec_part(&s, k, &p, &path);
+        if (begin < at + p.nbytes) {
+            uint64_t in = begin - at, n = p.nbytes - in < len ? p.nbytes - in : len, got;
+            int rc = _pread_full(path, p.offset + in, n, dst, max_io, &got);
+            if (rc) {
+                _COUNT(errors, 1);
+                err->index = k;
+                err->got = in + got;
+                return rc;
+            }
+            _COUNT(reads_pread, 1);
+            _COUNT(bytes, n);
+            dst = (char *)dst + n;
+            begin += n;
+            len -= n;
+        }
+        at += p.nbytes;
+    }
+    return 0;
+}
+
+/* ---- the pread fallback: pieces of requests on the helper threads ---- */
+
+typedef struct _ptask { uint32_t req; uint64_t off; uint64_t len; } _ptask;
+
+typedef struct _pctx {
+    const mtc_uring_req *reqs;
+    _ptask *tasks;
+    int *err;        /* per task */
+    uint64_t *got;   /* per task: bytes read before an error */
+    uint64_t max_io;
+} _pctx;
+
+static void _pread_task(void *arg, uint32_t t)
+{
+    _pctx *c = arg;
+    const _ptask *pt = &c->tasks[t];
+    const mtc_uring_req *r = &c->reqs[pt->req];
+    uint64_t got;
+    c->err[t] = _pread_full(r->path, r->offset + pt->off, pt->len, (char *)r->dst + pt->off, c->max_io, &got);
+    c->got[t] = pt->off + got;
+}
+
+static int _read_pread(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err, uint64_t max_io)
+{
+    uint64_t ntasks = 0;
+    for (uint32_t i = 0; i < n; i++)
+        ntasks += reqs[i].nbytes ? (reqs[i].nbytes + _PREAD_PIECE - 1) / _PREAD_PIECE : 1;
+    if (ntasks > UINT32_MAX) return -E2BIG;
+    int rc = 0;
+    _pctx c = {reqs, calloc(ntasks ? ntasks : 1, sizeof *c.tasks), calloc(ntasks ? ntasks : 1, sizeof *c.err),
+               calloc(ntasks ? ntasks : 1, sizeof *c.got), max_io};
+    if (!c.tasks || !c.err || !c.got) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    uint32_t t = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t off = 0;
+        do { /* a zero-byte request still opens its file: a missing file is an error */
+            uint64_t len = reqs[i].nbytes - off < _PREAD_PIECE ? reqs[i].nbytes - off : _PREAD_PIECE;
+            c.tasks[t++] = (_ptask){i, off, len};
+            off += len;
+        } while (off < reqs[i].nbytes);
+    }
+    mtc_parallel_for(_pread_task, &c, (uint32_t)ntasks);
+    /* Report the failure of the lowest request (tasks are in request order);
+     * a short file fails in its first piece past the end, so `got` of that
+     * piece counts the bytes the file had. */
+    for (t = 0; t < ntasks; t++)
+        if (c.err[t]) {
+            rc = c.err[t];
+            err->index = c.tasks[t].req;
+            err->got = c.got[t];
+            break;
+        }
+    if (!rc) {
+        _COUNT(reads_pread, n);
+        for (uint32_t i = 0; i < n; i++) _COUNT(bytes, reqs[i].nbytes);
+    }
+out:
+    free(c.tasks);
+    free(c.err);
+    free(c.got);
+    return rc;
+}
+
+/* ---- io_uring ---- */
+
+#ifdef MTC_HAVE_LIBURING
+
+/* One read in flight or waiting: a whole request, or the buffered head /
+ * O_DIRECT middle / buffered tail of one. */
+typedef struct _unit {
+    uint32_t req;
+    int direct;
+    uint64_t off;      /* file offset of the unit's first byte */
+    char *dst;
+    uint64_t len, done;
+    uint64_t asked;    /* length of the read in flight */
+    uint64_t base;     /* bytes of the request before this unit */
+} _unit;
+
+typedef struct _win {
+    const mtc_uring_req *reqs;
+    uint32_t first, n;   /* requests of the window */
+    int *fd, *dfd;       /* per request of the window: buffered and O_DIRECT descriptors (-1 none) */
+    _unit *units;
+    uint32_t nunits;
+    uint32_t *pending;   /* stack of unit indices waiting for a submission slot */
+    uint32_t npending;
+} _win;
+
+static uint64_t _round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Splits request i of the window into units, opening its descriptors. 0 or
+ * -errno (the open failed). */
+static int _win_add(_win *w, uint32_t i, int direct)
+{
+    const mtc_uring_req *r = &w->reqs[w->first + i];
+    int fd = open(r->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    w->fd[i] = fd;
+    uint64_t a = r->offset, e = r->offset + r->nbytes;
+    uint64_t mid_a = _round_up(a, _DIRECT_ALIGN), mid_e = e / _DIRECT_ALIGN * _DIRECT_ALIGN;
+    /* O_DIRECT for the middle when the destination lines up with the file:
+     * dst + (mid_a - a) aligned as mid_a is. Two blocks at least, or the
+     * second open costs more than it saves. */
+    if (direct && mid_e > mid_a && mid_e - mid_a >= 2 * _DIRECT_ALIGN &&
+        ((uintptr_t)r->dst + (mid_a - a)) % _DIRECT_ALIGN == 0) {
+        int dfd = open(r->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        /* EINVAL: a filesystem without O_DIRECT (tmpfs): buffered it is */
+        if (dfd >= 0) w->dfd[i] = dfd;
+    }
+    uint64_t cuts[4] = {a, a, e, e};
+    if (w->dfd[i] >= 0) cuts[1] = mid_a, cuts[2] = mid_e;
+    for (int k = 0; k < 3; k++) {
+        if (cuts[k + 1] <= cuts[k]) continue;
+        _unit *u = &w->units[w->nunits];
+        *u = (_unit){.req = i, .direct = k == 1 && w->dfd[i] >= 0, .off = cuts[k],
+                     .dst = (char *)r->dst + (cuts[k] - a), .len = cuts[k + 1] - cuts[k], .base = cuts[k] - a};
+        w->pending[w->npending++] = w->nunits++;
+    }
+    return 0;
+}
+
+/* Queues SQEs for pending units while the ring has room; returns how many. */
+static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uint32_t depth, uint64_t max_io)
+{
+    uint32_t queued = 0;
+    while (w->npending && inflight + queued < depth) {
+        struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+        if (!sqe) break;
+        uint32_t ui = w->pending[--w->npending];
+        _unit *u = &w->units[ui];
+        uint64_t want = u->len - u->done;
+        if (want > _MAX_ONE_READ) want = _MAX_ONE_READ;
+        if (max_io && want > max_io) {
+            /* an O_DIRECT read must stay a whole number of blocks */
+            uint64_t cap = u->direct ? (max_io / _DIRECT_ALIGN ? max_io / _DIRECT_ALIGN : 1) * _DIRECT_ALIGN : max_io;
+            if (want > cap) want = cap;
+        }
+        int fd = u->direct ? w->dfd[u->req] : w->fd[u->req];
+        io_uring_prep_read(sqe, fd, u->dst + u->done, (unsigned)want, u->off + u->done);
+        u->asked = want;
+        io_uring_sqe_set_data64(sqe, ui);
+        queued++;
+    }
+    return queued;
+}
+
+/* Handles one completion: done, resubmitted for its remainder, or an error.
+ * Returns 0 or the error (with *err filled). */
+static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
+{
+    _unit *u = &w->units[ui];
+    if (res == -EINTR || res == -EAGAIN) {
+        w->pending[w->npending++] = ui;
+        return 0;
+    }
+    if (res < 0 || res == 0) {
+        err->index = w->first + u->req;
+        err->got = u->base + u->done;
+        return res < 0 ? res : -ENODATA; /* 0: the file ended before the request's end */
+    }
+    u->done += (uint64_t)res;
+    if (u->done < u->len) {
+        /* Not all of the unit yet: a read cut by max_io or the 1 GiB step,
+         * or a short read (the end of the file, a signal, the kernel's
+         * choice). After a short one, the rest of an O_DIRECT unit may start
+         * unaligned: it continues buffered, which any offset allows. */
+        _COUNT(short_reads, 1);
+        if ((uint64_t)res < u->asked) u->direct = 0;
+        w->pending[w->npending++] = ui;
+    } else if (u->direct) {
+        _COUNT(direct_reads, 1);
+    }
+    return 0;
+}
+
+/* Runs the window: every unit submitted and completed, or the first error
+ * (then the reads in flight are waited for and nothing new is submitted, so
+ * no read writes into the destination after we return). Caller holds
+ * _u.lock. */
+static int _win_run(_win *w, struct io_uring *ring, mtc_uring_err *err)
+{
+    uint32_t inflight = 0; /* prepared SQEs whose completion is not reaped yet */
+    int rc = 0;
+    while ((w->npending && !rc) || inflight) {
+        inflight += rc ? 0 : _win_prep(w, ring, inflight, _u.depth, _u.max_io);
+        /* one io_uring_enter submits every queued read and waits for a completion */
+        int s = io_uring_submit_and_wait(ring, 1);
+        if (s < 0 && s != -EINTR && s != -EAGAIN && s != -EBUSY) {
+            /* the ring itself is broken (EBADF, EFAULT: never in a sound
+             * process): drop it; closing it makes the kernel cancel what it
+             * took before our caller's memory goes */
+            _teardown_locked();
+            if (!rc) {
+                err->index = w->first;
+                err->got = 0;
+            }
+            return rc ? rc : s;
+        }
+        if (s > 0) _COUNT(submits, 1);
+        struct io_uring_cqe *cqe;
+        unsigned head, seen = 0;
+        io_uring_for_each_cqe(ring, head, cqe)
+        {
+            uint32_t ui = (uint32_t)io_uring_cqe_get_data64(cqe);
+            int res = cqe->res;
+            seen++;
+            inflight--;
+            if (!rc) rc = _win_complete(w, ui, res, err); /* after an error: only drain */
+        }
+        io_uring_cq_advance(ring, seen);
+    }
+    return rc;
+}
+
+static int _read_uring(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err)
+{
+    struct io_uring *ring = &_u.ring;
+    /* A window holds as many requests as the ring has slots (each makes up
+     * to three units), so that descriptors stay bounded: open files are at
+     * most 2 x depth, whatever the batch. */
+    uint32_t per = _u.depth ? _u.depth : 1;
+    int rc = 0;
+    _win w = {.reqs = reqs};
+    w.fd = malloc(per * sizeof *w.fd);
+    w.dfd = malloc(per * sizeof *w.dfd);
+    w.units = malloc(3 * (size_t)per * sizeof *w.units);
+    w.pending = malloc(3 * (size_t)per * sizeof *w.pending);
+    if (!w.fd || !w.dfd || !w.units || !w.pending) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (uint32_t first = 0; first < n && !rc; first += per) {
+        w.first = first;
+        w.n = n - first < per ? n - first : per;
+        w.nunits = w.npending = 0;
+        for (uint32_t i = 0; i < w.n; i++) w.fd[i] = w.dfd[i] = -1;
+        for (uint32_t i = 0; i < w.n && !rc; i++)
+            if ((rc = _win_add(&w, i, _u.direct))) {
+                err->index = first + i;
+                err->got = 0;
+            }
+        if (!rc) rc = _win_run(&w, ring, err);
+        for (uint32_t i = 0; i < w.n; i++) {
+            if (w.fd[i] >= 0) close(w.fd[i]);
+            if (w.dfd[i] >= 0) close(w.dfd[i]);
+        }
+    }
+    if (!rc) {
+        _COUNT(reads_uring, n);
+        for (uint32_t i = 0; i < n; i++) _COUNT(bytes, reqs[i].nbytes);
+    }
+out:
+    free(w.fd);
+    free(w.dfd);
+    free(w.units);
+    free(w.pending);
+    return rc;
+}
+#endif /* MTC_HAVE_LIBURING */
+
+int mtc_uring_read(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err)
+{
+    if (!n) return 0;
+    pthread_once(&_once, _init_once);
+    pthread_mutex_lock(&_u.lock);
+    _setup_locked();
+    int rc;
+    uint64_t max_io = _u.max_io;
+#ifdef MTC_HAVE_LIBURING
+    if (_u.state == MTC_URING_MODE_URING) {
+        rc = _read_uring(reqs, n, err);
+        pthread_mutex_unlock(&_u.lock);
+        if (rc) _COUNT(errors, 1);
+        return rc;
+    }
+#endif
+    pthread_mutex_unlock(&_u.lock);
+    rc = _read_pread(reqs, n, err, max_io);
+    if (rc) _COUNT(errors, 1);
+    return rc;
+}

@@ -1,0 +1,275 @@
+"""File-backed leaves: :class:`FileTensor` names bytes in a file instead of holding them.
+
+A dataset returns a ``FileTensor`` wherever it would return a tensor loaded with ``np.fromfile``
+or ``np.load``. :class:`~mtc_loader.PackedCollate` reads every file of a batch straight into the
+batch's arena region (io_uring, one ring per worker process, batched submissions, ``O_DIRECT``
+where aligned), so the bytes reach the GPU with one host copy; ``start_copy`` reads them on the
+transfer thread into pinned memory (to ``"cpu"``: into ordinary tensors). Where io_uring is
+unavailable the same reads run as ``pread`` on helper threads (see :func:`file_reader`).
+
+The engine reads a FileTensor's ``_spec``: one immutable bytes object with its dtype, shape and
+file parts (csrc/uring.h describes the layout). ``default_collate`` stacks same-shaped
+FileTensors into one FileTensor with one part per file (registered in torch's
+``default_collate_fn_map`` on import), so a stacked batch is still read in place.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, Optional, Sequence, Union, cast
+
+import numpy as np
+import torch
+
+from . import _engine
+from ._dtypes import DTYPES
+
+__all__ = ["FileTensor", "file_reader"]
+
+_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+_MAGIC = 0x4654434D  # csrc/uring.h: MTC_FILE_SPEC_MAGIC
+_HDR = struct.Struct("=IHHIIq")  # mtc_file_spec_hdr
+_PART = struct.Struct("=QQII")  # mtc_file_part
+
+_NP_TO_TORCH = {np.dtype(k): v for k, v in {
+    "?": torch.bool, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64,
+    "u1": torch.uint8, "u2": torch.uint16, "u4": torch.uint32, "u8": torch.uint64,
+    "f2": torch.float16, "f4": torch.float32, "f8": torch.float64,
+    "c8": torch.complex64, "c16": torch.complex128}.items()}
+
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+Part = tuple[Union[str, bytes], int, int]  # (path, offset, nbytes)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        dt = dtype
+    else:
+        try:
+            npdt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"mtc_loader: FileTensor dtype must be a torch.dtype or a numpy dtype, "
+                            f"got {dtype!r}") from None
+        if not npdt.isnative and npdt.itemsize > 1:
+            raise TypeError(f"mtc_loader: FileTensor dtype {npdt.str} has non-native byte order; the "
+                            "bytes are read as they are in the file, so only native order is supported")
+        found = _NP_TO_TORCH.get(npdt.newbyteorder("="))
+        if found is None:
+            raise TypeError(f"mtc_loader: numpy dtype {npdt} has no torch equivalent that mtc_loader reads")
+        dt = found
+    if dt not in _CODE:
+        raise TypeError(f"mtc_loader: dtype {dt} cannot be read bytewise from a file")
+    return dt
+
+
+def _spec(dtype: torch.dtype, shape: tuple[int, ...], parts: Sequence[Part]) -> bytes:
+    """The engine's view of a FileTensor (csrc/uring.h: header, dims, parts, path pool)."""
+    pool = bytearray()
+    packed = []
+    for path, offset, nbytes in parts:
+        p = os.fsencode(path)
+        if b"\0" in p:
+            raise ValueError(f"mtc_loader: a file path contains a NUL byte: {path!r}")
+        packed.append(_PART.pack(offset, nbytes, len(pool), len(p)))
+        pool += p + b"\0"
+    nbytes = sum(n for _, _, n in parts)
+    return b"".join([_HDR.pack(_MAGIC, _CODE[dtype], len(shape), len(parts), len(pool), nbytes),
+                     struct.pack(f"={len(shape)}q", *shape), *packed, bytes(pool)])
+
+
+class FileTensor:
+    """A tensor whose bytes live in a file (C order, native byte order), read when copied.
+
+    Args:
+        path: The file.
+        dtype: A ``torch.dtype`` (or a numpy dtype / type string such as ``"<f4"``).
+        shape: The tensor's shape; ``None`` means 1-D over the rest of the file after ``offset``
+            (the file is looked at once, here; its remaining size must be a multiple of the
+            element size).
+        offset: Byte offset of the first element in the file.
+
+    A FileTensor is small and picklable (a DataLoader worker can return it); it is read, not
+    held: the file must not change between its creation and its copy. ``.load()`` reads it
+    into a plain CPU tensor.
+
+    Examples:
+        >>> ft = FileTensor("sweep.bin", torch.float32, (-1, 5))  # doctest: +SKIP
+        >>> img = FileTensor.npy("cam0.npy")                       # doctest: +SKIP
+    """
+
+    __slots__ = ("dtype", "shape", "parts", "_spec")
+    dtype: torch.dtype
+    shape: torch.Size
+    parts: tuple[Part, ...]
+    _spec: bytes
+
+    def __init__(self, path: PathLike, dtype: Any, shape: Optional[Sequence[int]] = None, offset: int = 0):
+        dt = _torch_dtype(dtype)
+        path = os.fspath(path)
+        where = os.fsdecode(path)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"mtc_loader: FileTensor offset must be a non-negative int, got {offset!r}")
+        offset = int(offset)
+        size = dt.itemsize
+        if shape is None or (isinstance(shape, (tuple, list)) and -1 in shape):
+            rest = os.stat(path).st_size - offset
+            if rest < 0 or rest % size:
+                raise ValueError(f"mtc_loader: {where!r} has {max(rest, 0)} bytes after offset {offset}, "
+                                 f"not a whole number of {dt} elements ({size} bytes each)")
+            shape = (rest // size,) if shape is None else _fill_minus_one(where, tuple(shape), rest // size)
+        dims = _check_shape(shape)
+        numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        self._init(dt, dims, ((path, offset, numel * size),))
+
+    def _init(self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...]) -> None:
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", torch.Size(shape))
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "_spec", _spec(dtype, shape, parts))
+
+    @classmethod
+    def npy(cls, path: PathLike) -> "FileTensor":
+        """The array of a ``.npy`` file: its header gives dtype, shape and where the data starts.
+
+        Raises ValueError for a Fortran-ordered array or a dtype without a torch equivalent
+        (object, structured, non-native byte order).
+        """
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:  # 3.0 (utf-8 field names): numpy's private reader, as np.load uses it
+                shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
+            offset = f.tell()
+        if fortran and len(shape) > 1:
+            raise ValueError(f"mtc_loader: {path!r} holds a Fortran-ordered array; FileTensor reads C "
+                             "order (save it with np.save(path, np.ascontiguousarray(a)))")
+        try:
+            dt = _torch_dtype(dtype)
+        except TypeError as e:
+            raise ValueError(f"mtc_loader: {path!r}: {e}") from None
+        return cls(path, dt, shape, offset)
+
+    # ---- a tensor-like surface: what a collate function may look at
+
+    @property
+    def path(self) -> Union[str, bytes]:
+        """The file (of a single-file FileTensor; a stacked one has ``parts``)."""
+        if len(self.parts) != 1:
+            raise AttributeError("mtc_loader: a stacked FileTensor has one file per row: see .parts")
+        return self.parts[0][0]
+
+    @property
+    def offset(self) -> int:
+        if len(self.parts) != 1:
+            raise AttributeError("mtc_loader: a stacked FileTensor has one offset per row: see .parts")
+        return self.parts[0][1]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    def load(self) -> torch.Tensor:
+        """The tensor, read now into ordinary (pageable) CPU memory by the engine."""
+        from .copy import start_copy  # copy imports collate imports _tree imports us
+
+        out: torch.Tensor = start_copy(cast(Any, self), "cpu").get()
+        return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("mtc_loader: a FileTensor is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.dtype, tuple(self.shape), self.parts))
+
+    def __repr__(self) -> str:
+        where = (f"{self.parts[0][0]!r}, offset={self.parts[0][1]}" if len(self.parts) == 1
+                 else f"{len(self.parts)} files")
+        return f"FileTensor({where}, dtype={self.dtype}, shape={tuple(self.shape)})"
+
+    @staticmethod
+    def stack(items: Sequence["FileTensor"]) -> "FileTensor":
+        """Same-shaped, same-dtype FileTensors as one of shape ``(len(items), *shape)``: one part
+        per file, read in place into consecutive rows (what ``default_collate`` does with them)."""
+        if not items:
+            raise ValueError("mtc_loader: cannot stack an empty list of FileTensors")
+        first = items[0]
+        for i, it in enumerate(items):
+            if not isinstance(it, FileTensor):
+                raise TypeError(f"mtc_loader: cannot stack a FileTensor with a {type(it).__name__} "
+                                f"(element {i})")
+            if it.dtype != first.dtype or it.shape != first.shape:
+                raise RuntimeError(
+                    f"mtc_loader: default_collate stacks FileTensors of one shape and dtype: element 0 is "
+                    f"{tuple(first.shape)} {first.dtype}, element {i} is {tuple(it.shape)} {it.dtype}; "
+                    "return them in a list (collate_fn=list, or a custom collate) to keep them apart")
+        parts = tuple(p for it in items for p in it.parts)
+        return _rebuild(first.dtype, (len(items), *first.shape), parts)
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+        ok = all(not isinstance(d, bool) and int(d) == d for d in shape)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or any(d < 0 for d in dims) or len(dims) > 64:
+        raise ValueError(f"mtc_loader: FileTensor shape must be a sequence of non-negative ints, got {shape!r}")
+    return dims
+
+
+def _fill_minus_one(path: str, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
+    if shape.count(-1) != 1:
+        raise ValueError(f"mtc_loader: FileTensor shape {shape} may hold one -1 at most")
+    known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+    if known == 0 or numel % known:
+        raise ValueError(f"mtc_loader: {path!r} holds {numel} elements, which shape {shape} cannot cover")
+    return tuple(numel // known if d == -1 else d for d in shape)
+
+
+def _rebuild(dtype: torch.dtype, shape: Sequence[int], parts: Sequence[Part]) -> FileTensor:
+    ft = FileTensor.__new__(FileTensor)
+    ft._init(dtype, tuple(shape), tuple((p, int(o), int(n)) for p, o, n in parts))
+    return ft
+
+
+def _collate_file_tensors(batch: Sequence[FileTensor], *, collate_fn_map: Any = None) -> FileTensor:
+    return FileTensor.stack(batch)
+
+
+def _register_default_collate() -> None:
+    """default_collate of FileTensors stacks them (torch >= 1.13 has the registry)."""
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # older torch: default_collate raises on FileTensors, use PackedCollate(list)
+        return
+    default_collate_fn_map.setdefault(FileTensor, _collate_file_tensors)
+
+
+_register_default_collate()
+
+
+def file_reader() -> dict[str, Any]:
+    """How this process reads FileTensors: ``{"mode": "io_uring" | "pread", "reason": str | None,
+    "forced": bool}``. ``MTC_FILE_READER=pread`` forces the pread path; otherwise pread runs only
+    where io_uring cannot be set up (``reason`` says why) or liburing was absent at build time."""
+    mode, reason, forced = _engine.file_reader()
+    return {"mode": mode, "reason": reason, "forced": forced}
