@@ -255,26 +255,37 @@ void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t 
         memcpy(dst, (const char *)src + begin, (size_t)(end - begin));
         return;
     }
-    /* Walk runs: index over dims [0, inner), each run is `run` contiguous bytes. */
-    int64_t idx[64];
+    /* The outer dims [0, inner) without those of size 1 (their index is
+     * always 0). Every one left has size >= 2 (a dim of size 0 leaves no
+     * bytes: begin >= end above), and the copy spans fewer than 2^63 bytes,
+     * so at most 62 are left, whatever ndim is (torch allows any). */
+    int64_t sh[64], sd[64], idx[64];
+    int m = 0;
+    for (int d = 0; d < inner && m < 64; d++)
+        if (shape[d] != 1) {
+            sh[m] = shape[d];
+            sd[m] = strides[d];
+            m++;
+        }
+    /* Walk runs: index over the m dims, each run is `run` contiguous bytes. */
     int64_t r = begin / run, within = begin % run;
-    for (int d = inner - 1; d >= 0; d--) {
-        idx[d] = r % shape[d];
-        r /= shape[d];
+    for (int d = m - 1; d >= 0; d--) {
+        idx[d] = r % sh[d];
+        r /= sh[d];
     }
     char *out = dst;
     int64_t left = end - begin;
     while (left > 0) {
         const char *p = src;
-        for (int d = 0; d < inner; d++) p += idx[d] * strides[d];
+        for (int d = 0; d < m; d++) p += idx[d] * sd[d];
         int64_t n = run - within;
         if (n > left) n = left;
         memcpy(out, p + within, (size_t)n);
         out += n;
         left -= n;
         within = 0;
-        for (int d = inner - 1; d >= 0; d--) {
-            if (++idx[d] < shape[d]) break;
+        for (int d = m - 1; d >= 0; d--) {
+            if (++idx[d] < sh[d]) break;
             idx[d] = 0;
         }
     }

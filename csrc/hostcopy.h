@@ -68,7 +68,8 @@ void mtc_pool_after_fork_child(void);
 /*
  * Copies a strided host array into a contiguous destination. shape/strides
  * (bytes) describe the source; elsize is the element size. The innermost
- * contiguous run is copied with memcpy.
+ * contiguous run is copied with memcpy. Any ndim; the contiguous image must
+ * be smaller than 2^63 bytes.
  */
 void mtc_copy_strided(void *dst, const void *src, int ndim, const int64_t *shape,
                       const int64_t *strides, int64_t elsize);

@@ -50,10 +50,18 @@ int64_t mtc_plan_leaf_align(const mtc_plan_opts *o, uint32_t elsize)
 
 /* Decides the action of one leaf. Packing is only considered here; whether a
  * packed leaf fits a chunk is the layout's business. */
+/* The chunk size the planner works with: max_chunk, capped so that no sum
+ * of the layout (offsets, a segment's bytes plus a member, padding: each at
+ * most a chunk) can overflow int64, whatever the options say. */
+static inline int64_t _max_chunk(const mtc_plan_opts *o)
+{
+    return o->max_chunk < MTC_PLAN_MAX_CHUNK ? o->max_chunk : MTC_PLAN_MAX_CHUNK;
+}
+
 static uint8_t _action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *needs_contig)
 {
     int contiguous = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
-    int small = l->nbytes <= o->pack_limit && l->nbytes <= o->max_chunk;
+    int small = l->nbytes <= o->pack_limit && l->nbytes <= _max_chunk(o);
     *needs_contig = 0;
     if (o->target == MTC_DEV_CPU) {
         if (l->dev == MTC_DEV_CPU) {
@@ -238,7 +246,7 @@ static int _place_group(_layout *L, const uint32_t *idx, uint32_t count, int uni
                 new_rows = pos + nrows;
                 new_bytes = new_rows * row_bytes;
             }
-            if (s->offset + new_bytes <= o->max_chunk || (s->count == 0 && s->offset == 0)) {
+            if (s->offset + new_bytes <= _max_chunk(o) || (s->count == 0 && s->offset == 0)) {
                 s->rows = new_rows;
                 s->bytes = new_bytes;
                 s->count++;
@@ -280,7 +288,9 @@ int mtc_plan_build(mtc_plan *p, mtc_leaf *leaves, uint32_t n, const int64_t *sha
         p->need_contig += l->needs_contig;
         if (l->action == MTC_ACT_PACK) {
             npack++;
-            p->packed_bytes += l->nbytes;
+            /* saturated: expanded views can sum past int64 */
+            if (__builtin_add_overflow(p->packed_bytes, l->nbytes, &p->packed_bytes))
+                p->packed_bytes = INT64_MAX;
         }
     }
     if (!npack) return 0;
@@ -391,7 +401,7 @@ int mtc_plan_valid(const mtc_plan *p, const mtc_leaf *leaves, uint32_t n, const 
         if (off % a || c->align % a) return 0;
         if (off < s->offset || off + l->nbytes > s->offset + s->bytes) return 0;
         if (off + l->nbytes > c->payload) return 0;
-        if (c->payload > o->max_chunk && !(s->count == 1 && s->offset == 0)) return 0;
+        if (c->payload > _max_chunk(o) && !(s->count == 1 && s->offset == 0)) return 0;
     }
     if (packed != p->nmembers) return 0;
     /* no two packed leaves of one chunk overlap */

@@ -26,7 +26,13 @@
 #include <stdint.h>
 
 #define MTC_DEV_CPU (-1)
-#define MTC_MAX_NDIM 64
+/* Most dims of a leaf. torch allows any number (numpy 64); every loop over
+ * dims is O(ndim) with no fixed-size arrays, and the layout stores ndim in
+ * 16 bits. The binding layer refuses a deeper tensor naming this limit. */
+#define MTC_MAX_NDIM 1024
+/* The planner caps max_chunk here (2^61): its sums of offsets and sizes then
+ * cannot overflow int64. */
+#define MTC_PLAN_MAX_CHUNK (INT64_MAX / 4)
 
 /* leaf flags */
 #define MTC_LEAF_CONTIGUOUS 0x1  /* row-major contiguous (strides may be ignored) */
@@ -101,7 +107,7 @@ typedef struct mtc_plan {
     uint32_t nchunks;
     uint32_t count[MTC_ACT_COUNT]; /* leaves per action */
     uint32_t need_contig;          /* leaves with needs_contig set */
-    int64_t packed_bytes;          /* sum of packed leaves' nbytes */
+    int64_t packed_bytes;          /* sum of packed leaves' nbytes, saturated at INT64_MAX */
 } mtc_plan;
 
 /* Fills opts with the reference defaults for `target`. */

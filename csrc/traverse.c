@@ -15,6 +15,10 @@
 static int _grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize)
 {
     if (need <= *cap) return 0;
+    if (need > (uint32_t)INT32_MAX) { /* node and leaf indices are int32 */
+        PyErr_SetString(PyExc_MemoryError, "mtc_loader: the batch has 2^31 or more nodes, leaves or dims");
+        return -1;
+    }
     uint32_t c = *cap ? *cap : 64;
     while (c < need) c *= 2;
     void *p = PyMem_Realloc(*buf, (size_t)c * elsize);
@@ -107,7 +111,7 @@ static int _diag_depth; /* guarded by the GIL */
 /* Hands a leaf that failed the fast checks to mtc_loader._tree.diagnose,
  * which raises an exception naming the path and what to do, or returns a
  * replacement tensor that is read instead. 0 or -1. */
-static int _diagnose(mtc_state *st, const mtc_tree *t, int32_t node, PyObject *obj)
+static int _diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 {
     PyObject *exc = NULL;
     if (PyErr_Occurred()) {
@@ -166,19 +170,50 @@ static int _reserve_leaf(mtc_tree *t, int ndim)
 static int _is_contiguous(const int64_t *shape, const int64_t *strides, int ndim, int64_t elsize)
 {
     int64_t expected = elsize;
-    for (int d = ndim - 1; d >= 0; d--) {
+    for (int d = ndim - 1; d >= 0; d--)
         if (shape[d] == 0) return 1;
+    for (int d = ndim - 1; d >= 0; d--) {
         if (shape[d] != 1 && strides[d] != expected) return 0;
-        expected *= shape[d];
+        /* a numpy as_strided view can claim any shape */
+        if (__builtin_mul_overflow(expected, shape[d], &expected)) return 0;
     }
     return 1;
 }
 
+/* The element count of dims shape[0..ndim), saturated at INT64_MAX: an
+ * expanded view (0 strides) can have more elements than int64 counts, e.g.
+ * torch.zeros(1).expand(2**40, 2**40). Sizes are >= 0. */
+static int64_t _numel(const int64_t *shape, int ndim)
+{
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] == 0) return 0;
+    for (int d = 0; d < ndim; d++)
+        if (__builtin_mul_overflow(n, shape[d], &n)) return INT64_MAX;
+    return n;
+}
+
+/* The error for a leaf of more dims than the engine takes. -1. */
+static int _too_many_dims(const mtc_tree *t, int32_t node, Py_ssize_t ndim)
+{
+    PyObject *path = _node_path(t, node);
+    if (path) {
+        PyErr_Format(PyExc_ValueError,
+                     "mtc_loader: %U has %zd dimensions; mtc_loader copies tensors of at most %d: "
+                     "reshape it to fewer dimensions before the copy (and back after)",
+                     path, ndim, MTC_MAX_NDIM);
+        Py_DECREF(path);
+    }
+    return -1;
+}
+
 static int _finish_leaf(mtc_tree *t, mtc_leaf *l, int32_t node, PyObject *obj)
 {
-    int64_t numel = 1;
-    for (int d = 0; d < l->ndim; d++) numel *= t->shape[t->ndims + d];
-    l->nbytes = numel * l->elsize;
+    /* bytes of a contiguous copy, saturated: a view of 2^63 bytes or more is
+     * reused where it already is, and refused by the binding layer where it
+     * would have to be copied (the planner never packs it) */
+    int64_t numel = _numel(&t->shape[t->ndims], l->ndim);
+    if (__builtin_mul_overflow(numel, (int64_t)l->elsize, &l->nbytes)) l->nbytes = INT64_MAX;
     if (_is_contiguous(&t->shape[t->ndims], &t->strides[t->ndims], l->ndim, l->elsize))
         l->flags |= MTC_LEAF_CONTIGUOUS;
     t->ndims += (uint32_t)l->ndim;
@@ -237,8 +272,11 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 
     if (!(shape = _tattr(obj, exact, st->d_shape, st->s_shape))) goto diagnose;
     if (!PyTuple_Check(shape)) goto diagnose;
+    if (PyTuple_GET_SIZE(shape) > MTC_MAX_NDIM) {
+        _too_many_dims(t, node, PyTuple_GET_SIZE(shape));
+        goto error;
+    }
     l.ndim = (int32_t)PyTuple_GET_SIZE(shape);
-    if (l.ndim > MTC_MAX_NDIM) goto diagnose;
     if (!(v = _tcall(obj, exact, st->m_is_contiguous, st->s_is_contiguous))) goto diagnose;
     int contiguous = v == Py_True;
     Py_CLEAR(v);
@@ -255,16 +293,20 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
         t->shape[t->ndims + d] = s;
     }
     if (contiguous) {
+        /* wraps only for an empty tensor (torch.empty(0, 2**62, 4)), whose
+         * strides address nothing */
         int64_t acc = l.elsize;
         for (int d = l.ndim - 1; d >= 0; d--) {
             t->strides[t->ndims + d] = acc;
-            acc *= t->shape[t->ndims + d] > 1 ? t->shape[t->ndims + d] : 1;
+            (void)__builtin_mul_overflow(acc, t->shape[t->ndims + d] > 1 ? t->shape[t->ndims + d] : 1, &acc);
         }
     } else {
         for (int d = 0; d < l.ndim; d++) {
             int64_t sd = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
             if (sd == -1 && PyErr_Occurred()) goto diagnose;
-            t->strides[t->ndims + d] = sd * l.elsize;
+            /* wraps only on a dim of size <= 1 (torch checks the storage
+             * holds every element), where the stride addresses nothing */
+            (void)__builtin_mul_overflow(sd, (int64_t)l.elsize, &t->strides[t->ndims + d]);
         }
     }
     Py_CLEAR(shape);
@@ -292,8 +334,7 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
      * APIs set the negative bit on real tensors only through .imag of a
      * conjugated view, which is strided unless it has at most one element. */
     int fl = st->dtflags[c];
-    int64_t numel = 1;
-    for (int d = 0; d < l.ndim; d++) numel *= t->shape[t->ndims + d];
+    int64_t numel = _numel(&t->shape[t->ndims], l.ndim);
     if ((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && (!contiguous || numel <= 1))) {
         int bit = 0;
         if (fl & MTC_DT_COMPLEX) {
@@ -339,7 +380,7 @@ static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj
     if (tn < 0 || tn >= 32 || st->np_to_code[tn] < 0) return _diagnose(st, t, node, obj);
     if (!PyArray_ISNOTSWAPPED(a)) return _diagnose(st, t, node, obj);
     int ndim = PyArray_NDIM(a);
-    if (ndim > MTC_MAX_NDIM) return _diagnose(st, t, node, obj);
+    if (ndim > MTC_MAX_NDIM) return _too_many_dims(t, node, ndim);
     if (_reserve_leaf(t, ndim)) return -1;
     mtc_leaf l;
     memset(&l, 0, sizeof l);
@@ -405,10 +446,22 @@ int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
 
 /* ---- the walk ---- */
 
+/*
+ * The walk keeps its own stack of open containers. Every frame owns a
+ * reference to its container: a visit runs user code (a subclass's keys() or
+ * __iter__, a dataclass's __getattribute__, a tensor subclass's property)
+ * that may drop every other reference to a container higher up.
+ *
+ * The cycle check asks whether a container is already open on the stack. The
+ * frames are also chained in a hash table by container address; as the stack
+ * is LIFO, the frame popped is always the head of its bucket, so a pop unlinks
+ * it in O(1) and the check costs O(1) per container whatever the depth.
+ */
 typedef struct _frame {
-    PyObject *container;  /* borrowed (the input keeps it alive); owned children list for GENERIC */
+    PyObject *container;  /* owned */
     PyObject *children;   /* GENERIC: owned list of children */
     int32_t node;
+    int32_t hnext;        /* next frame of the same bucket, -1 ends the chain */
     Py_ssize_t next;      /* next child index, or PyDict_Next position */
     uint8_t kind;
 } _frame;
@@ -416,7 +469,56 @@ typedef struct _frame {
 typedef struct _stack {
     _frame *f;
     uint32_t n, cap;
+    int32_t *bucket;      /* frame index heading each bucket, -1 empty */
+    uint32_t nbuckets;    /* power of two >= cap */
 } _stack;
+
+static inline uint32_t _bucket_of(const _stack *s, PyObject *o)
+{
+    return (uint32_t)(((uint64_t)(uintptr_t)o * 0x9E3779B97F4A7C15ull) >> 32) & (s->nbuckets - 1);
+}
+
+/* Room for one more frame, buckets included. 0 or -1 with an exception. */
+static int _stack_reserve(_stack *s)
+{
+    if (_grow((void **)&s->f, &s->cap, s->n + 1, sizeof *s->f)) return -1;
+    if (s->nbuckets >= s->cap) return 0;
+    uint32_t nb = s->nbuckets ? s->nbuckets : 64;
+    while (nb < s->cap) nb *= 2;
+    int32_t *b = PyMem_Realloc(s->bucket, (size_t)nb * sizeof *b);
+    if (!b) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(b, 0xff, (size_t)nb * sizeof *b);
+    s->bucket = b;
+    s->nbuckets = nb;
+    /* re-chain bottom to top: a later frame heads its bucket, as on push */
+    for (uint32_t i = 0; i < s->n; i++) {
+        uint32_t h = _bucket_of(s, s->f[i].container);
+        s->f[i].hnext = s->bucket[h];
+        s->bucket[h] = (int32_t)i;
+    }
+    return 0;
+}
+
+/* 1 when obj is a container open on the stack (the walk is inside it). */
+static int _stack_has(const _stack *s, PyObject *obj)
+{
+    if (!s->nbuckets) return 0;
+    for (int32_t i = s->bucket[_bucket_of(s, obj)]; i >= 0; i = s->f[i].hnext)
+        if (s->f[i].container == obj) return 1;
+    return 0;
+}
+
+/* Pops the top frame, releasing what it owns. */
+static void _stack_pop(_stack *s)
+{
+    _frame *f = &s->f[--s->n];
+    s->bucket[_bucket_of(s, f->container)] = f->hnext; /* LIFO: f heads its bucket */
+    Py_XDECREF(f->children);
+    Py_DECREF(f->container);
+}
 
 static int _cycle_error(const mtc_tree *t, int32_t node)
 {
@@ -492,30 +594,36 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
 container:;
     int32_t n = _add_node(t, nkind, parent, pos);
     if (n < 0) return -1;
-    for (uint32_t i = 0; i < s->n; i++)
-        if (s->f[i].container == obj) return _cycle_error(t, n);
-    if (_grow((void **)&s->f, &s->cap, s->n + 1, sizeof *s->f)) return -1;
-    _frame *f = &s->f[s->n];
-    f->container = obj;
-    f->children = NULL;
-    f->node = n;
-    f->next = 0;
-    f->kind = nkind;
+    if (_stack_has(s, obj)) return _cycle_error(t, n);
+    if (_stack_reserve(s)) return -1;
+    PyObject *children = NULL;
     if (nkind == MTC_NODE_DICT) {
         if (!(t->nodes[n].obj = PyList_New(0))) return -1;
     } else if (nkind == MTC_NODE_GENERIC) {
         /* flatten(obj) -> (children list, (context, [path segments])) */
         PyObject *r = PyObject_CallOneArg(st->flatten, obj);
         if (!r) return -1;
-        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyList_Check(PyTuple_GET_ITEM(r, 0))) {
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyList_Check(PyTuple_GET_ITEM(r, 0)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(r, 1)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(r, 1)) != 2) {
             Py_DECREF(r);
             PyErr_SetString(PyExc_SystemError, "mtc_loader._tree.flatten returned a bad value");
             return -1;
         }
-        f->children = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+        children = Py_NewRef(PyTuple_GET_ITEM(r, 0));
         t->nodes[n].obj = Py_NewRef(PyTuple_GET_ITEM(r, 1));
         Py_DECREF(r);
     }
+    /* flatten ran Python code, but nothing else touches the stack: the room
+     * reserved above is still there */
+    _frame *f = &s->f[s->n];
+    f->container = Py_NewRef(obj);
+    f->children = children;
+    f->node = n;
+    f->next = 0;
+    f->kind = nkind;
+    uint32_t h = _bucket_of(s, obj);
+    f->hnext = s->bucket[h];
+    s->bucket[h] = (int32_t)s->n;
     s->n++;
     return 0;
 }
@@ -548,10 +656,12 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
         }
         }
         if (!child) { /* container done */
-            Py_XDECREF(f->children);
-            f->children = NULL;
-            s.n--;
+            _stack_pop(&s);
             continue;
+        }
+        if (t->nodes[node].nchildren == INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "mtc_loader: a container of 2^31 or more items cannot be copied");
+            goto out;
         }
         t->nodes[node].nchildren++;
         Py_INCREF(child); /* a visit may run Python code that drops the container's reference */
@@ -561,8 +671,9 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
     }
     rc = 0;
 out:
-    for (uint32_t i = 0; i < s.n; i++) Py_XDECREF(s.f[i].children);
+    while (s.n) _stack_pop(&s);
     PyMem_Free(s.f);
+    PyMem_Free(s.bucket);
     return rc;
 }
 

@@ -21,7 +21,9 @@ from .files import FileTensor
 
 LEAF_KIND, TENSOR, NDARRAY, GENERIC, FILE = 0, 1, 2, 3, 4
 
-_NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS = range(5)
+_NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS, _STRUCTSEQ, _SAME = range(7)
+
+_DISALLOW_INSTANTIATION = 1 << 7  # Py_TPFLAGS_DISALLOW_INSTANTIATION
 
 
 class _LeafSlot:
@@ -58,8 +60,26 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
+def _is_structseq(obj: Any) -> bool:
+    """A C struct sequence (``os.stat_result``, ``time.struct_time``, ``torch.return_types.*``)."""
+    tp = type(obj)
+    return (isinstance(obj, tuple) and isinstance(getattr(tp, "n_sequence_fields", None), int)
+            and isinstance(getattr(tp, "n_fields", None), int))
+
+
 def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """Children of a container, and ``(context, path segments)`` to rebuild it and name them."""
+    if _is_structseq(obj):
+        if type(obj).__flags__ & _DISALLOW_INSTANTIATION:
+            # sys.version_info, sys.flags: cannot be rebuilt, hold no tensors: the same object
+            return [], ((_SAME, obj), [])
+        # the visible fields, then the named ones only attribute access shows (st_mtime as a
+        # float, tm_zone): the pickle protocol of struct sequences gives both
+        cls, (seq, extra) = obj.__reduce__()
+        names = list(extra)
+        return (list(seq) + [extra[k] for k in names],
+                ((_STRUCTSEQ, cls, len(seq), names), [f"[{i}]" for i in range(len(seq))] +
+                 [f".{k}" for k in names]))
     if _is_namedtuple(obj):
         return list(obj), ((_NAMEDTUPLE, type(obj)), [f".{f}" for f in type(obj)._fields])
     if isinstance(obj, tuple):
@@ -76,6 +96,11 @@ def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
 def unflatten(context: tuple[Any, ...], values: list[Any]) -> Any:
     """The container of ``context`` (same type, same attributes) holding ``values``."""
     kind = context[0]
+    if kind == _STRUCTSEQ:
+        n = context[2]
+        return context[1](values[:n], dict(zip(context[3], values[n:])))
+    if kind == _SAME:
+        return context[1]
     if kind == _NAMEDTUPLE:
         return context[1]._make(values)
     if kind == _TUPLE:

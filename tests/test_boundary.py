@@ -1,0 +1,257 @@
+"""The Python/C boundary under ordinary but unkind use (issue 11): user code that mutates the
+structure while the walk runs, limits (dims, depth, byte sizes, leaf counts), odd containers,
+the arena's owner checks and waits, and errors that name the option or leaf.
+
+A case that used to crash the interpreter runs in a subprocess and checks its exit status.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mtc_loader
+from mtc_loader import PackedCollate, start_copy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(src: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs src in a fresh interpreter; a crash shows as a negative return code (the signal)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(src)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def assert_ok(r: subprocess.CompletedProcess, stdout: str = "ok") -> None:
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stderr[-4000:]}"
+    assert r.stdout.strip() == stdout, (r.stdout, r.stderr[-4000:])
+
+
+# ------------------------------------------------------- 1: the walk owns the containers
+
+# Each case drops, from user code the walk runs (through drop()), the last reference to a
+# container that is open on the walk's stack (an ancestor of the object whose code runs), then
+# lets the walk go on with many more children of that container.
+_MUTATE_CASES = {
+    "dict_subclass_keys_in_dict": """
+        class Evil(dict):
+            def keys(self):
+                drop()
+                return super().keys()
+        holder = [{"a": Evil(x=torch.ones(2)), **{f"k{i}": torch.ones(1) for i in range(200)}}]
+    """,
+    "list_subclass_iter_in_tuple": """
+        class Evil(list):
+            def __iter__(self):
+                drop()
+                return super().__iter__()
+        holder = [tuple([Evil([torch.ones(2)])] + [torch.ones(1)] * 200)]
+    """,
+    "list_subclass_iter_in_list": """
+        class Evil(list):
+            def __iter__(self):
+                drop()
+                return super().__iter__()
+        holder = [[[Evil([torch.ones(2)])] + [torch.ones(1)] * 200]]
+    """,
+    "dataclass_getattribute_in_dict": """
+        import dataclasses
+        @dataclasses.dataclass
+        class Evil:
+            x: object
+            def __getattribute__(self, name):
+                if name == "x":
+                    drop()
+                return object.__getattribute__(self, name)
+        holder = [{"a": [Evil(torch.ones(2))], **{f"k{i}": torch.ones(1) for i in range(200)}}]
+    """,
+    "tensor_subclass_property_in_dict": """
+        class T(torch.Tensor):
+            @property
+            def shape(self):
+                drop()
+                return super().shape
+        holder = [{"a": torch.ones(2).as_subclass(T), **{f"k{i}": torch.ones(1) for i in range(200)}}]
+    """,
+}
+
+_MUTATE_PRELUDE = """
+import torch
+from mtc_loader import start_copy, PackedCollate
+targets, junk = [], []
+def drop():
+    for t in targets:
+        t.clear()
+    # reuse the freed memory at once, so that a walk that still reads it goes wrong visibly
+    junk.extend([{i: None} for i in range(64)] + [[None] * 8 for _ in range(2000)])
+def tensors(x):
+    if isinstance(x, torch.Tensor):
+        return 1
+    if isinstance(x, dict):
+        return sum(tensors(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(tensors(v) for v in x)
+    return tensors(x.x) if hasattr(x, "x") else 0
+"""
+
+_MUTATE_RUN = {
+    "start_copy": "targets.append(holder)\nout = start_copy(holder, 'cpu').get()\n",
+    "pack": ("pc = PackedCollate(lambda s: s[0], arena_bytes=1 << 20)\n"
+             "targets.append(holder)\nout = pc([holder]).unpack('cpu')\n"),
+    # unpack walks the skeleton, which holds rebuilt copies of the same user containers (LEAF
+    # placeholders for the tensors): the user code drops the skeleton's containers
+    "skeleton": ("pc = PackedCollate(lambda s: s[0], arena_bytes=1 << 20)\n"
+                 "b = pc([holder])\ntargets.append(b._skeleton)\nout = b.unpack('cpu')\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MUTATE_CASES))
+@pytest.mark.parametrize("path", sorted(_MUTATE_RUN))
+def test_container_dropped_by_user_code_during_the_walk(case, path):
+    # every case holds 201 tensors, all of which come back
+    src = (_MUTATE_PRELUDE + textwrap.dedent(_MUTATE_CASES[case]) + _MUTATE_RUN[path] +
+           "assert tensors(out) == 201, tensors(out)\nprint('ok')\n")
+    r = run_script(src)
+    # a result or a clear exception, never a crash
+    assert r.returncode >= 0, f"crashed with signal {-r.returncode}\n{r.stderr[-4000:]}"
+    assert_ok(r)
+
+
+def test_walk_keeps_results_right_when_user_code_drops_an_ancestor():
+    r = run_script("""
+        import torch
+        from mtc_loader import start_copy
+        class Evil(dict):
+            def keys(self):
+                holder.clear()
+                return super().keys()
+        inner = {"a": Evil(x=torch.arange(3)), **{f"k{i}": torch.full((2,), i) for i in range(50)}}
+        holder = [inner]
+        ref = {k: v.clone() for k, v in inner.items() if k != "a"}
+        del inner
+        out = start_copy(holder, "cpu").get()
+        assert torch.equal(out[0]["a"]["x"], torch.arange(3))
+        assert list(out[0]) == ["a"] + list(ref)
+        for k, v in ref.items():
+            assert torch.equal(out[0][k], v)
+        print("ok")
+    """)
+    assert_ok(r)
+
+
+# ------------------------------------------------------------------ 12: the walk is linear
+
+
+def _walk_time(depth: int, generic: bool) -> float:
+    class L(list):
+        pass
+
+    d = torch.ones(1)
+    for _ in range(depth):
+        d = L([d]) if generic else [d]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        start_copy(d, "cpu").get()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["list", "list_subclass"])
+def test_deep_walk_is_linear_in_depth(generic):
+    # a quadratic cycle check costs 100x for 10x the depth; linear ~10x
+    small = 20_000 if generic else 40_000
+    t_small = _walk_time(small, generic)
+    t_big = _walk_time(10 * small, generic)
+    assert t_big < 35 * max(t_small, 1e-3), (t_small, t_big)
+
+
+def test_deep_structure_round_trips_and_deep_cycle_is_found():
+    d = torch.arange(4)
+    for i in range(100_000):
+        d = [d] if i % 2 else {"k": d}
+    out = start_copy(d, "cpu").get()
+    x = out
+    for i in reversed(range(100_000)):
+        x = x[0] if i % 2 else x["k"]
+    assert torch.equal(x, torch.arange(4))
+    root = cur = []
+    for _ in range(50_000):
+        nxt = []
+        cur.append(nxt)
+        cur = nxt
+    cur.append(root)
+    with pytest.raises(ValueError, match=r"^mtc_loader: data\[0\]\[0\].*contains itself"):
+        start_copy(root, "cpu")
+    # the same container twice, side by side, is not a cycle
+    shared = [torch.ones(2)]
+    out = start_copy([shared, shared], "cpu").get()
+    assert torch.equal(out[1][0], torch.ones(2))
+
+
+# ---------------------------------------------------------- 11: more than 64 dimensions
+
+
+def test_tensors_of_more_than_64_dims_are_copied():
+    x = torch.arange(6.0).reshape([2, 3] + [1] * 70)
+    out = start_copy({"x": x}, "cpu").get()
+    assert out["x"] is x  # already on the CPU: reused as is
+    # a strided (permuted) 70-dim tensor and a 101-dim one through the arena: strided copy
+    # into the region, layout with > 64 dims, views on the way out
+    y = torch.arange(2 ** 10, dtype=torch.float32).reshape([2] * 10 + [1] * 60)
+    y = y.permute(*range(69, -1, -1))
+    assert not y.is_contiguous()
+    z = torch.arange(5, dtype=torch.int16).reshape([5] + [1] * 100)
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    out = pc([y, z]).unpack("cpu")
+    assert out[0].shape == y.shape and torch.equal(out[0], y)
+    assert out[1].shape == z.shape and torch.equal(out[1], z)
+    assert pc.stats()["slots_in_use"] == 0
+
+
+def test_too_many_dims_names_the_leaf_and_the_limit():
+    x = torch.zeros([1] * 1025)
+    with pytest.raises(ValueError, match=r"^mtc_loader: data\['a'\]\[0\] has 1025 dimensions; "
+                                         r"mtc_loader copies tensors of at most 1024"):
+        start_copy({"a": [x]}, "cpu")
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"data\[1\] has 1025 dimensions"):
+        pc([torch.ones(2), x])
+    assert pc.stats()["slots_in_use"] == 0
+    out = start_copy([torch.zeros([1] * 1024)], "cpu").get()  # the limit itself is fine
+    assert out[0].dim() == 1024
+
+
+# ----------------------------------------------------------------- 13: struct sequences
+
+
+def test_struct_sequences_keep_their_hidden_fields():
+    import time as _time
+    s = os.stat(ROOT)
+    t = _time.localtime()
+    m = torch.max(torch.arange(6.0).reshape(2, 3), 0)
+    data = {"s": s, "t": t, "m": m, "v": sys.version_info, "f": sys.flags}
+    for out in (start_copy(data, "cpu").get(),
+                PackedCollate(lambda b: b[0], arena_bytes=1 << 20)([data]).unpack("cpu")):
+        assert type(out["s"]) is os.stat_result and out["s"] == s
+        assert isinstance(out["s"].st_mtime, float) and out["s"].st_mtime == s.st_mtime
+        assert out["s"].st_mtime_ns == s.st_mtime_ns and out["s"].st_blksize == s.st_blksize
+        assert out["t"] == t and out["t"].tm_zone == t.tm_zone and out["t"].tm_gmtoff == t.tm_gmtoff
+        assert type(out["m"]) is type(m)
+        assert torch.equal(out["m"].values, m.values) and torch.equal(out["m"].indices, m.indices)
+        # struct sequences that cannot be instantiated come back as the same object
+        assert out["v"] is sys.version_info and out["f"] is sys.flags
+
+
+def test_struct_sequence_leaf_paths():
+    m = torch.max(torch.arange(6.0).reshape(2, 3), 0)
+    bad = torch.return_types.max((m.values, torch.ones(2).to_sparse()))
+    with pytest.raises(TypeError, match=r"^mtc_loader: data\['m'\]\[1\] is a sparse tensor"):
+        start_copy({"m": bad}, "cpu")
