@@ -143,9 +143,12 @@ static void _note_use(mtc_arena *a, int64_t delta)
     }
 }
 
+/* An owner is a pid: 1 .. INT32_MAX (pid_t is signed; a state word keeps 32 bits). */
+static inline int _owner_ok(uint32_t owner) { return owner && owner <= INT32_MAX; }
+
 int mtc_arena_try_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, uint64_t *off)
 {
-    if (!owner || owner > INT32_MAX) return -EINVAL;
+    if (!_owner_ok(owner)) return -EINVAL;
     /* slots needed, rounded up without overflowing for nbytes near 2^64 */
     uint64_t k64 = nbytes ? nbytes / a->slot_bytes + (nbytes % a->slot_bytes != 0) : 1;
     if (k64 > a->nslots) return -E2BIG;
@@ -203,26 +206,60 @@ int mtc_arena_try_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, uint64_t 
     return -ENOSPC;
 }
 
-int mtc_arena_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, int64_t timeout_ns, uint64_t *off)
+static int64_t _now_ns(void)
 {
-    struct timespec t0;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    int waited = 0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void mtc_arena_wait_init(mtc_arena_wait *w, int64_t timeout_ns)
+{
+    /* a timeout too long to add to the clock is no deadline at all */
+    if (timeout_ns < 0 || __builtin_add_overflow(_now_ns(), timeout_ns, &w->deadline_ns)) w->deadline_ns = -1;
+    w->waited = 0;
+}
+
+int mtc_arena_alloc_slice(mtc_arena *a, uint64_t nbytes, uint32_t owner, mtc_arena_wait *w, int64_t slice_ns,
+                          uint64_t *off)
+{
+    int64_t slice_end;
+    if (slice_ns < 0 || __builtin_add_overflow(_now_ns(), slice_ns, &slice_end)) slice_end = INT64_MAX;
     for (;;) {
         /* read the futex word before trying: a free after the try changes it */
         uint32_t seq = mtc_load_acquire(&a->hdr->free_seq); /* pairs with _wake's bump */
         int rc = mtc_arena_try_alloc(a, nbytes, owner, off);
         if (rc != -ENOSPC) return rc;
-        if (!waited++) mtc_fetch_add_relaxed(&a->hdr->waits, 1);
-        struct timespec now, ts = {0, 50 * 1000 * 1000}; /* re-check at least every 50 ms */
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        int64_t spent = (int64_t)(now.tv_sec - t0.tv_sec) * 1000000000 + (now.tv_nsec - t0.tv_nsec);
-        if (timeout_ns >= 0 && spent >= timeout_ns) {
+        if (!w->waited) {
+            w->waited = 1; /* one wait per allocation, however many slices */
+            mtc_fetch_add_relaxed(&a->hdr->waits, 1);
+        }
+        int64_t now = _now_ns();
+        if (w->deadline_ns >= 0 && now >= w->deadline_ns) {
             mtc_fetch_add_relaxed(&a->hdr->timeouts, 1);
             return -ETIMEDOUT;
         }
-        syscall(SYS_futex, (uint32_t *)&a->hdr->free_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+        if (now >= slice_end) return -EAGAIN;
+        /* sleep until a free, the end of the slice or the deadline, and re-check at least
+         * every 50 ms: a worker may bump the futex word or not */
+        int64_t until = slice_end;
+        if (w->deadline_ns >= 0 && w->deadline_ns < until) until = w->deadline_ns;
+        int64_t ns = until - now < 50000000 ? until - now : 50000000;
+        struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+        if (syscall(SYS_futex, (uint32_t *)&a->hdr->free_seq, FUTEX_WAIT, seq, &ts, NULL, 0) == -1 &&
+            errno == EINTR)
+            return -EAGAIN; /* a signal: let the caller look at it now */
     }
+}
+
+int mtc_arena_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, int64_t timeout_ns, uint64_t *off)
+{
+    mtc_arena_wait w;
+    mtc_arena_wait_init(&w, timeout_ns);
+    int rc;
+    while ((rc = mtc_arena_alloc_slice(a, nbytes, owner, &w, -1, off)) == -EAGAIN) {
+    }
+    return rc;
 }
 
 /* Slot index of a region offset, or -1 when it is not a slot boundary. */
@@ -238,7 +275,7 @@ static int64_t _slot_of(mtc_arena *a, uint64_t off)
 int mtc_arena_check(mtc_arena *a, uint64_t off, uint64_t nbytes, uint32_t owner)
 {
     int64_t i = _slot_of(a, off);
-    if (i < 0) return -EINVAL;
+    if (i < 0 || !_owner_ok(owner)) return -EINVAL;
     uint64_t s = mtc_load_acquire(&a->hdr->slots[i]); /* pairs with the claimer's CAS */
     if (!_IS_HEAD(s) || _PID(s) != owner) return -EINVAL;
     uint64_t len = _LEN(s);
@@ -249,7 +286,7 @@ int mtc_arena_check(mtc_arena *a, uint64_t off, uint64_t nbytes, uint32_t owner)
 int mtc_arena_retag(mtc_arena *a, uint64_t off, uint32_t from, uint32_t to)
 {
     int64_t i = _slot_of(a, off);
-    if (i < 0 || !to) return -EINVAL;
+    if (i < 0 || !_owner_ok(from) || !_owner_ok(to)) return -EINVAL;
     uint64_t s = mtc_load_acquire(&a->hdr->slots[i]);
     if (!_IS_HEAD(s) || _PID(s) != from) return -EINVAL;
     uint32_t len = _LEN(s);
@@ -277,7 +314,7 @@ static void _free_run(mtc_arena *a, uint32_t i, uint32_t len)
 int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner)
 {
     int64_t i = _slot_of(a, off);
-    if (i < 0) return -EINVAL;
+    if (i < 0 || !_owner_ok(owner)) return -EINVAL;
     uint64_t s = mtc_load_acquire(&a->hdr->slots[i]);
     if (!_IS_HEAD(s) || _PID(s) != owner) return -EINVAL;
     uint32_t len = _LEN(s);
@@ -290,6 +327,9 @@ int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner)
  * or a zombie not yet reaped by its parent (kill() still succeeds on those). */
 static int _pid_dead(uint32_t pid)
 {
+    /* no process has such a pid (a forged state word); and kill() of a
+     * negative pid_t would ask about a process group */
+    if (pid > INT32_MAX) return 1;
     if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
     char path[64], buf[256];
     snprintf(path, sizeof path, "/proc/%u/stat", pid);

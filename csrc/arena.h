@@ -79,12 +79,31 @@ void mtc_arena_ref(mtc_arena *a);
  * the caller's business (before the last unref). */
 void mtc_arena_unref(mtc_arena *a);
 
+/* Owners are pids, 1 .. INT32_MAX; every function below returns -EINVAL for
+ * any other owner (a caller that narrows a wider pid must check first). */
+
 /* Try-path: claims a region of at least nbytes for `owner`. 0 and *off (from
  * the arena's base), -ENOSPC when no run is free now, -E2BIG when nbytes can
  * never fit, -EINVAL. */
 int mtc_arena_try_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, uint64_t *off);
-/* Waiting path: waits up to timeout_ns (<0 forever) for frees. -ETIMEDOUT. */
+/* Waiting path: waits up to timeout_ns (<0 forever) for frees. -ETIMEDOUT.
+ * Uninterruptible: a caller that must react to signals uses the slices below. */
 int mtc_arena_alloc(mtc_arena *a, uint64_t nbytes, uint32_t owner, int64_t timeout_ns, uint64_t *off);
+
+/* One allocation's wait, across slices. */
+typedef struct mtc_arena_wait {
+    int64_t deadline_ns; /* CLOCK_MONOTONIC; -1: none */
+    int waited;          /* the header's `waits` counted already */
+} mtc_arena_wait;
+/* Starts a wait of at most timeout_ns (<0, or too long to represent: forever). */
+void mtc_arena_wait_init(mtc_arena_wait *w, int64_t timeout_ns);
+/* The waiting path in slices, for a caller that checks for signals between
+ * them: tries, and waits for frees for at most slice_ns (<0: no slice limit).
+ * 0 and *off; -ETIMEDOUT once the deadline passed (counted once); -EAGAIN
+ * when the slice ended, or a signal interrupted the wait, with no room yet
+ * (call again with the same w); -E2BIG, -EINVAL as mtc_arena_try_alloc. */
+int mtc_arena_alloc_slice(mtc_arena *a, uint64_t nbytes, uint32_t owner, mtc_arena_wait *w, int64_t slice_ns,
+                          uint64_t *off);
 /* Checks that [off, off+nbytes) is exactly inside one region headed at off
  * and owned by `owner`: 0, or -EINVAL. */
 int mtc_arena_check(mtc_arena *a, uint64_t off, uint64_t nbytes, uint32_t owner);

@@ -451,6 +451,128 @@ static void test_alloc_timeout(void)
     mtc_arena_unref(a);
 }
 
+/* The waiting path in slices (the binding layer checks for signals between
+ * them): -EAGAIN at the end of each slice, one wait and one timeout counted
+ * per allocation, the deadline kept across slices, a signal ends a slice at
+ * once, and a free ends the wait. */
+static volatile sig_atomic_t g_sigusr1;
+static void on_sigusr1(int sig) { (void)sig; g_sigusr1 = 1; }
+
+/* Signals the target every 37 ms until told to stop: one of them lands while
+ * it sleeps in the futex (a signal that lands between two futex calls only
+ * sets the flag, and the slice goes on, as the binding's next check sees it). */
+typedef struct kicker_arg { pthread_t target; atomic_int stop; } kicker_arg;
+static void *kicker_main(void *p)
+{
+    kicker_arg *k = p;
+    while (!atomic_load(&k->stop)) {
+        sleep_ms(37);
+        if (!atomic_load(&k->stop)) pthread_kill(k->target, SIGUSR1);
+    }
+    return NULL;
+}
+
+static void test_alloc_slices(void)
+{
+    mtc_arena *a = make(2 * SLOT);
+    uint64_t o, tmp;
+    CHECK_EQ(mtc_arena_try_alloc(a, 2 * SLOT, 5, &o), 0);
+
+    /* slices of 30 ms inside a 200 ms deadline */
+    mtc_arena_wait w;
+    mtc_arena_wait_init(&w, 200 * 1000000LL);
+    double t0 = now_s();
+    int slices = 0, rc;
+    while ((rc = mtc_arena_alloc_slice(a, 1, 5, &w, 30 * 1000000LL, &tmp)) == -EAGAIN) {
+        double dt = now_s() - t0;
+        CHECK(dt < 3.0);
+        slices++;
+    }
+    double dt = now_s() - t0;
+    CHECK_EQ(rc, -ETIMEDOUT);
+    CHECK(dt >= 0.199);
+    CHECK(dt < 3.0);
+    CHECK(slices >= 3);          /* 200 / 30: the caller got control back between slices */
+    CHECK(slices <= 8);
+    mtc_arena_stats s = stats(a);
+    CHECK_EQ(s.waits, 1);        /* one allocation: one wait, one timeout */
+    CHECK_EQ(s.timeouts, 1);
+
+    /* slice 0: one try, then back to the caller */
+    mtc_arena_wait_init(&w, -1);
+    CHECK_EQ(mtc_arena_alloc_slice(a, 1, 5, &w, 0, &tmp), -EAGAIN);
+    CHECK_EQ(stats(a).waits, 2);
+    CHECK_EQ(stats(a).timeouts, 1);
+    /* a timeout too long to represent is no deadline */
+    mtc_arena_wait_init(&w, INT64_MAX);
+    CHECK_EQ(w.deadline_ns, -1);
+    CHECK_EQ(mtc_arena_alloc_slice(a, 1, 5, &w, 1000000, &tmp), -EAGAIN);
+    /* bad sizes and owners fail at once, without waiting */
+    mtc_arena_wait_init(&w, -1);
+    CHECK_EQ(mtc_arena_alloc_slice(a, 3 * SLOT, 5, &w, -1, &tmp), -E2BIG);
+    CHECK_EQ(mtc_arena_alloc_slice(a, 1, 0, &w, -1, &tmp), -EINVAL);
+
+    /* a signal (handler without SA_RESTART, as Python installs them) ends the
+     * slice at once, long before its end */
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigusr1;
+    sigemptyset(&sa.sa_mask);
+    CHECK_EQ(sigaction(SIGUSR1, &sa, &old), 0);
+    kicker_arg k;
+    k.target = pthread_self();
+    atomic_init(&k.stop, 0);
+    pthread_t th;
+    g_sigusr1 = 0;
+    CHECK_EQ(pthread_create(&th, NULL, kicker_main, &k), 0);
+    mtc_arena_wait_init(&w, -1);
+    t0 = now_s();
+    rc = mtc_arena_alloc_slice(a, 1, 5, &w, 20LL * 1000000000, &tmp);
+    dt = now_s() - t0;
+    atomic_store(&k.stop, 1);
+    CHECK_EQ(pthread_join(th, NULL), 0);
+    CHECK_EQ(rc, -EAGAIN);
+    CHECK(g_sigusr1);
+    CHECK(dt < 10.0);            /* far from the 20 s slice */
+    CHECK_EQ(sigaction(SIGUSR1, &old, NULL), 0);
+
+    /* room: the next slice returns it */
+    CHECK_EQ(mtc_arena_free(a, o, 5), 0);
+    CHECK_EQ(mtc_arena_alloc_slice(a, 1, 5, &w, 0, &tmp), 0);
+    CHECK_EQ(mtc_arena_free(a, tmp, 5), 0);
+    CHECK(mtc_arena_valid(a));
+    mtc_arena_unref(a);
+}
+
+/* Owners are pids: 1 .. INT32_MAX everywhere, so that a caller that narrows a
+ * wider number cannot alias a real owner through the top bits; a forged state
+ * word with a larger "pid" is reclaimed as dead (never kill() of a negative
+ * pid_t, which would mean a process group). */
+static void test_owner_range(void)
+{
+    mtc_arena *a = make(4 * SLOT);
+    const uint32_t A = 77, BIG = (uint32_t)INT32_MAX + 1u;
+    uint64_t o, tmp;
+    CHECK_EQ(mtc_arena_try_alloc(a, SLOT, A, &o), 0);
+    CHECK_EQ(mtc_arena_try_alloc(a, SLOT, BIG, &tmp), -EINVAL);
+    CHECK_EQ(mtc_arena_try_alloc(a, SLOT, UINT32_MAX, &tmp), -EINVAL);
+    CHECK_EQ(mtc_arena_check(a, o, 1, 0), -EINVAL);
+    CHECK_EQ(mtc_arena_check(a, o, 1, BIG | A), -EINVAL);
+    CHECK_EQ(mtc_arena_retag(a, o, A, BIG), -EINVAL);
+    CHECK_EQ(mtc_arena_retag(a, o, BIG, A), -EINVAL);
+    CHECK_EQ(mtc_arena_free(a, o, BIG | A), -EINVAL);
+    CHECK_EQ(mtc_arena_check(a, o, 1, A), 0);
+    /* a forged run owned by "pid" 0xffffffff: dead */
+    uint64_t i = (o - a->data_offset) / SLOT + 1;
+    atomic_store(&a->hdr->slots[i], MTC_ARENA_HEAD | (1ull << 32) | UINT32_MAX);
+    atomic_fetch_add(&a->hdr->slots_in_use, 1);
+    CHECK_EQ(mtc_arena_reclaim_dead(a, (uint32_t)getpid()), 1);
+    CHECK_EQ(atomic_load(&a->hdr->slots[i]), 0);
+    CHECK_EQ(mtc_arena_free(a, o, A), 0);
+    CHECK(mtc_arena_valid(a));
+    mtc_arena_unref(a);
+}
+
 typedef struct waiter_arg {
     mtc_arena *a;
     int64_t timeout_ns;
@@ -763,6 +885,8 @@ int main(void)
     test_alloc_free_check_retag();
     test_e2big_enospc_fragmentation();
     test_alloc_timeout();
+    test_alloc_slices();
+    test_owner_range();
     test_waiter_woken_by_free_from_another_thread();
     test_waiter_in_another_process();
     test_reclaim_dead_child();
