@@ -7,10 +7,12 @@ A case that used to crash the interpreter runs in a subprocess and checks its ex
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -27,6 +29,13 @@ def run_script(src: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(src)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def fork_quietly() -> int:
+    # Python >= 3.12 warns about fork() in a multi-threaded process; these tests mean it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 def assert_ok(r: subprocess.CompletedProcess, stdout: str = "ok") -> None:
@@ -255,3 +264,41 @@ def test_struct_sequence_leaf_paths():
     bad = torch.return_types.max((m.values, torch.ones(2).to_sparse()))
     with pytest.raises(TypeError, match=r"^mtc_loader: data\['m'\]\[1\] is a sparse tensor"):
         start_copy({"m": bad}, "cpu")
+
+
+# ------------------------------------------------- docs: zombie workers are reclaimed
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_zombie_worker_regions_are_reclaimed():
+    # docs/trust_model.md: a worker that exited is reclaimed even before it is reaped
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    r, w = os.pipe()
+    pid = fork_quietly()
+    if pid == 0:
+        try:
+            b = pc([torch.ones(1000)])
+            b._state = "sent"  # as if sent: the child's __del__ must not free it
+            os.write(w, b"x")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"x"
+        deadline = time.monotonic() + 20
+        while _proc_state(pid) != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert pc.stats()["slots_in_use"] == 1
+        assert pc.arena.reclaim_dead() == 1  # still a zombie here
+        assert _proc_state(pid) == "Z"
+        assert pc.stats()["slots_in_use"] == 0
+    finally:
+        os.close(r)
+        if _proc_state(pid) != "Z":
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
