@@ -106,7 +106,6 @@ PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf)
 }
 
 static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
-static int _diag_depth; /* guarded by the GIL */
 
 /* Hands a leaf that failed the fast checks to mtc_loader._tree.diagnose,
  * which raises an exception naming the path and what to do, or returns a
@@ -130,16 +129,16 @@ static int _diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     Py_DECREF(path);
     Py_XDECREF(exc);
     if (!res) return -1;
-    if (res == Py_None || _diag_depth) {
+    if (res == Py_None || t->diag_depth) {
         Py_DECREF(res);
         PyErr_SetString(PyExc_RuntimeError, "mtc_loader: a leaf failed the engine's checks");
         return -1;
     }
     /* A resolved replacement (e.g. a lazily conjugated view materialised):
      * it takes the leaf's place. */
-    _diag_depth = 1;
+    t->diag_depth = 1;
     int rc = _read_tensor(st, t, node, res);
-    _diag_depth = 0;
+    t->diag_depth = 0;
     Py_DECREF(res);
     return rc;
 }

@@ -55,6 +55,9 @@ typedef struct mtc_tree {
                             in order in nslots), tensors are not expected */
     uint32_t nslots;
     uint64_t cuda_mask;  /* bit d: a leaf lives on cuda:d (d < 64) */
+    int diag_depth;      /* reading a replacement that diagnose returned: no second one. Per
+                            tree, not global: the replacement's Python code can switch threads
+                            to another walk */
 } mtc_tree;
 
 /* Walks `data` into t (zeroed by the caller). 0, or -1 with an exception

@@ -302,3 +302,35 @@ def test_zombie_worker_regions_are_reclaimed():
         if _proc_state(pid) != "Z":
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+# ----------------------------------------- sweep: diagnosis state is per walk, not global
+
+
+def test_resolved_leaf_on_another_thread_during_a_resolve():
+    # A lazily conjugated leaf is diagnosed, and the resolved replacement read again: a tensor
+    # subclass's property runs there, and another thread's walk diagnoses its own conjugated
+    # leaf meanwhile. It used to see the first walk's "reading a replacement" flag (a global)
+    # and fail with "a leaf failed the engine's checks".
+    import threading
+    res = {}
+
+    class S(torch.Tensor):
+        @property
+        def shape(self):
+            if not self.is_conj() and "other" not in res:
+                def other():
+                    try:
+                        res["other"] = start_copy([torch.tensor([1 + 2j]).conj()], "cpu").get()[0]
+                    except Exception as e:  # noqa: BLE001 - reported below
+                        res["other"] = e
+                t = threading.Thread(target=other)
+                t.start()
+                t.join()
+            return super().shape
+
+    z = torch.tensor([3 + 4j]).conj().as_subclass(S)
+    out = start_copy([z], "cpu").get()[0]
+    assert not isinstance(res["other"], Exception), res["other"]
+    assert torch.equal(res["other"], torch.tensor([1 - 2j])) and not res["other"].is_conj()
+    assert torch.equal(out.as_subclass(torch.Tensor), torch.tensor([3 - 4j]))
