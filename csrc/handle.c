@@ -8,26 +8,43 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda.h"
 #include "files.h"
 #include "hostcopy.h"
 
 /* Releases inputs once the job completed; sets h->error for a failed job.
- * Precondition: the job completed (or there is none). */
+ * Precondition: the job completed (or there is none), or it is orphaned by a
+ * fork (no thread of this process runs it: nothing reads the inputs).
+ *
+ * Building the error runs Python code (a dict key's repr, any allocation's
+ * GC), which may let another thread into get() on this handle: `finishing`
+ * tells it that the result and error are not settled yet (it waits for
+ * `finished`, see _handle_settle), and nothing the other thread could free
+ * is read after the Python code ran. */
 void mtc_handle_finish(mtc_handle *h)
 {
-    if (h->finished) return;
-    h->finished = 1;
-    if (h->job && h->job->err && h->job->err_leaf >= 0 && (uint32_t)h->job->err_leaf < h->tree.nleaves &&
-        (h->tree.leaves[h->job->err_leaf].flags & MTC_LEAF_FILE)) {
+    if (h->finished || h->finishing) return;
+    h->finishing = 1;
+    h->finishing_thread = PyThread_get_thread_ident();
+    PyObject *error = NULL;
+    mtc_job *j = h->job;
+    if (j && mtc_job_orphaned(j)) {
+        PyObject *msg = PyUnicode_FromString(
+            "mtc_loader: this copy was started before the process was forked, and no thread of this "
+            "(child) process runs it: it never completes here. Start the copy again in the child");
+        if (msg) {
+            error = PyObject_CallOneArg(PyExc_RuntimeError, msg);
+            Py_DECREF(msg);
+        }
+        if (!error) PyErr_Clear();
+    } else if (j && j->err && j->err_leaf >= 0 && (uint32_t)j->err_leaf < h->tree.nleaves &&
+               (h->tree.leaves[j->err_leaf].flags & MTC_LEAF_FILE)) {
         /* a failed file read: the exception names the file and the leaf */
-        mtc_job *j = h->job;
-        if (!(h->error = mtc_files_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
+        if (!(error = mtc_files_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
             PyErr_Clear();
-        Py_CLEAR(h->result);
-    } else if (h->job && h->job->err) {
-        mtc_job *j = h->job;
+    } else if (j && j->err) {
         char desc[256];
         if (j->err == -E2BIG)
             snprintf(desc, sizeof desc, "a staging buffer would exceed the pinned-memory cap of %zu bytes; "
@@ -46,50 +63,90 @@ void mtc_handle_finish(mtc_handle *h)
             j->err_where, desc);
         Py_XDECREF(path);
         if (msg) {
-            h->error = PyObject_CallOneArg(exc_type, msg);
+            error = PyObject_CallOneArg(exc_type, msg);
             Py_DECREF(msg);
         }
-        if (!h->error) PyErr_Clear();
-        Py_CLEAR(h->result);
+        if (!error) PyErr_Clear();
     }
-    if (h->job) {
-        mtc_job_release(h->job);
-        h->job = NULL;
+    /* settle first (no Python code runs from here to `finished`), then drop
+     * what may run __del__ code */
+    PyObject *result = NULL;
+    if (j && (j->err || mtc_job_orphaned(j))) {
+        result = h->result;
+        h->result = NULL;
     }
+    h->error = error;
+    h->job = NULL;
+    h->finished = 1;
+    h->finishing = 0;
+    if (j) {
+        /* an orphaned job is the parent's: its engine reference is never
+         * dropped here, so this only forgets it */
+        mtc_job_release(j);
+    }
+    Py_XDECREF(result);
     mtc_tree_clear(&h->tree);
+}
+
+/* After the wait: makes sure the handle's outcome is settled, finishing it
+ * here or waiting (GIL released) for the thread that is finishing it. 0, or
+ * -1 with an exception (get() re-entered from the finishing code). */
+static int _handle_settle(mtc_handle *h)
+{
+    while (!h->finished) {
+        if (!h->finishing) {
+            mtc_handle_finish(h);
+            continue;
+        }
+        if (h->finishing_thread == PyThread_get_thread_ident()) {
+            PyErr_SetString(PyExc_RuntimeError, "mtc_loader: get() was called on a handle from code that "
+                            "runs while that handle is being finished (a __repr__ or __del__)");
+            return -1;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = {0, 100000}; /* the finishing thread holds the GIL in bursts */
+        nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    return 0;
 }
 
 /* Waits for the job with the GIL released, in slices, so that a signal
  * (Ctrl-C) interrupts the wait. 0, or -1 with the signal's exception set;
- * the copy itself goes on and a later get() can still collect it. */
+ * the copy itself goes on and a later get() can still collect it.
+ * Several threads may wait on one handle: each holds its own reference to the
+ * job, as the first to finish drops the handle's (h->job becomes NULL). */
 static int _handle_wait(mtc_handle *h)
 {
-    if (!h->job || mtc_job_complete(h->job)) return 0;
+    mtc_job *j = h->job;
+    if (!j || mtc_job_complete(j) || mtc_job_orphaned(j)) return 0;
+    mtc_job_ref(j);
     int64_t t0 = mtc_now_ns();
+    int rc;
     for (;;) {
-        int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = mtc_job_wait(h->job, 100000000); /* 100 ms */
+        rc = mtc_job_wait(j, 100000000); /* 100 ms */
         Py_END_ALLOW_THREADS
         if (rc == 0) break;
         if (PyErr_CheckSignals()) {
-            mtc_cnt.ns_wait += (uint64_t)(mtc_now_ns() - t0);
-            return -1;
+            rc = -1;
+            break;
         }
     }
     mtc_cnt.ns_wait += (uint64_t)(mtc_now_ns() - t0);
-    return 0;
+    mtc_job_release(j);
+    return rc ? -1 : 0;
 }
 
 static PyObject *Handle_ready(mtc_handle *h, PyObject *unused)
 {
-    return PyBool_FromLong(!h->job || mtc_job_complete(h->job));
+    /* an orphaned job: get() raises at once */
+    return PyBool_FromLong(!h->job || mtc_job_complete(h->job) || mtc_job_orphaned(h->job));
 }
 
 static PyObject *Handle_get(mtc_handle *h, PyObject *unused)
 {
-    if (_handle_wait(h)) return NULL;
-    mtc_handle_finish(h);
+    if (_handle_wait(h) || _handle_settle(h)) return NULL;
     if (h->error) {
         PyErr_SetObject((PyObject *)Py_TYPE(h->error), h->error);
         return NULL;
@@ -112,9 +169,10 @@ static PyObject *Handle_buffers(mtc_handle *h, PyObject *unused)
 static void Handle_dealloc(mtc_handle *h)
 {
     PyTypeObject *tp = Py_TYPE(h);
-    if (h->job && !mtc_job_complete(h->job)) {
+    if (h->job && !mtc_job_complete(h->job) && !mtc_job_orphaned(h->job)) {
         /* Dropped without get(): the copy may still read the inputs this
-         * handle keeps alive; wait for it (uninterruptibly) before freeing. */
+         * handle keeps alive; wait for it (uninterruptibly) before freeing.
+         * (An orphaned job never completes, and nothing runs it.) */
         Py_BEGIN_ALLOW_THREADS
         mtc_job_wait(h->job, -1);
         Py_END_ALLOW_THREADS
@@ -162,6 +220,8 @@ mtc_handle *mtc_handle_new(mtc_state *st)
     h->result = NULL;
     h->error = NULL;
     h->finished = 0;
+    h->finishing = 0;
+    h->finishing_thread = 0;
     h->buffers = NULL;
     return h;
 }

@@ -22,6 +22,8 @@ typedef struct mtc_handle {
     mtc_tree tree;       /* inputs and skeleton; cleared once the job completed */
     PyObject *result;    /* the rebuilt structure */
     int finished;        /* completion handled (inputs released, error reported) */
+    int finishing;       /* mtc_handle_finish is running (it may run Python code) */
+    unsigned long finishing_thread; /* ... on this thread (PyThread_get_thread_ident) */
     PyObject *error;     /* the exception of a failed copy, raised by every get() */
     PyObject *buffers;   /* list of the device tensors the outputs live in (chunks, own
                             outputs) for Tensor.record_stream, or NULL (CPU target) */
@@ -35,7 +37,8 @@ extern PyType_Spec mtc_handle_spec;
 mtc_handle *mtc_handle_new(mtc_state *st);
 
 /* Releases the inputs once the job completed and turns a failed job into
- * h->error (naming the leaf). Idempotent. Precondition: the job completed,
+ * h->error (naming the leaf), and a job orphaned by fork() into an error
+ * saying so. Idempotent. Precondition: the job completed, or is orphaned,
  * or there is none. */
 void mtc_handle_finish(mtc_handle *h);
 

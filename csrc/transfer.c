@@ -50,6 +50,12 @@ void mtc_engine_get_stats(mtc_engine_stats *o)
 
 /* ---- jobs ---- */
 
+/* Written only by the atfork child handler (a single thread then), read by
+ * any thread after it: relaxed is enough. */
+static _Atomic uint32_t _fork_gen;
+
+uint32_t mtc_engine_fork_gen(void) { return mtc_load_relaxed(&_fork_gen); }
+
 mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems)
 {
     mtc_job *j = calloc(1, sizeof *j);
@@ -65,7 +71,14 @@ mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems)
     atomic_init(&j->state, MTC_JOB_PENDING);
     atomic_init(&j->refs, 1);
     j->err_leaf = -1;
+    j->fork_gen = mtc_engine_fork_gen();
     return j;
+}
+
+void mtc_job_ref(mtc_job *j)
+{
+    /* the caller holds a reference already: no ordering needed */
+    mtc_fetch_add_relaxed(&j->refs, 1);
 }
 
 void mtc_job_release(mtc_job *j)
@@ -81,6 +94,11 @@ int mtc_job_complete(mtc_job *j)
 {
     /* pairs with the release in _publish: the job's results are visible */
     return mtc_load_acquire(&j->state) != MTC_JOB_PENDING;
+}
+
+int mtc_job_orphaned(mtc_job *j)
+{
+    return j->fork_gen != mtc_engine_fork_gen() && !mtc_job_complete(j);
 }
 
 int mtc_job_wait(mtc_job *j, int64_t timeout_ns)
@@ -983,6 +1001,9 @@ static void _after_fork_child(void)
     pthread_mutex_init(&_pools_lock, NULL);
     for (int i = 0; i <= MTC_MAX_DEVICES; i++) _workers[i] = NULL;
     for (int d = 0; d < MTC_MAX_DEVICES; d++) _pools[d] = NULL;
+    /* jobs pending now were queued to, or run by, threads the child does not
+     * have: mtc_job_orphaned() tells them apart by this generation */
+    mtc_store_relaxed(&_fork_gen, mtc_load_relaxed(&_fork_gen) + 1);
     mtc_pool_after_fork_child();
     mtc_cuda_after_fork_child();
 }

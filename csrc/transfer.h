@@ -80,10 +80,15 @@ typedef struct mtc_job {
     uint64_t err_got;           /* and the bytes of it that arrived */
     /* timing (ns, CLOCK_MONOTONIC) */
     int64_t t_submit, t_start, t_end;
+    uint32_t fork_gen;          /* mtc_engine_fork_gen() when created: a job of an older
+                                   generation that is still pending was left by fork() */
 } mtc_job;
 
 /* Allocates a job with room for nops ops and nitems items; refs = 1. NULL on ENOMEM. */
 mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems);
+/* Takes one more reference (a waiter that must keep the job while the
+ * handle's may go: several threads in get() at once). */
+void mtc_job_ref(mtc_job *job);
 /* Drops one reference; frees at zero. */
 void mtc_job_release(mtc_job *job);
 
@@ -99,6 +104,12 @@ int mtc_job_submit(mtc_job *job);
 int mtc_job_wait(mtc_job *job, int64_t timeout_ns);
 /* 1 once the job completed (done or failed). */
 int mtc_job_complete(mtc_job *job);
+/* 1 when the job can never complete in this process: it was pending when the
+ * process was forked from the one that created it (no thread of the child
+ * runs it). Waiting for it would hang. */
+int mtc_job_orphaned(mtc_job *job);
+/* Bumped in the child of every fork(). */
+uint32_t mtc_engine_fork_gen(void);
 
 /* Configuration and counters */
 typedef struct mtc_engine_stats {

@@ -337,3 +337,133 @@ def test_resolved_leaf_on_another_thread_during_a_resolve():
     assert not isinstance(res["other"], Exception), res["other"]
     assert torch.equal(res["other"], torch.tensor([1 - 2j])) and not res["other"].is_conj()
     assert torch.equal(out.as_subclass(torch.Tensor), torch.tensor([3 - 4j]))
+
+
+# ------------------------------------------------------ 2: get() from several threads at once
+
+
+def test_get_from_many_threads_at_once():
+    r = run_script("""
+        import threading, numpy as np, torch
+        from mtc_loader import start_copy
+        # read-only numpy leaves are host-copied for "cpu": a job that takes a while, so that
+        # the threads are all waiting in get() when it completes
+        arrs = [np.arange(4 << 20, dtype=np.float32) + i for i in range(4)]
+        for a in arrs:
+            a.setflags(write=False)
+        for rnd in range(60):
+            h = start_copy(arrs, "cpu")
+            out, errs = [], []
+            go = threading.Barrier(16)
+            def waiter():
+                go.wait()
+                try:
+                    out.append(h.get())
+                except BaseException as e:
+                    errs.append(e)
+            ts = [threading.Thread(target=waiter) for _ in range(16)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert not errs, errs
+            assert len(out) == 16 and all(o is out[0] for o in out)
+            if rnd == 0:
+                assert all(np.array_equal(o.numpy(), a) for o, a in zip(out[0], arrs))
+        print("ok")
+    """, timeout=300)
+    assert r.returncode >= 0, f"crashed with signal {-r.returncode}\n{r.stderr[-4000:]}"
+    assert_ok(r)
+
+
+# --------------------------------------------------- 6: fork while a copy is in flight
+
+
+def test_fork_with_a_copy_in_flight_child_gets_a_clear_error_and_exits():
+    r = run_script("""
+        import os, sys, time, warnings, numpy as np, torch
+        import mtc_loader
+        from mtc_loader import start_copy
+        arrs = [np.arange(16 << 20, dtype=np.float32) + i for i in range(4)]
+        for a in arrs:
+            a.setflags(write=False)  # host-copied for "cpu": a job on the transfer thread
+        for attempt in range(20):
+            h = start_copy(arrs, "cpu")
+            if not h.ready():
+                break
+            h.get()
+        else:
+            raise SystemExit("the copy was never still in flight at fork")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                assert h.ready()  # get() would not block: it raises at once
+                try:
+                    h.get()
+                except RuntimeError as e:
+                    assert str(e).startswith("mtc_loader: this copy was started before the process "
+                                             "was forked"), e
+                else:
+                    raise AssertionError("get() of an orphaned copy returned")
+                try:
+                    h.get()  # the same error every time
+                except RuntimeError as e:
+                    assert "before the process was forked" in str(e)
+                # the package works in the child, and a new copy to "cpu" completes
+                out = start_copy(arrs[:1], "cpu").get()
+                assert np.array_equal(out[0].numpy(), arrs[0])
+                code = 0
+            finally:
+                sys.stdout.flush()
+                # a normal exit: atexit (engine shutdown) and the handle's dealloc must not hang
+                sys.exit(code)
+        out = h.get()
+        assert all(np.array_equal(o.numpy(), a) for o, a in zip(out, arrs))
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise SystemExit("the child hung")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        print("ok")
+    """, timeout=180)
+    assert_ok(r)
+
+
+def test_fork_with_a_copy_in_flight_child_drops_the_handle_and_exits():
+    # the inherited handle is never used: dropping it (at exit) must not wait for the job
+    r = run_script("""
+        import os, sys, time, warnings, numpy as np
+        from mtc_loader import start_copy
+        arrs = [np.arange(16 << 20, dtype=np.float32) + i for i in range(4)]
+        for a in arrs:
+            a.setflags(write=False)
+        for attempt in range(20):
+            h = start_copy(arrs, "cpu")
+            if not h.ready():
+                break
+            h.get()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            del h
+            sys.exit(0)
+        h.get()
+        deadline = time.monotonic() + 60
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                raise SystemExit("the child hung dropping the inherited handle")
+            time.sleep(0.01)
+        print("ok")
+    """, timeout=180)
+    assert_ok(r)
