@@ -18,6 +18,7 @@ from typing import Optional
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
 
 from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
+from ._options import positive_int
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
 from .files import FileTensor, file_reader
@@ -47,7 +48,7 @@ def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:
             waits for earlier copies to finish with their slabs instead of pinning more.
     """
     if pinned_cap_bytes is not None:
-        _engine.set_pinned_cap(int(pinned_cap_bytes))
+        _engine.set_pinned_cap(positive_int("pinned_cap_bytes", pinned_cap_bytes))
 
 
 def trim() -> int:

@@ -11,7 +11,10 @@ _TARGETS: dict[Any, int] = {}
 
 def target_index(device: Union[str, torch.device, int]) -> int:
     """-1 for the CPU, the CUDA index otherwise; raises for anything else."""
-    cached = _TARGETS.get(device)
+    try:
+        cached = _TARGETS.get(device)
+    except TypeError:  # unhashable: torch.device() below says what is wrong with it
+        cached = None
     if cached is not None:
         return cached
     try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from multiprocessing import reduction
+from multiprocessing import context as _mp_context
+from multiprocessing import reduction, resource_sharer
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils.data import default_collate
 
 from . import _engine
 from ._device import target_index
+from ._options import positive_int, seconds
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -41,20 +43,40 @@ class Arena:
 
     def __init__(self, nbytes: int = 256 << 20, *, _engine_arena: Any = None, _token: Any = None):
         if _engine_arena is None:
-            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-                raise ValueError(f"mtc_loader: arena_bytes must be a positive int, got {nbytes!r}")
-            _engine_arena = _engine.arena_create(nbytes)
+            try:
+                nbytes = positive_int("arena_bytes", nbytes, _MAX_ARENA_BYTES)
+            except TypeError as e:  # a ValueError, as it always was for a bad arena_bytes
+                raise ValueError(str(e)) from None
+            try:
+                _engine_arena = _engine.arena_create(nbytes)
+            except OSError as e:
+                raise OSError(e.errno, f"mtc_loader: creating a shared arena of {nbytes} bytes failed: "
+                                       f"{e.strerror}") from None
             st = os.fstat(_engine_arena.fileno())
             _token = (os.getpid(), st.st_dev, st.st_ino)
         self._a: _engine.Arena = _engine_arena
         self.token = _token
         self.creator = _token[0]
+        # resource-sharer registrations of this arena's descriptor that no process has taken
+        # yet (a pickle never unpickled): closed with the arena, or they would keep its memory
+        self._shared: list[int] = []
+        weakref.finalize(self, _unshare, self._shared)
         _ARENAS[_token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # DupFd hands the descriptor to a child being spawned (spawn / forkserver) or, outside
-        # process start-up, through multiprocessing's resource sharer.
-        return (_attach, (reduction.DupFd(self._a.fileno()), self.token))
+        if _mp_context.get_spawning_popen() is not None:
+            # a child being started (spawn / forkserver): the descriptor goes to that child only
+            # (pass_fds, or SCM_RIGHTS over the forkserver's socket), no copy is left behind
+            return (_attach, (reduction.DupFd(self._a.fileno()), self.token))
+        # Outside process start-up, multiprocessing's resource sharer keeps a dup of the
+        # descriptor until a process asks for it. A pickle that is never unpickled would keep
+        # that dup, and the arena's memory, for the life of this process: this arena tracks
+        # its registrations and closes those still pending when it goes.
+        dup = resource_sharer.DupFd(self._a.fileno())
+        pending = _pending_keys()
+        self._shared[:] = [k for k in self._shared if k in pending]
+        self._shared.append(dup._id[1])
+        return (_attach, (dup, self.token))
 
     def stats(self) -> dict[str, int]:
         """Allocator counters: bytes, slots in use, allocs, frees, waits, timeouts, reclaimed."""
@@ -67,6 +89,27 @@ class Arena:
     def __repr__(self) -> str:
         s = self.stats()
         return f"<Arena {s['bytes'] >> 20} MiB, {s['bytes_in_use'] >> 10} KiB in use>"
+
+
+_MAX_ARENA_BYTES = 1 << 46  # mtc_arena_create's limit
+
+
+def _pending_keys() -> set[int]:
+    """Keys of the resource sharer's registrations no process has taken yet."""
+    sharer = resource_sharer._resource_sharer
+    with sharer._lock:
+        return set(sharer._cache)
+
+
+def _unshare(keys: list[int]) -> None:
+    """Closes the resource sharer's pending dups of a dead arena's descriptor."""
+    sharer = resource_sharer._resource_sharer
+    with sharer._lock:
+        entries = [sharer._cache.pop(k, None) for k in keys]
+    keys.clear()
+    for entry in entries:
+        if entry is not None:
+            entry[1]()  # its close(): os.close of the dup
 
 
 def _attach(dupfd: Any, token: tuple[int, int, int]) -> Arena:
@@ -228,8 +271,8 @@ class PackedCollate:
             raise ValueError("mtc_loader: min_packed_alignment_bytes must be a power of two from 1 to "
                              f"4096, got {align!r}")
         self.collate_fn = collate_fn
+        self.timeout = seconds("timeout", timeout)
         self.arena = arena if arena is not None else Arena(arena_bytes)
-        self.timeout = float(timeout)
         self.align = align
 
     def __call__(self, samples: list[Any]) -> PackedBatch:

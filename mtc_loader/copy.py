@@ -1,25 +1,18 @@
 """``start_copy`` and ``AsyncCopyHandle``: the explicit API (reference: api.txt)."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 import torch
 
 from . import _engine
 from ._device import target_index
+from ._options import positive_int
 from .collate import PackedBatch
 from .handle import AsyncCopyHandle
 
 __all__ = ["AsyncCopyHandle", "start_copy"]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"mtc_loader: {name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"mtc_loader: {name} must be positive, got {value}")
-    return int(value)
 
 
 def start_copy(
@@ -111,8 +104,8 @@ def start_copy(
     if isinstance(data, PackedBatch):
         return data.start_copy(device, use_background_thread=use_background_thread)
     target = target_index(device)
-    align = _positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
-    max_chunk = _positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
+    align = positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
+    max_chunk = positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
     h = _engine.start_copy(data, target, bool(use_pinned_staging), bool(pack_cpu_tensors),
                            align, max_chunk, bool(use_background_thread))
     return AsyncCopyHandle(h)

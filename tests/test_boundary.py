@@ -467,3 +467,243 @@ def test_fork_with_a_copy_in_flight_child_drops_the_handle_and_exits():
         print("ok")
     """, timeout=180)
     assert_ok(r)
+
+
+# ----------------------------------------------- 3 and 10: huge expanded views, packing
+
+
+def test_pack_huge_zero_stride_leaf_names_the_leaf_and_arena_bytes():
+    r = run_script("""
+        import numpy as np, torch
+        from mtc_loader import PackedCollate
+        pc = PackedCollate(list, arena_bytes=1 << 20)
+        for leaf in (torch.zeros(1, dtype=torch.int8).expand(2 ** 62),
+                     np.broadcast_to(np.zeros(1, np.int8), (2 ** 62,)),
+                     torch.zeros(1, dtype=torch.int16).expand(2 ** 62),       # 2^63 bytes
+                     torch.zeros(1, dtype=torch.complex128).expand(2 ** 62)):  # 2^66 bytes
+            try:
+                pc([torch.ones(3), leaf])
+            except RuntimeError as e:
+                assert str(e).startswith("mtc_loader: data[1] "), e
+                assert "arena_bytes" in str(e) or "2^63" in str(e), e
+            else:
+                raise AssertionError("packed")
+            assert pc.stats()["slots_in_use"] == 0
+        print("ok")
+    """)
+    assert r.returncode >= 0, f"crashed with signal {-r.returncode}\n{r.stderr[-4000:]}"
+    assert_ok(r)
+
+
+def test_pack_leaf_larger_than_the_arena():
+    pc = PackedCollate(list, arena_bytes=4 * 65536)
+    with pytest.raises(RuntimeError, match=r"^mtc_loader: data\[0\] takes 4194304 bytes packed \(an "
+                                           r"expanded view.*arena_bytes"):
+        pc([torch.zeros(1).expand(1 << 20)])
+    with pytest.raises(RuntimeError, match=r"^mtc_loader: data\[1\] takes 1048576 bytes packed, more than "
+                                           r"the whole shared arena \(262144 bytes\)"):
+        pc([torch.ones(2), torch.zeros(1 << 18)])
+    # every leaf fits, the batch does not: the batch's size
+    with pytest.raises(RuntimeError, match=r"is too small for a packed batch of \d+ bytes.*arena_bytes"):
+        pc([torch.zeros(1 << 15) for _ in range(3)])
+    assert pc.stats()["slots_in_use"] == 0
+    out = pc([torch.zeros(1 << 15), torch.ones(3)]).unpack("cpu")  # still works
+    assert torch.equal(out[1], torch.ones(3))
+
+
+def test_huge_virtual_views_to_cpu_are_reused():
+    x = torch.zeros(1, dtype=torch.int8).expand(2 ** 63 - 1)
+    y = torch.zeros(1, dtype=torch.int16).expand(2 ** 61, 2)          # 2^63 bytes
+    z = torch.zeros(1, dtype=torch.complex128).expand(2 ** 40, 2 ** 22)  # 2^66 bytes
+    out = start_copy({"x": x, "y": y, "z": [z]}, "cpu").get()
+    assert out["x"] is x and out["y"] is y and out["z"][0] is z
+    # the same through pack_cpu_tensors=False and a background-less copy
+    out = start_copy([y], "cpu", pack_cpu_tensors=False, use_background_thread=False).get()
+    assert out[0] is y
+
+
+# ---------------------------------------------------------------- 9: leaves per batch
+
+
+def test_pack_refuses_more_leaves_than_a_batch_can_hold():
+    # room for them all (16-byte aligned): the count is what is refused, at pack, not later in
+    # the main process as a "corrupt or forged" layout
+    pc = PackedCollate(list, arena_bytes=96 << 20)
+    t = torch.zeros(1, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"^mtc_loader: the batch holds 4194305 tensors and arrays; a "
+                                         r"packed batch holds at most 4194304 \(2\^22\)"):
+        pc([t] * (2 ** 22 + 1))
+    assert pc.stats()["slots_in_use"] == 0
+
+
+# ------------------------------------------- 4 and 5: rejected and forged descriptors
+
+
+def _worker_batches(pc: PackedCollate, n: int) -> tuple[int, list]:
+    """Forks a worker that packs n batches and sends them; returns (its pid, the batches as the
+    main process receives them: adopted). The worker waits for a byte on stdin to exit."""
+    import pickle
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    pid = fork_quietly()
+    if pid == 0:
+        try:
+            os.close(r)
+            bs = [pc([torch.arange(10 * i, 10 * i + 10), {"k": np.full(3, i)}]) for i in range(n)]
+            data = pickle.dumps(bs)
+            os.write(w, len(data).to_bytes(8, "little") + data)
+            os.read(r2, 1)
+        finally:
+            os._exit(0)
+    os.close(w)
+    size = int.from_bytes(os.read(r, 8), "little")
+    data = b""
+    while len(data) < size:
+        data += os.read(r, size - len(data))
+    os.close(r)
+    return pid, w2, pickle.loads(data)
+
+
+def test_rejected_descriptors_free_their_region():
+    from mtc_loader import collate
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    cases = [("_nbytes", 2 * 65536), ("_nbytes", -1), ("_nbytes", "12"), ("_nbytes", 2 ** 64),
+             ("_nbytes", 1.0), ("_layout", "not bytes"), ("_layout", b"garbage")]
+    pid, w2, batches = _worker_batches(pc, len(cases) + 1)
+    try:
+        assert pc.stats()["slots_in_use"] == len(cases) + 1
+        for (field, value), b in zip(cases, batches):
+            setattr(b, field, value)
+            with pytest.raises((ValueError, TypeError), match="^mtc_loader: "):
+                b.unpack("cpu")
+            with pytest.raises(RuntimeError, match="already unpacked"):
+                b.unpack("cpu")
+        # every rejected batch's region came back, while the worker lives (no reclaim)
+        assert pc.stats()["slots_in_use"] == 1
+        out = batches[-1].unpack("cpu")
+        assert torch.equal(out[0], torch.arange(len(cases) * 10, len(cases) * 10 + 10))
+        assert pc.stats()["slots_in_use"] == 0
+        # an offset of 2^64 or more never names a region (no truncation to the real one)
+        b = pc([torch.ones(2)])
+        with pytest.raises(ValueError, match="^mtc_loader: a packed batch names arena offset"):
+            collate._rebuild_batch(pc.arena.token, b._off + 2 ** 64, b._nbytes, pid, b._layout, b._skeleton)
+        with pytest.raises(ValueError, match="^mtc_loader: a packed batch names arena offset"):
+            collate._rebuild_batch(pc.arena.token, -1, b._nbytes, pid, b._layout, b._skeleton)
+        assert torch.equal(b.unpack("cpu")[0], torch.ones(2))
+        assert pc.stats()["slots_in_use"] == 0
+    finally:
+        os.write(w2, b"x")
+        os.close(w2)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("delta", [2 ** 32, -(2 ** 32), 2 ** 64])
+def test_owner_pid_off_by_2_32_is_refused(delta):
+    from mtc_loader import collate
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    b = pc([torch.arange(5)])  # held by this process
+    with pytest.raises(ValueError, match=r"^mtc_loader: a packed batch names owner -?\d+, which is not a "
+                                         r"process id"):
+        collate._rebuild_batch(pc.arena.token, b._off, b._nbytes, os.getpid() + delta, b._layout,
+                               b._skeleton)
+    with pytest.raises(ValueError, match="not a process id"):
+        pc.arena._a.release(b._off, os.getpid() + delta)
+    assert pc.stats()["slots_in_use"] == 1
+    assert torch.equal(b.unpack("cpu")[0], torch.arange(5))  # the one live copy
+    assert pc.stats()["slots_in_use"] == 0
+
+
+# ------------------------------------------------ 7: Ctrl-C while PackedCollate waits
+
+
+@pytest.mark.parametrize("timeout", [-1, 600])
+def test_keyboard_interrupt_while_pack_waits_for_room(timeout):
+    r = run_script(f"""
+        import os, signal, threading, time, torch
+        from mtc_loader import PackedCollate
+        pc = PackedCollate(list, arena_bytes=2 * 65536, timeout={timeout})
+        held = [pc([torch.zeros(1 << 14)]), pc([torch.zeros(1 << 14)])]  # the arena is full
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            pc([torch.ones(4)])
+        except KeyboardInterrupt:
+            dt = time.monotonic() - t0
+            assert 0.4 < dt < 10, dt
+        else:
+            raise AssertionError("packed into a full arena")
+        assert pc.stats()["slots_in_use"] == 2  # the interrupted pack took nothing
+        del held
+        assert torch.equal(pc([torch.ones(4)]).unpack()[0], torch.ones(4))
+        print("ok")
+    """, timeout=120)
+    assert_ok(r)
+
+
+# ------------------------------- 8: a pickled PackedCollate never unpickled leaks nothing
+
+
+def _arena_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "mtc_loader_arena" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def test_pickled_but_never_unpickled_collate_keeps_no_descriptor():
+    import gc
+    import pickle
+    base = _arena_fds()
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    assert _arena_fds() == base + 1
+    blobs = [pickle.dumps(pc) for _ in range(3)]  # dups wait in the resource sharer
+    assert _arena_fds() == base + 4
+    again = pickle.loads(pickle.dumps(pc))  # a pickle that is unpickled takes its dup
+    assert again.arena is pc.arena and _arena_fds() == base + 4
+    del pc, again, blobs
+    gc.collect()
+    assert _arena_fds() == base  # the arena and every pending dup are gone
+
+
+# -------------------------------------- 14: option and device errors name the option
+
+
+@pytest.mark.parametrize("device", [[1], {"cuda": 0}, bytearray(b"cpu")])
+def test_unhashable_device_is_a_clear_error(device):
+    with pytest.raises(ValueError, match=r"^mtc_loader: invalid device"):
+        start_copy([torch.ones(2)], device)
+    with pytest.raises(ValueError, match=r"^mtc_loader: invalid device"):
+        mtc_loader.PrefetchLoader([], device)
+
+
+@pytest.mark.parametrize("name", ["min_packed_alignment_bytes", "max_packed_chunk_bytes"])
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64, 10 ** 30])
+def test_option_ints_too_big_name_the_option(name, value):
+    with pytest.raises(ValueError, match=rf"^mtc_loader: {name} must be at most {2 ** 63 - 1}, got {value}"):
+        start_copy([torch.ones(2)], "cpu", **{name: value})
+    # the largest value is taken (alignment: a planning error that names the option)
+    if name == "max_packed_chunk_bytes":
+        assert torch.equal(start_copy([torch.ones(2)], "cpu", **{name: 2 ** 63 - 1}).get()[0], torch.ones(2))
+
+
+def test_configure_and_collate_options_name_the_option():
+    with pytest.raises(ValueError, match=r"^mtc_loader: pinned_cap_bytes must be at most"):
+        mtc_loader.configure(pinned_cap_bytes=2 ** 64)
+    with pytest.raises(ValueError, match=r"^mtc_loader: pinned_cap_bytes must be positive"):
+        mtc_loader.configure(pinned_cap_bytes=0)
+    with pytest.raises(TypeError, match=r"^mtc_loader: pinned_cap_bytes must be an int, got float"):
+        mtc_loader.configure(pinned_cap_bytes=1.5)
+    for v in (2 ** 64, 2 ** 47, 0, -5, "1"):
+        with pytest.raises(ValueError, match=r"^mtc_loader: arena_bytes must be"):
+            PackedCollate(arena_bytes=v)
+    with pytest.raises(ValueError, match=r"^mtc_loader: timeout must be a number of seconds, got nan"):
+        PackedCollate(arena_bytes=1 << 20, timeout=float("nan"))
+    with pytest.raises(TypeError, match=r"^mtc_loader: timeout must be a number of seconds, got str"):
+        PackedCollate(arena_bytes=1 << 20, timeout="1")
+    pc = PackedCollate(list, arena_bytes=1 << 20, timeout=float("inf"))  # inf: no limit
+    assert torch.equal(pc([torch.ones(2)]).unpack()[0], torch.ones(2))
+    pc = PackedCollate(list, arena_bytes=1 << 20, timeout=1e300)
+    assert torch.equal(pc([torch.ones(2)]).unpack()[0], torch.ones(2))
