@@ -91,6 +91,43 @@ static void test_strided(void)
     for (int i = 0; i < 12; i++) CHECK(dst[i] == i % 3);
 }
 
+/* Any ndim (torch allows more than 64): size-1 dims address nothing and are
+ * dropped, so a copy of fewer than 2^63 bytes has at most 62 dims left. Here
+ * 100 dims, 6 of them of size 2 with permuted strides, the others of size 1
+ * with garbage strides (huge, negative). */
+static void test_strided_many_dims(void)
+{
+    enum { ND = 100 };
+    int16_t src[64], dst[64], ref[64];
+    for (int i = 0; i < 64; i++) src[i] = (int16_t)(i * 3 + 1);
+    int64_t shape[ND], strides[ND];
+    int big[6] = {3, 17, 40, 41, 77, 99}; /* the dims of size 2 */
+    int64_t perm[6] = {4, 32, 1, 16, 8, 2}; /* their element strides: a permutation */
+    for (int d = 0; d < ND; d++) {
+        shape[d] = 1;
+        strides[d] = (d % 3 ? INT64_MAX / 2 : -123456) * 2;
+    }
+    for (int k = 0; k < 6; k++) {
+        shape[big[k]] = 2;
+        strides[big[k]] = perm[k] * 2;
+    }
+    /* the reference: row-major over the 6 dims of size 2 */
+    for (int i = 0; i < 64; i++) {
+        int64_t off = 0;
+        for (int k = 0; k < 6; k++) off += ((i >> (5 - k)) & 1) * perm[k];
+        ref[i] = src[off];
+    }
+    memset(dst, 0, sizeof dst);
+    mtc_copy_strided(dst, src, ND, shape, strides, 2);
+    CHECK(memcmp(dst, ref, sizeof ref) == 0);
+    for (int64_t begin = 0; begin < 64; begin += 5)
+        for (int64_t end = begin; end <= 64; end += 9) {
+            memset(dst, 0, sizeof dst);
+            mtc_copy_strided_range(dst, src, ND, shape, strides, 2, begin * 2, end * 2);
+            CHECK(memcmp(dst, ref + begin, (size_t)(end - begin) * 2) == 0);
+        }
+}
+
 static void test_memcpy_parallel(void)
 {
     size_t n = 3 * MTC_PIECE_BYTES + 12345;
@@ -108,6 +145,7 @@ int main(void)
     CHECK(mtc_pool_start(3) == 0);
     CHECK(mtc_pool_size() == 3);
     test_strided();
+    test_strided_many_dims();
     test_memcpy_parallel();
     test_flags_in_order();
     pthread_t t[4];

@@ -579,6 +579,37 @@ static void test_bad_leaves(void)
     n_tests_run++;
 }
 
+/* Options past any real chunk (max_chunk / pack_limit up to INT64_MAX, as
+ * start_copy and pack may pass) and leaves of up to 2^61 bytes (expanded
+ * views: the planner never touches memory): no sum may overflow (UBSan), the
+ * plan is valid, and a chunk never exceeds MTC_PLAN_MAX_CHUNK unless it holds
+ * one leaf. */
+static void test_huge_options_and_leaves(void)
+{
+    CASE("huge max_chunk and leaves");
+    leafset *s = &g_ls;
+    ls_reset(s);
+    int64_t big = (int64_t)1 << 60, small = 12, odd = ((int64_t)1 << 60) + 3;
+    for (int k = 0; k < 6; k++) {
+        ls_add(s, 0, 1, &big, -1, MTC_LEAF_CONTIGUOUS);   /* uint8, 2^60 bytes */
+        ls_add(s, 2, 1, &small, -1, MTC_LEAF_CONTIGUOUS);
+        ls_add(s, 0, 1, &odd, -1, 0);
+    }
+    mtc_plan_opts o;
+    mtc_plan_default_opts(&o, 0);
+    o.max_chunk = INT64_MAX;
+    o.pack_limit = INT64_MAX;
+    mtc_plan p;
+    CHECK_EQ(mtc_plan_build(&p, s->leaves, s->n, s->shape, &o), 0);
+    CHECK(mtc_plan_valid(&p, s->leaves, s->n, s->shape, &o));
+    CHECK_EQ(p.count[MTC_ACT_PACK], s->n);
+    CHECK(p.nchunks > 1); /* 12 x 2^60 bytes do not fit one capped chunk */
+    for (uint32_t c = 0; c < p.nchunks; c++) CHECK(p.chunks[c].payload <= MTC_PLAN_MAX_CHUNK);
+    CHECK_EQ(p.packed_bytes, INT64_MAX); /* saturated */
+    mtc_plan_free(&p);
+    n_tests_run++;
+}
+
 static void test_overflow_alignment(void)
 {
     CASE("overflowing alignment");
@@ -953,6 +984,7 @@ int main(void)
     test_bad_opts();
     test_bad_leaves();
     test_overflow_alignment();
+    test_huge_options_and_leaves();
     test_known_layouts();
     test_valid_detects_corruption();
     test_many_leaves();
