@@ -46,6 +46,15 @@ static PyObject *_call_method(PyObject *obj, PyObject *name, PyObject *const *ar
     return PyObject_VectorcallMethod(name, stack, (nargs + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+/* 1 when a tuple filled with unchecked new references holds a NULL (the
+ * allocation failed; MemoryError is set). */
+static int _tuple_has_null(PyObject *tuple)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++)
+        if (!PyTuple_GET_ITEM(tuple, i)) return 1;
+    return 0;
+}
+
 /* Creates the output views of one segment with a handful of torch calls and
  * stores them (new references) in outputs[]. region: uint8 tensor of the
  * segment's bytes. */
@@ -82,7 +91,13 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
             int64_t dim = t->shape[proto->dims + d];
             PyTuple_SET_ITEM(size, d + 1, PyLong_FromLongLong(dim));
             PyTuple_SET_ITEM(stride, d + 1, PyLong_FromLongLong(st_el));
-            st_el *= dim > 1 ? dim : 1;
+            if (d) st_el *= dim > 1 ? dim : 1; /* members have bytes: the product fits */
+        }
+        /* an item that failed to allocate is NULL: never hand torch such a tuple */
+        if (_tuple_has_null(size) || _tuple_has_null(stride)) {
+            Py_DECREF(size);
+            Py_DECREF(stride);
+            goto out;
         }
         PyObject *a2[2] = {size, stride};
         shaped = _call_method(typed, st->s_as_strided, a2, 2);
@@ -118,6 +133,10 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
         PyTuple_SET_ITEM(full, 0, PyLong_FromLongLong(s->rows));
         for (int d = 1; d < proto->ndim; d++) PyTuple_SET_ITEM(full, d, Py_NewRef(PyTuple_GET_ITEM(trail, d - 1)));
         Py_DECREF(trail);
+        if (_tuple_has_null(full)) {
+            Py_DECREF(full);
+            goto out;
+        }
         shaped = _call_method(typed, st->s_view, &full, 1);
         Py_DECREF(full);
         if (!shaped) goto out;

@@ -428,9 +428,18 @@ out:
 
 int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
 {
-    /* Metadata is re-read in place: the new object has the same shape, so its
-     * dims fit where the old ones were. */
+    /* Metadata is re-read in place, over the old leaf's dims: the new object
+     * must have the same dtype and shape. A tensor subclass's contiguous()
+     * may return anything: a leaf of more dims would overwrite the next
+     * leaves' shapes (outputs sized from one, copies from the other), so the
+     * shape is checked against a copy of the old one. */
     mtc_leaf old = t->leaves[i];
+    int64_t *old_shape = PyMem_Malloc((old.ndim ? (size_t)old.ndim : 1) * sizeof *old_shape);
+    if (!old_shape) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(old_shape, &t->shape[old.dims], (size_t)old.ndim * sizeof *old_shape);
     uint32_t save_n = t->nleaves, save_d = t->ndims;
     PyObject *obj = t->objs[i];
     t->nleaves = i;
@@ -440,6 +449,22 @@ int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
     if (rc == 0) Py_DECREF(obj); /* _finish_leaf took a second reference */
     t->nleaves = save_n;
     t->ndims = save_d;
+    const mtc_leaf *l = &t->leaves[i];
+    if (rc == 0 && (l->ndim != old.ndim || l->dtype != old.dtype || l->dev != old.dev ||
+                    memcmp(&t->shape[old.dims], old_shape, (size_t)old.ndim * sizeof *old_shape))) {
+        /* the dims past old.ndim (if any) were written into the next leaf's:
+         * this tree is not used again (the caller's error path clears it) */
+        PyObject *path = mtc_leaf_path(t, i);
+        if (path) {
+            PyErr_Format(PyExc_TypeError,
+                         "mtc_loader: %U is a tensor whose contiguous() returned a tensor of another "
+                         "shape, dtype or device; pass it as a plain contiguous tensor "
+                         "(.as_subclass(torch.Tensor).contiguous())", path);
+            Py_DECREF(path);
+        }
+        rc = -1;
+    }
+    PyMem_Free(old_shape);
     return rc;
 }
 
