@@ -7,6 +7,7 @@
 #include "collate.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,24 +91,70 @@ static PyObject *Arena_reclaim_dead(ArenaObject *o, PyObject *unused)
     return PyLong_FromUnsignedLongLong(n);
 }
 
+/* A descriptor's region offset: an int in [0, 2^64), never truncated (an
+ * offset of 2^64 + x must not name region x). 0, or -1 with ValueError. */
+static int _parse_offset(PyObject *v, uint64_t *out)
+{
+    if (PyLong_Check(v)) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(v);
+        if (!(x == (unsigned long long)-1 && PyErr_Occurred())) {
+            *out = x;
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch names arena offset %R, which is not an "
+                 "offset in an arena (a corrupt or forged descriptor)", v);
+    return -1;
+}
+
+/* A descriptor's owner: a pid, an int in 1 .. INT32_MAX, never truncated (an
+ * owner of getpid() + 2^32 must not pass for this process). 0, or -1 with
+ * ValueError. */
+static int _parse_owner(PyObject *v, uint32_t *out)
+{
+    if (PyLong_Check(v)) {
+        long long x = PyLong_AsLongLong(v);
+        if (x >= 1 && x <= INT32_MAX) {
+            *out = (uint32_t)x;
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch names owner %R, which is not a process id "
+                 "(a corrupt or forged descriptor)", v);
+    return -1;
+}
+
+/* (offset, owner) of Arena.release / Arena.adopt. 0, or -1 with an exception. */
+static int _parse_region(PyObject *args, uint64_t *off, uint32_t *owner)
+{
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: expected (offset, owner)");
+        return -1;
+    }
+    return _parse_offset(PyTuple_GET_ITEM(args, 0), off) || _parse_owner(PyTuple_GET_ITEM(args, 1), owner) ? -1 : 0;
+}
+
 static PyObject *Arena_release(ArenaObject *o, PyObject *args)
 {
-    unsigned long long off;
-    unsigned int owner;
-    if (!PyArg_ParseTuple(args, "KI", &off, &owner)) return NULL;
+    uint64_t off;
+    uint32_t owner;
+    if (_parse_region(args, &off, &owner)) return NULL;
     return PyBool_FromLong(mtc_arena_free(o->a, off, owner) == 0);
 }
 
 static PyObject *Arena_adopt(ArenaObject *o, PyObject *args)
 {
-    unsigned long long off;
-    unsigned int owner;
-    if (!PyArg_ParseTuple(args, "KI", &off, &owner)) return NULL;
+    uint64_t off;
+    uint32_t owner;
+    if (_parse_region(args, &off, &owner)) return NULL;
     uint32_t me = (uint32_t)getpid();
     if (owner != me && mtc_arena_retag(o->a, off, owner, me)) {
         PyErr_Format(PyExc_RuntimeError,
                      "mtc_loader: a packed batch names arena region %llu of process %u, which does not "
-                     "hold it (a stale or forged descriptor, or the region was reclaimed)", off, owner);
+                     "hold it (a stale or forged descriptor, or the region was reclaimed)",
+                     (unsigned long long)off, owner);
         return NULL;
     }
     return PyLong_FromUnsignedLong(me);
@@ -154,10 +201,14 @@ PyObject *mtc_collate_arena_create(PyObject *module, PyObject *arg)
 
 PyObject *mtc_collate_arena_attach(PyObject *module, PyObject *arg)
 {
-    int fd = (int)PyLong_AsLong(arg);
+    long fd = PyLong_AsLong(arg);
     if (PyErr_Occurred()) return NULL;
+    if (fd < 0 || fd > INT_MAX) { /* never truncated into another descriptor */
+        PyErr_Format(PyExc_ValueError, "mtc_loader: %ld is not a file descriptor", fd);
+        return NULL;
+    }
     mtc_arena *a;
-    int rc = mtc_arena_attach(fd, &a);
+    int rc = mtc_arena_attach((int)fd, &a);
     if (rc == -EINVAL) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: that file descriptor is not an mtc_loader arena");
         return NULL;
@@ -189,31 +240,88 @@ static int _pack_refuse_cuda(const mtc_tree *t)
     return 0;
 }
 
-/* Takes a region of `payload` bytes for this process, waiting up to timeout
- * seconds (< 0: forever) with the GIL released. 0 and *off, or -1 with an
- * error that says which arena size to configure. */
-static int _pack_alloc_region(mtc_arena *a, int64_t payload, double timeout, uint32_t me, uint64_t *off)
+/* The error for a packed batch of `payload` bytes that the arena is too
+ * small for (rc -E2BIG) or stayed too full to take (-ETIMEDOUT): the size to
+ * configure. -1. */
+static int _pack_too_big(mtc_arena *a, int64_t payload, int rc)
 {
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = mtc_arena_alloc(a, (uint64_t)(payload ? payload : 1), me, timeout < 0 ? -1 : (int64_t)(timeout * 1e9), off);
-    Py_END_ALLOW_THREADS
-    if (!rc) return 0;
     mtc_arena_stats as;
     mtc_arena_get_stats(a, &as);
-    if (rc == -E2BIG || rc == -ETIMEDOUT)
-        PyErr_Format(PyExc_RuntimeError,
-                     "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
-                     "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
-                     "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
-                     "(this batch rounded up to the arena's 64 KiB slots)",
-                     (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
-                     rc == -E2BIG ? "is too small for" : "stayed full too long to take", (long long)payload,
-                     (long long)((payload + (int64_t)as.slot_bytes - 1) / (int64_t)as.slot_bytes *
-                                 (int64_t)as.slot_bytes));
-    else
-        PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
+    int64_t slot = (int64_t)as.slot_bytes;
+    int64_t rounded = payload > INT64_MAX - slot ? payload : (payload + slot - 1) / slot * slot;
+    PyErr_Format(PyExc_RuntimeError,
+                 "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
+                 "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                 "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                 "(this batch rounded up to the arena's 64 KiB slots)",
+                 (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
+                 rc == -E2BIG ? "is too small for" : "stayed full too long to take", (long long)payload,
+                 (long long)rounded);
     return -1;
+}
+
+/* Takes a region of `payload` bytes for this process, waiting up to timeout_ns
+ * (< 0: forever) with the GIL released, in slices: a signal (Ctrl-C) ends the
+ * wait with its exception, as in get(). 0 and *off, or -1 with an error that
+ * says which arena size to configure. */
+static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns, uint32_t me, uint64_t *off)
+{
+    mtc_arena_wait w;
+    mtc_arena_wait_init(&w, timeout_ns);
+    int rc;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mtc_arena_alloc_slice(a, (uint64_t)(payload ? payload : 1), me, &w, 100000000, off); /* 100 ms */
+        Py_END_ALLOW_THREADS
+        if (rc != -EAGAIN) break;
+        if (PyErr_CheckSignals()) return -1;
+    }
+    if (!rc) return 0;
+    if (rc == -E2BIG || rc == -ETIMEDOUT) return _pack_too_big(a, payload, rc);
+    PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
+    return -1;
+}
+
+/* Checks that the plan put every leaf into one chunk that fits the arena (the
+ * planner was asked for chunks of at most the arena's size): a leaf that is
+ * not packed is larger than the whole arena (an expanded view is packed with
+ * every element), and a second chunk means the batch is. 0, or -1 with an
+ * error naming the leaf or the size to configure. */
+static int _pack_check_plan(mtc_arena *a, const mtc_tree *t, const mtc_plan *p, int64_t arena_bytes)
+{
+    for (uint32_t i = 0; i < t->nleaves; i++) {
+        const mtc_leaf *l = &t->leaves[i];
+        if (l->action == MTC_ACT_PACK) continue;
+        PyObject *path = mtc_leaf_path(t, i);
+        if (!path) return -1;
+        /* an expanded view (a 0 stride on a dim of more than one element) is
+         * packed with every element it shows */
+        int expanded = 0;
+        for (int32_t d = 0; d < l->ndim; d++)
+            if (t->shape[l->dims + d] > 1 && t->strides[l->dims + d] == 0) expanded = 1;
+        if (l->nbytes == INT64_MAX)
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: %U spans 2^63 bytes or more (an expanded view, e.g. .expand() or "
+                         "np.broadcast_to), more than any arena_bytes: pack the tensor it expands, and "
+                         "expand it after loading", path);
+        else
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: %U takes %lld bytes packed%s, more than the whole shared arena "
+                         "(%lld bytes). Make it larger: PackedCollate(arena_bytes=...) of at least "
+                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x the batch's bytes%s",
+                         path, (long long)l->nbytes,
+                         expanded ? " (an expanded view is packed with every element it shows)" : "",
+                         (long long)arena_bytes, expanded ? ", or expand the tensor after loading" : "");
+        Py_DECREF(path);
+        return -1;
+    }
+    if (p->nchunks > 1) {
+        int64_t total = 0;
+        for (uint32_t k = 0; k < p->nchunks; k++)
+            if (__builtin_add_overflow(total, p->chunks[k].payload, &total)) total = INT64_MAX;
+        return _pack_too_big(a, total, -E2BIG);
+    }
+    return 0;
 }
 
 /* Writes every leaf of t into the region at `dst` as plan p places them: one
@@ -303,7 +411,16 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_ValueError, "mtc_loader: the arena alignment must be a power of two <= 4096");
         return NULL;
     }
-    o.max_chunk = o.pack_limit = INT64_MAX / 4; /* one chunk, whatever the sizes */
+    if (timeout != timeout) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: PackedCollate's timeout must be a number of seconds "
+                        "(negative: wait forever), got nan");
+        return NULL;
+    }
+    /* negative, infinite or past int64 nanoseconds: forever */
+    int64_t timeout_ns = timeout < 0 || timeout >= 9.2e9 ? -1 : (int64_t)(timeout * 1e9);
+    /* one chunk of at most the arena: a leaf or batch past it is refused by name */
+    int64_t arena_bytes = (int64_t)a->nslots * (int64_t)a->slot_bytes;
+    o.max_chunk = o.pack_limit = arena_bytes;
     mtc_tree t;
     memset(&t, 0, sizeof t);
     mtc_plan plan;
@@ -313,13 +430,20 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     int have_region = 0;
     uint32_t me = (uint32_t)getpid();
     if (mtc_traverse(st, args[1], &t) || _pack_refuse_cuda(&t)) goto error;
+    if (t.nleaves > MTC_LAYOUT_MAX_LEAVES) { /* the main process's decoder takes no more */
+        PyErr_Format(PyExc_ValueError, "mtc_loader: the batch holds %u tensors and arrays; a packed batch "
+                     "holds at most %u (2^22): split it into smaller batches", t.nleaves,
+                     (unsigned)MTC_LAYOUT_MAX_LEAVES);
+        goto error;
+    }
     int rc = mtc_plan_build(&plan, t.leaves, t.nleaves, t.shape, &o);
     if (rc) {
         PyErr_Format(PyExc_ValueError, "mtc_loader: planning the packed batch failed (%s)", strerror(-rc));
         goto error;
     }
+    if (_pack_check_plan(a, &t, &plan, arena_bytes)) goto error;
     int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
-    if (_pack_alloc_region(a, payload, timeout, me, &off)) goto error;
+    if (_pack_alloc_region(a, payload, timeout_ns, me, &off)) goto error;
     have_region = 1;
     if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton)) goto error;
     if (!(res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton))) goto error;
@@ -346,10 +470,10 @@ static void _region_done(void *arg)
     free(r);
 }
 
-/* Checks a descriptor's region and decodes its layout (untrusted input). On
- * success the layout is in *L (free with mtc_layout_free). On failure -1 with
- * ValueError/TypeError set; a region that was named correctly but whose
- * layout is malformed is freed (the batch is consumed: nobody else would). */
+/* Checks a descriptor's byte count against its region (already found to be
+ * this process's) and decodes its layout (untrusted input). 0 with the layout
+ * in *L (free with mtc_layout_free), or -1 with ValueError/TypeError set; the
+ * caller frees the region (the batch is consumed: nobody else would). */
 static int _unpack_decode(mtc_state *st, mtc_arena *a, uint64_t off, int64_t nbytes, uint32_t owner,
                           PyObject *layout, mtc_layout *L)
 {
@@ -358,15 +482,14 @@ static int _unpack_decode(mtc_state *st, mtc_arena *a, uint64_t off, int64_t nby
         return -1;
     }
     if (nbytes < 0 || mtc_arena_check(a, off, (uint64_t)(nbytes ? nbytes : 1), owner)) {
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
-                        "part of the arena (a stale or forged descriptor)");
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's byte count does not fit its arena "
+                        "region (a corrupt or forged descriptor)");
         return -1;
     }
     int rc = mtc_layout_decode((const uint8_t *)PyBytes_AS_STRING(layout), (size_t)PyBytes_GET_SIZE(layout),
                                st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, L);
     if (rc || (L->nleaves && L->plan.chunks[0].payload != nbytes)) {
         if (!rc) mtc_layout_free(L);
-        mtc_arena_free(a, off, owner);
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
                         "match its region (a corrupt or forged descriptor)");
         return -1;
@@ -508,23 +631,38 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     ArenaObject *ao = (ArenaObject *)args[0];
     mtc_arena *a = _arena_of(st, args[0]);
     if (!a) return NULL;
-    unsigned long long off = PyLong_AsUnsignedLongLong(args[1]);
-    long long nbytes = PyLong_AsLongLong(args[2]);
-    unsigned long owner = PyLong_AsUnsignedLong(args[3]);
-    int target = (int)PyLong_AsLong(args[6]);
-    int background = PyObject_IsTrue(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    mtc_layout L;
-    if (_unpack_decode(st, a, off, nbytes, (uint32_t)owner, args[4], &L)) return NULL;
-    mtc_handle *h = mtc_handle_new(st);
-    if (!h) {
-        mtc_layout_free(&L);
-        mtc_arena_free(a, off, (uint32_t)owner);
+    uint64_t off;
+    uint32_t owner, me = (uint32_t)getpid();
+    if (_parse_offset(args[1], &off) || _parse_owner(args[3], &owner)) return NULL;
+    if (owner != me || mtc_arena_check(a, off, 1, owner)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
+                        "part of the arena (a stale or forged descriptor)");
         return NULL;
     }
+    /* From here the region is this batch's, and the batch is consumed: every
+     * error frees it (nobody else would), unless the copy took it over. */
+    int region_owned = 1;
+    mtc_layout L;
+    memset(&L, 0, sizeof L);
+    mtc_handle *h = NULL;
     PyObject *chunk = NULL;
     Py_ssize_t skip = 0;
-    int region_owned = 1; /* freed here on error, unless the copy took it over */
+    long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
+    if (nbytes < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch's byte count %R is not a byte count "
+                     "(a corrupt or forged descriptor)", args[2]);
+        goto error;
+    }
+    long target = PyLong_AsLong(args[6]);
+    if (target == -1 && PyErr_Occurred()) goto error;
+    if (target < -1 || target >= MTC_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: bad target device index %ld", target);
+        goto error;
+    }
+    int background = PyObject_IsTrue(args[7]);
+    if (background < 0 || _unpack_decode(st, a, off, nbytes, owner, args[4], &L)) goto error;
+    if (!(h = mtc_handle_new(st))) goto error;
     h->tree.slots = 1;
     if (mtc_traverse(st, args[5], &h->tree)) goto error;
     if (h->tree.nslots != L.nleaves || h->tree.nleaves) {
@@ -532,7 +670,7 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         goto error;
     }
     int64_t align = L.nleaves ? L.plan.chunks[0].align : 1;
-    if (_unpack_copy(st, h, ao, off, nbytes, align, target, background, &chunk, &skip, &region_owned))
+    if (_unpack_copy(st, h, ao, off, nbytes, align, (int)target, background, &chunk, &skip, &region_owned))
         goto error;
     if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
     if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk, skip)) goto error;
@@ -542,9 +680,9 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     return (PyObject *)h;
 
 error:
-    if (region_owned) mtc_arena_free(a, off, (uint32_t)getpid());
+    if (region_owned) mtc_arena_free(a, off, owner);
     Py_XDECREF(chunk);
     mtc_layout_free(&L);
-    Py_DECREF(h);
+    Py_XDECREF(h);
     return NULL;
 }

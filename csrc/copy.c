@@ -97,7 +97,8 @@ static int _parse_args(PyObject *const *args, Py_ssize_t nargs, _copy *c)
         PyErr_SetString(PyExc_TypeError, "_engine.start_copy(data, target, staging, pack, align, max_chunk, background)");
         return -1;
     }
-    mtc_plan_default_opts(&c->o, (int32_t)PyLong_AsLong(args[1]));
+    long target = PyLong_AsLong(args[1]); /* range-checked below, before any truncation */
+    mtc_plan_default_opts(&c->o, target < -1 || target >= MTC_MAX_DEVICES ? -2 : (int32_t)target);
     c->o.staging = PyObject_IsTrue(args[2]);
     c->o.pack = PyObject_IsTrue(args[3]);
     c->o.align = PyLong_AsLongLong(args[4]);
@@ -126,6 +127,28 @@ static int _read_leaves(_copy *c, PyObject *data)
     return 0;
 }
 
+/* A leaf whose bytes do not fit int64 (traverse saturates them at INT64_MAX:
+ * an expanded view such as torch.zeros(1).expand(2**63)) can only be reused
+ * where it is; copying it would need that many bytes. 0, or -1 with
+ * ValueError naming the first such leaf the plan would copy. */
+static int _refuse_huge(const mtc_tree *t)
+{
+    for (uint32_t i = 0; i < t->nleaves; i++) {
+        const mtc_leaf *l = &t->leaves[i];
+        if (l->nbytes != INT64_MAX || l->action == MTC_ACT_REUSE || l->action == MTC_ACT_FROM_NUMPY) continue;
+        PyObject *path = mtc_leaf_path(t, i);
+        if (path) {
+            PyErr_Format(PyExc_ValueError,
+                         "mtc_loader: %U spans 2^63 bytes or more (an expanded view, e.g. .expand() or "
+                         "np.broadcast_to) and cannot be copied as a whole: copy the tensor it expands, "
+                         "and expand it after the copy", path);
+            Py_DECREF(path);
+        }
+        return -1;
+    }
+    return 0;
+}
+
 /* Stage 2: plan (an action per leaf, packed segments and chunks); leaves the
  * planner wants contiguous are replaced by contiguous copies and the plan is
  * made again. 0, or -1 with an exception. */
@@ -134,6 +157,7 @@ static int _plan(_copy *c)
     int64_t t0 = mtc_now_ns();
     mtc_tree *t = c->t;
     int rc = mtc_plan_build(&c->plan, t->leaves, t->nleaves, t->shape, &c->o);
+    if (rc == 0 && _refuse_huge(t)) return -1;
     if (rc == 0 && c->plan.need_contig) {
         int n = _make_contiguous(c->st, t, &c->plan);
         if (n < 0) return -1;

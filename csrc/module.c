@@ -173,7 +173,7 @@ static PyObject *engine_set_pinned_cap(PyObject *module, PyObject *arg)
     long long v = PyLong_AsLongLong(arg);
     if (v == -1 && PyErr_Occurred()) return NULL;
     if (v <= 0) {
-        PyErr_SetString(PyExc_ValueError, "pinned_cap_bytes must be positive");
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: pinned_cap_bytes must be positive");
         return NULL;
     }
     mtc_engine_set_pinned_cap((size_t)v);

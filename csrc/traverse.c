@@ -10,6 +10,8 @@
 #include "files.h"
 #include <string.h>
 
+#include "cuda.h" /* MTC_MAX_DEVICES */
+
 /* ---- growable arrays ---- */
 
 static int _grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize)
@@ -317,9 +319,19 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     if (PyErr_Occurred()) goto diagnose;
 
     if (!(v = _tcall(obj, exact, st->m_get_device, st->s_get_device))) goto diagnose;
-    l.dev = (int32_t)PyLong_AsLong(v);
+    long dev = PyLong_AsLong(v);
     Py_CLEAR(v);
     if (PyErr_Occurred()) goto diagnose;
+    if (dev >= MTC_MAX_DEVICES) { /* per-device tables (streams, pools) have this many slots */
+        PyObject *path = _node_path(t, node);
+        if (path) {
+            PyErr_Format(PyExc_ValueError, "mtc_loader: %U lives on device %ld; mtc_loader copies from and "
+                         "to CUDA devices 0 .. %d", path, dev, MTC_MAX_DEVICES - 1);
+            Py_DECREF(path);
+        }
+        goto error;
+    }
+    l.dev = (int32_t)dev;
     if (l.dev >= 0) {
         /* get_device() gives an index for every accelerator: insist on CUDA */
         if (!(v = _tattr(obj, exact, st->d_is_cuda, st->s_is_cuda))) goto diagnose;

@@ -8,6 +8,8 @@ import torch
 
 _TARGETS: dict[Any, int] = {}
 
+MAX_DEVICES = 64  # MTC_MAX_DEVICES in csrc/cuda.h
+
 
 def target_index(device: Union[str, torch.device, int]) -> int:
     """-1 for the CPU, the CUDA index otherwise; raises for anything else."""
@@ -34,6 +36,10 @@ def target_index(device: Union[str, torch.device, int]) -> int:
             raise ValueError(
                 f"mtc_loader: invalid device {device!r}: this machine has {count} CUDA "
                 f"device(s) (cuda:0 .. cuda:{count - 1})")
+        if index >= MAX_DEVICES:
+            raise ValueError(
+                f"mtc_loader: invalid device {device!r}: mtc_loader copies to CUDA devices "
+                f"0 .. {MAX_DEVICES - 1}")
         if dev.index is None:
             return index  # "cuda" follows the current device: not cached
     else:

@@ -726,3 +726,32 @@ def test_subclass_contiguous_of_another_shape_is_refused_by_name():
     with pytest.raises(TypeError, match=r"^mtc_loader: data\[0\] is a tensor whose contiguous\(\) "
                                         r"returned a tensor of another shape"):
         start_copy([x, torch.ones(3)], "cuda", use_pinned_staging=False)
+
+
+# ---------------------------------- sweep: device indices and descriptors are never truncated
+
+
+@pytest.mark.parametrize("dev", [70, 2 ** 32 + 70])
+def test_leaf_on_a_device_index_past_the_engine_tables_is_refused(dev):
+    # per-device tables (captured streams, slab pools) have 64 slots; get_device() of a leaf is
+    # range-checked before it is narrowed (2^32 + 70 used to become 70, then index them)
+    class FarAway(torch.Tensor):
+        def get_device(self):
+            return dev
+
+        @property
+        def is_cuda(self):
+            return True
+
+    x = torch.ones(3).as_subclass(FarAway)
+    with pytest.raises(ValueError, match=rf"^mtc_loader: data\['a'\] lives on device {dev}; mtc_loader "
+                                         r"copies from and to CUDA devices 0 \.\. 63"):
+        start_copy({"a": x}, "cpu")
+
+
+def test_engine_entry_points_refuse_out_of_range_ints():
+    from mtc_loader import _engine
+    with pytest.raises(ValueError, match="^mtc_loader: bad engine arguments"):
+        _engine.start_copy([torch.ones(1)], 2 ** 32 - 1, True, True, 16, 1 << 20, True)  # not -1 (CPU)
+    with pytest.raises(ValueError, match="^mtc_loader: 4294967297 is not a file descriptor"):
+        _engine.arena_attach(2 ** 32 + 1)
