@@ -644,29 +644,39 @@ def test_keyboard_interrupt_while_pack_waits_for_room(timeout):
 # ------------------------------- 8: a pickled PackedCollate never unpickled leaks nothing
 
 
-def _arena_fds() -> int:
+def _arena_fds(token: tuple) -> int:
+    """Descriptors of this process open on the arena of token (creator, st_dev, st_ino)."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += "mtc_loader_arena" in os.readlink(f"/proc/self/fd/{fd}")
+            st = os.stat(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        n += (st.st_dev, st.st_ino) == tuple(token[1:])
     return n
 
 
 def test_pickled_but_never_unpickled_collate_keeps_no_descriptor():
     import gc
     import pickle
-    base = _arena_fds()
     pc = PackedCollate(list, arena_bytes=1 << 20)
-    assert _arena_fds() == base + 1
+    token = pc.arena.token
+    assert _arena_fds(token) == 1
     blobs = [pickle.dumps(pc) for _ in range(3)]  # dups wait in the resource sharer
-    assert _arena_fds() == base + 4
+    assert _arena_fds(token) == 4
     again = pickle.loads(pickle.dumps(pc))  # a pickle that is unpickled takes its dup
-    assert again.arena is pc.arena and _arena_fds() == base + 4
+    assert again.arena is pc.arena
+    _eventually(lambda: _arena_fds(token) == 4)  # the sharer's thread closes its side
     del pc, again, blobs
     gc.collect()
-    assert _arena_fds() == base  # the arena and every pending dup are gone
+    _eventually(lambda: _arena_fds(token) == 0)  # the arena and every pending dup are gone
+
+
+def _eventually(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 # -------------------------------------- 14: option and device errors name the option
