@@ -12,19 +12,19 @@ def positive_int(name: str, value: Any, maximum: int = INT64_MAX) -> int:
     """``value`` as an int in ``1 .. maximum`` (bool refused; numpy integers accepted)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"mtc_loader: {name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value <= 0:
-        raise ValueError(f"mtc_loader: {name} must be positive, got {value}")
-    if value > maximum:
-        raise ValueError(f"mtc_loader: {name} must be at most {maximum}, got {value}")
-    return value
+    n = int(value)
+    if n <= 0:
+        raise ValueError(f"mtc_loader: {name} must be positive, got {n}")
+    if n > maximum:
+        raise ValueError(f"mtc_loader: {name} must be at most {maximum}, got {n}")
+    return n
 
 
 def seconds(name: str, value: Any) -> float:
     """``value`` as a float number of seconds: any real number but nan (inf: no limit)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"mtc_loader: {name} must be a number of seconds, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
+    x = float(value)
+    if math.isnan(x):
         raise ValueError(f"mtc_loader: {name} must be a number of seconds, got nan")
-    return value
+    return x

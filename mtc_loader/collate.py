@@ -75,7 +75,7 @@ class Arena:
         dup = resource_sharer.DupFd(self._a.fileno())
         pending = _pending_keys()
         self._shared[:] = [k for k in self._shared if k in pending]
-        self._shared.append(dup._id[1])
+        self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
         return (_attach, (dup, self.token))
 
     def stats(self) -> dict[str, int]:
@@ -96,14 +96,14 @@ _MAX_ARENA_BYTES = 1 << 46  # mtc_arena_create's limit
 
 def _pending_keys() -> set[int]:
     """Keys of the resource sharer's registrations no process has taken yet."""
-    sharer = resource_sharer._resource_sharer
+    sharer = resource_sharer._resource_sharer  # type: ignore[attr-defined]
     with sharer._lock:
         return set(sharer._cache)
 
 
 def _unshare(keys: list[int]) -> None:
     """Closes the resource sharer's pending dups of a dead arena's descriptor."""
-    sharer = resource_sharer._resource_sharer
+    sharer = resource_sharer._resource_sharer  # type: ignore[attr-defined]
     with sharer._lock:
         entries = [sharer._cache.pop(k, None) for k in keys]
     keys.clear()

@@ -1,7 +1,7 @@
 """``start_copy`` and ``AsyncCopyHandle``: the explicit API (reference: api.txt)."""
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
