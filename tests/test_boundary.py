@@ -765,3 +765,14 @@ def test_engine_entry_points_refuse_out_of_range_ints():
         _engine.start_copy([torch.ones(1)], 2 ** 32 - 1, True, True, 16, 1 << 20, True)  # not -1 (CPU)
     with pytest.raises(ValueError, match="^mtc_loader: 4294967297 is not a file descriptor"):
         _engine.arena_attach(2 ** 32 + 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_huge_virtual_view_that_would_be_copied_is_refused_by_name(direction):
+    src_dev, dst = ("cpu", "cuda") if direction == "h2d" else ("cuda", "cpu")
+    y = torch.zeros(1, dtype=torch.int16, device=src_dev).expand(2 ** 62)  # 2^63 bytes
+    with pytest.raises(ValueError, match=r"^mtc_loader: data\[1\] spans 2\^63 bytes or more"):
+        start_copy([torch.ones(2, device=src_dev), y], dst)
+    # on its own device it is reused
+    assert start_copy([y], src_dev).get()[0] is y
