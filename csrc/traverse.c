@@ -425,11 +425,12 @@ static int _read_file(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     int rc = -1;
     if (_reserve_leaf(t, l.ndim)) goto out;
     l.dims = t->ndims;
+    /* wraps only for an empty leaf (dims (0, 2**62, 4)), whose strides address nothing */
     int64_t acc = l.elsize;
     for (int d = l.ndim - 1; d >= 0; d--) {
         t->shape[t->ndims + d] = dims[d];
         t->strides[t->ndims + d] = acc;
-        acc *= dims[d] > 1 ? dims[d] : 1;
+        (void)__builtin_mul_overflow(acc, dims[d] > 1 ? dims[d] : 1, &acc);
     }
     t->leaves[t->nleaves] = l;
     rc = _finish_leaf(t, &t->leaves[t->nleaves], node, spec);

@@ -4,6 +4,8 @@
  */
 #include "uring.h"
 
+#include "plan.h" /* MTC_MAX_NDIM */
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -183,7 +185,8 @@ int mtc_uring_spec_view(const void *buf, size_t len, mtc_file_spec *out)
     if (len < sizeof out->h) return -EINVAL;
     memcpy(&out->h, b, sizeof out->h);
     const mtc_file_spec_hdr *h = &out->h;
-    if (h->magic != MTC_FILE_SPEC_MAGIC || h->ndim > 64 || h->nparts == 0 || h->nbytes < 0) return -EINVAL;
+    if (h->magic != MTC_FILE_SPEC_MAGIC || h->ndim > MTC_MAX_NDIM || h->nparts == 0 || h->nbytes < 0)
+        return -EINVAL;
     size_t need = sizeof *h + (size_t)h->ndim * sizeof(int64_t) + (size_t)h->nparts * sizeof(mtc_file_part);
     if ((uint64_t)h->nparts > len / sizeof(mtc_file_part) || need > len || len - need != h->paths_bytes)
         return -EINVAL;

@@ -231,9 +231,15 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         ok = all(not isinstance(d, bool) and int(d) == d for d in shape)
     except (TypeError, ValueError):
         ok = False
-    if not ok or any(d < 0 for d in dims) or len(dims) > 64:
+    if not ok or any(d < 0 for d in dims):
         raise ValueError(f"mtc_loader: FileTensor shape must be a sequence of non-negative ints, got {shape!r}")
+    if len(dims) > _MAX_NDIM:
+        raise ValueError(f"mtc_loader: FileTensor shape has {len(dims)} dimensions; mtc_loader copies "
+                         f"tensors of at most {_MAX_NDIM}")
     return dims
+
+
+_MAX_NDIM = 1024  # MTC_MAX_NDIM in csrc/plan.h
 
 
 def _fill_minus_one(path: str, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:

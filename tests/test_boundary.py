@@ -776,3 +776,17 @@ def test_huge_virtual_view_that_would_be_copied_is_refused_by_name(direction):
         start_copy([torch.ones(2, device=src_dev), y], dst)
     # on its own device it is reused
     assert start_copy([y], src_dev).get()[0] is y
+
+
+def test_file_tensor_of_more_than_64_dims(tmp_path):
+    # FileTensor's spec took 64 dims at most (Python and uring.c), the engine now 1024
+    from mtc_loader import FileTensor
+    p = tmp_path / "x.bin"
+    np.arange(6, dtype=np.float32).tofile(p)
+    ft = FileTensor(str(p), dtype=torch.float32, shape=[2, 3] + [1] * 80)
+    out = start_copy([ft], "cpu").get()[0]
+    assert out.shape == (2, 3) + (1,) * 80
+    assert torch.equal(out.flatten(), torch.arange(6, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"^mtc_loader: FileTensor shape has 1025 dimensions; mtc_loader "
+                                         r"copies tensors of at most 1024"):
+        FileTensor(str(p), dtype=torch.float32, shape=[1] * 1025)
