@@ -63,10 +63,11 @@ profile)
               | grep -E " mtc | to |reference"
       done; } 2>&1 | tee -a "$out/copy.log" ;;
 sanitize-prefetch)
-    timeout 200 "$cs" --tool memcheck --leak-check no --target-processes all \
-        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "not interpreter_exit" > "$out/sanitize.log" 2>&1
+    timeout 110 "$cs" --tool memcheck --leak-check no \
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or overlaps or bitwise" \
+        > "$out/sanitize.log" 2>&1
     echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" "$out/sanitize.log" | tail -3
-    timeout 150 "$cs" --tool racecheck --target-processes all \
-        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "bitwise or kept_alive" >> "$out/sanitize.log" 2>&1
+    timeout 60 "$cs" --tool racecheck \
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
 esac
