@@ -198,37 +198,6 @@ static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* stream_wait_event(stream, event): cuStreamWaitEvent on raw handles, with
- * the GIL held (a non-blocking driver call of a few microseconds; torch's
- * Stream.wait_event releases the GIL, and a prefetch service thread that
- * takes it meanwhile delays the caller by a whole switch interval). The
- * stream must belong to the calling thread's current device. */
-static PyObject *engine_stream_wait_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "stream_wait_event(stream, event)");
-        return NULL;
-    }
-    void *s = PyLong_AsVoidPtr(args[0]), *e = PyLong_AsVoidPtr(args[1]);
-    if (PyErr_Occurred()) return NULL;
-    if (!e) {
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: stream_wait_event needs a recorded event");
-        return NULL;
-    }
-    int rc = mtc_cuda_load();
-    if (!rc) {
-        CUresult res = mtc_cu.cuStreamWaitEvent((CUstream)s, (CUevent)e, 0);
-        rc = res ? MTC_CUDA_ERR(res) : 0;
-    }
-    if (rc) {
-        char desc[256];
-        mtc_cuda_describe(rc, desc, sizeof desc);
-        PyErr_Format(PyExc_RuntimeError, "mtc_loader: making the stream wait for the copy failed: %s", desc);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 static PyObject *engine_cuda_available(PyObject *module, PyObject *unused)
 {
     int n = mtc_cuda_device_count();
@@ -288,8 +257,6 @@ static PyMethodDef engine_methods[] = {
     {"trim", engine_trim, METH_NOARGS, "Free idle pinned slabs; returns bytes freed."},
     {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
-    {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
-     "stream_wait_event(stream, event): cuStreamWaitEvent with the GIL held."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
     {"pack", (PyCFunction)(void (*)(void))engine_pack, METH_FASTCALL,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _engine, _trace
+from . import _trace
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
 from .copy import start_copy
@@ -107,12 +107,7 @@ class SideCopy:
         self._finish()
         if self._event is not None:
             consumer = torch.cuda.current_stream(self._index)
-            if torch.cuda.current_device() == self._index:
-                # the same wait as consumer.wait_event, without releasing the GIL (a busy
-                # service thread would take it and delay this thread by a switch interval)
-                _engine.stream_wait_event(consumer.cuda_stream, self._event.cuda_event)
-            else:
-                consumer.wait_event(self._event)
+            consumer.wait_event(self._event)
             for buf in self._buffers:
                 buf.record_stream(consumer)
             self._event = None

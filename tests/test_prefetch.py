@@ -215,13 +215,3 @@ def test_gil_switch_interval_lowered_while_working_and_restored():
 def test_bad_gil_switch_interval(bad):
     with pytest.raises(ValueError, match="gil_switch_interval"):
         mtc_loader.PrefetchLoader([], "cpu", gil_switch_interval=bad)
-
-
-def test_stream_wait_event_checks_its_arguments():
-    from mtc_loader import _engine
-    with pytest.raises(ValueError, match="needs a recorded event"):
-        _engine.stream_wait_event(0, 0)
-    with pytest.raises(TypeError):
-        _engine.stream_wait_event(0)
-    with pytest.raises(TypeError):
-        _engine.stream_wait_event("stream", 1)
