@@ -162,3 +162,12 @@ def run_make(directory, *args, timeout: float) -> str:
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited with {proc.returncode}\n----- output (tail) -----\n{proc.stdout[-20000:]}")
     return proc.stdout
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs CUDA carries the ``cuda`` marker, so ``pytest -m cuda`` (the GPU
+    machine's run) cannot leave one out: tests decorated with ``requires_cuda`` alone get it."""
+    for item in items:
+        if any(m.name == "skipif" and "needs a CUDA GPU" in str(m.kwargs.get("reason", ""))
+               for m in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)
