@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Optional, Sequence, Union, cast
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -187,9 +187,9 @@ class FileTensor:
 
     def load(self) -> torch.Tensor:
         """The tensor, read now into ordinary (pageable) CPU memory by the engine."""
-        from .copy import start_copy  # copy imports collate imports _tree imports us
-
-        out: torch.Tensor = start_copy(cast(Any, self), "cpu").get()
+        # the engine's start_copy to the CPU (target -1) with start_copy's defaults, run on this
+        # thread: staging, packing, 16-byte alignment, 32 MiB chunks, no background thread
+        out: torch.Tensor = _engine.start_copy(self, -1, True, True, 16, 33554432, False).get()
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
