@@ -123,7 +123,9 @@ def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCo
     Unlike :func:`~mtc_loader.start_copy`, the copy does not wait for work queued earlier on the
     caller's stream; :meth:`SideCopy.get` makes the caller's current stream wait for the copy
     instead. This is what :class:`PrefetchLoader` does for every batch. For ``"cpu"`` it is
-    ``start_copy``.
+    ``start_copy``. Inputs that live on a GPU must therefore be complete: a tensor that kernels
+    queued on another stream are still writing would be read early (host inputs, the usual case,
+    have no such concern).
 
     Args:
         data: The structure to copy, or a packed batch.
