@@ -10,6 +10,9 @@
 #                                      # place there), alternating: new, old, old, new
 #   bash bench/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
 #   bash bench/gpu_checks.sh sanitize-prefetch  # memcheck + racecheck over the prefetch CUDA tests
+#   bash bench/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
+#                                      # thread's __next__) with this tree's package and DIR's,
+#                                      # alternating: new, old, old, new
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -70,4 +73,14 @@ sanitize-prefetch)
     timeout 60 "$cs" --tool racecheck \
         python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
+ab-next)
+    old=${2:?ab-next needs the old tree}
+    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+    for v in new old old new; do
+        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
+        echo "== $v ($p)" >> "$out/next.log"
+        PYTHONPATH=$p python3 bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 \
+            --methods packed_prefetch --out /tmp/next_$v 2>&1 | grep -E "PrefetchLoader  |__next__" >> "$out/next.log"
+    done
+    cat "$out/next.log" ;;
 esac

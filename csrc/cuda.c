@@ -36,6 +36,8 @@ static int _cu_resolve(void)
     _CU_SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     _CU_SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
     _CU_SYM(cuCtxGetCurrent, "cuCtxGetCurrent");
+    _CU_SYM(cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+    _CU_SYM(cuCtxPopCurrent, "cuCtxPopCurrent_v2");
     _CU_SYM(cuMemHostAlloc, "cuMemHostAlloc");
     _CU_SYM(cuMemFreeHost, "cuMemFreeHost");
     _CU_SYM(cuMemHostRegister, "cuMemHostRegister_v2");
@@ -88,7 +90,8 @@ int mtc_cuda_device_count(void)
     return r ? MTC_CUDA_ERR(r) : n;
 }
 
-int mtc_cuda_set_device(int dev)
+/* The primary context of `dev`, retained on first use: 0 or an error code. */
+static int _cu_primary(int dev, CUcontext *out)
 {
     if (dev < 0 || dev >= MTC_MAX_DEVICES) return -EINVAL;
     int rc = mtc_cuda_load();
@@ -106,7 +109,34 @@ int mtc_cuda_set_device(int dev)
         _cu_ctx[dev] = ctx;
     }
     pthread_mutex_unlock(&_cu_lock);
+    *out = ctx;
+    return 0;
+}
+
+int mtc_cuda_set_device(int dev)
+{
+    CUcontext ctx;
+    int rc = _cu_primary(dev, &ctx);
+    if (rc) return rc;
     CUresult r = mtc_cu.cuCtxSetCurrent(ctx);
+    return r ? MTC_CUDA_ERR(r) : 0;
+}
+
+int mtc_cuda_stream_wait_event(int dev, uintptr_t stream, uintptr_t event)
+{
+    CUcontext ctx, cur = NULL;
+    int rc = _cu_primary(dev, &ctx);
+    if (rc) return rc;
+    CUresult r = mtc_cu.cuCtxGetCurrent(&cur);
+    if (r) return MTC_CUDA_ERR(r);
+    int pushed = cur != ctx;
+    if (pushed && (r = mtc_cu.cuCtxPushCurrent(ctx))) return MTC_CUDA_ERR(r);
+    r = mtc_cu.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0);
+    if (pushed) {
+        CUcontext popped;
+        CUresult r2 = mtc_cu.cuCtxPopCurrent(&popped);
+        if (!r) r = r2;
+    }
     return r ? MTC_CUDA_ERR(r) : 0;
 }
 

@@ -56,6 +56,8 @@ typedef struct mtc_cuda_api {
     CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
     CUresult (*cuCtxSetCurrent)(CUcontext);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxPushCurrent)(CUcontext);
+    CUresult (*cuCtxPopCurrent)(CUcontext *);
     CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
     CUresult (*cuMemFreeHost)(void *);
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
@@ -101,6 +103,17 @@ int mtc_cuda_set_device(int dev);
 
 /* Returns the primary context of `dev` (retained by mtc_cuda_set_device), or NULL. */
 CUcontext mtc_cuda_context(int dev);
+
+/*
+ * Makes `stream` (a stream of device `dev`'s primary context; 0 is its
+ * legacy default stream) wait on the GPU for `event`'s last record
+ * (cuStreamWaitEvent). The calling thread's current context is left as it
+ * was: when it is not `dev`'s primary context (a thread that never used
+ * CUDA, or one current on another device) that context is pushed for the
+ * call and popped. Never blocks on the GPU, so a caller may hold the GIL.
+ * Returns 0 or an error code as above.
+ */
+int mtc_cuda_stream_wait_event(int dev, uintptr_t stream, uintptr_t event);
 
 /* Number of devices the driver sees, or a negative error code. */
 int mtc_cuda_device_count(void);

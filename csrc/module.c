@@ -204,6 +204,39 @@ static PyObject *engine_cuda_available(PyObject *module, PyObject *unused)
     return PyLong_FromLong(n < 0 ? 0 : n);
 }
 
+/* stream_wait_event(device, stream, event): cuStreamWaitEvent with the GIL
+ * held (the prefetch service's hand-out; torch's Stream.wait_event releases
+ * the GIL, and taking it back costs the caller up to a switch interval
+ * while the service thread holds it). stream and event are the raw handles
+ * (torch's Stream.cuda_stream, Event.cuda_event). */
+static PyObject *engine_stream_wait_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: stream_wait_event(device, stream, event) takes 3 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    uintptr_t event = (uintptr_t)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < 0 || dev >= MTC_MAX_DEVICES || !event) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: stream_wait_event needs a CUDA device index in [0, %d) "
+                     "and a recorded event, got device %ld, event %zu", MTC_MAX_DEVICES, dev, (size_t)event);
+        return NULL;
+    }
+    int rc = mtc_cuda_stream_wait_event((int)dev, stream, event);
+    if (rc) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: making stream %zu of cuda:%ld wait for a batch's event "
+                     "failed: %s", (size_t)stream, dev, desc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- NVTX */
 
 /* The entry points that run a whole stage, each inside its NVTX range
@@ -257,6 +290,8 @@ static PyMethodDef engine_methods[] = {
     {"trim", engine_trim, METH_NOARGS, "Free idle pinned slabs; returns bytes freed."},
     {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
+    {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
+     "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
     {"pack", (PyCFunction)(void (*)(void))engine_pack, METH_FASTCALL,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import _trace
+from . import _engine, _trace
 from ._device import target_index
 from .collate import _ARENAS, PackedBatch
 from .copy import start_copy
@@ -52,6 +52,14 @@ def copy_stream(device: Any) -> "torch.cuda.Stream":
     return _copy_stream(index)
 
 
+def _raw_current_stream(index: int) -> int:
+    """The raw handle (``cudaStream_t``) of the calling thread's current stream on a device."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:  # no Stream object built: a few hundred ns
+        return int(get(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
 def _copy_stream(index: int) -> "torch.cuda.Stream":
     stream = _COPY_STREAMS.get(index)
     if stream is None:
@@ -66,13 +74,14 @@ class SideCopy:
     """A copy issued on the device's copy stream (:func:`start_side_copy`); :meth:`get` hands the
     result to the calling thread's current stream without a CPU synchronisation."""
 
-    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_done")
+    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_recorded", "_done")
 
     def __init__(self, handle: Any, index: int) -> None:
         self._handle, self._index = handle, index
         self._result: Any = None
         self._event: Optional[torch.cuda.Event] = None
         self._buffers: list[torch.Tensor] = []
+        self._recorded: Optional[int] = None  # raw handle of the stream the buffers are recorded on
         self._done = False
 
     def ready(self) -> bool:
@@ -80,10 +89,16 @@ class SideCopy:
         GPU side may still run: :meth:`get` makes the caller's stream wait for it)."""
         return self._done or self._handle.ready()
 
-    def _finish(self) -> None:
+    def _finish(self, consumer: Optional["torch.cuda.Stream"] = None) -> None:
         """Waits (GIL released) until every copy is enqueued on the copy stream and the output
         structure is built, then records the copy stream's event. Any thread may call it; the
-        copy stream must be the one the copy was started on."""
+        copy stream must be the one the copy was started on.
+
+        ``consumer``: the stream expected to use the batch; its buffers are recorded on it now
+        (``record_stream`` only adds the stream to what the allocator waits for when the memory
+        is freed, so recording early is as safe as at hand-out), which spares the hand-out the
+        torch calls (each releases and retakes the GIL) when the prediction holds.
+        """
         if self._done:
             return
         self._result = self._handle.get()
@@ -91,8 +106,29 @@ class SideCopy:
             self._buffers = self._handle._h.buffers()
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(_copy_stream(self._index))
+            if consumer is not None:
+                for buf in self._buffers:
+                    buf.record_stream(consumer)
+                self._recorded = int(consumer.cuda_stream)
         self._handle = None  # the engine's handle is no longer needed
         self._done = True
+
+    def _hand_to_current(self) -> Optional["torch.cuda.Stream"]:
+        """Makes the calling thread's current stream wait (on the GPU) for the copy's event and
+        records the buffers on it unless :meth:`_finish` already did. The wait is one driver call
+        made with the GIL held. Returns the current stream when its buffers had to be recorded
+        here (the prediction missed), else None."""
+        assert self._event is not None
+        raw = _raw_current_stream(self._index)
+        _engine.stream_wait_event(self._index, raw, self._event.cuda_event)
+        fresh = None
+        if raw != self._recorded:
+            fresh = torch.cuda.current_stream(self._index)
+            for buf in self._buffers:
+                buf.record_stream(fresh)
+        self._event = None
+        self._buffers = []
+        return fresh
 
     def get(self) -> Any:
         """The copied structure, usable in order on the calling thread's current stream.
@@ -106,12 +142,7 @@ class SideCopy:
         """
         self._finish()
         if self._event is not None:
-            consumer = torch.cuda.current_stream(self._index)
-            consumer.wait_event(self._event)
-            for buf in self._buffers:
-                buf.record_stream(consumer)
-            self._event = None
-            self._buffers = []
+            self._hand_to_current()
         return self._result
 
 
@@ -202,8 +233,12 @@ class _Service:
     """
 
     def __init__(self, iterable: Iterable[Any], index: int, device: Any, depth: int, options: dict[str, Any],
-                 stats: dict[str, Any], switch_interval: Optional[float]) -> None:
+                 stats: dict[str, Any], switch_interval: Optional[float],
+                 consumer: Optional["torch.cuda.Stream"]) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        # the stream the caller is expected to consume on (the one current when iteration
+        # started, then the one of the last hand-out whose prediction missed)
+        self.consumer = consumer
         self.options, self.stats, self.switch_interval = options, stats, switch_interval
         self.items: deque[tuple[Any, Optional[BaseException]]] = deque()
         self.cond = threading.Condition(threading.Lock())
@@ -260,11 +295,11 @@ class _Service:
                 with _trace.Range(_RANGE_COPY):
                     side = SideCopy(_start(batch, self.device, self.options), self.index)
                     del batch
-                    side._finish()
+                    side._finish(self.consumer)
             else:
                 side = SideCopy(_start(batch, self.device, self.options), self.index)
                 del batch
-                side._finish()
+                side._finish(self.consumer)
             return side, None, False
         except BaseException as e:
             return None, e, False
@@ -285,12 +320,16 @@ class _Service:
 
     # -- the caller
     def take(self) -> tuple[Any, Optional[BaseException]]:
+        """The next item. The service is not told that room freed up (:meth:`room`) until the
+        hand-out is done, so that it does not take the GIL in the middle of it."""
         with self.cond:
             while not self.items:
                 self.cond.wait()
-            item = self.items.popleft()
+            return self.items.popleft()
+
+    def room(self) -> None:
+        with self.cond:
             self.cond.notify_all()
-            return item
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stops the thread after the batch it is on, drops the finished batches, joins."""
@@ -403,8 +442,9 @@ class PrefetchLoader:
         index = target_index(self.device)  # "cuda" is the current device of the caller
         device = self.device if index < 0 else torch.device("cuda", index)
         stats = self._stats
+        consumer = torch.cuda.current_stream(index) if index >= 0 else None
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
-                           self.gil_switch_interval)
+                           self.gil_switch_interval, consumer)
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over
             # the yield would free the previous batch (hundreds of tensors) inside the next
@@ -443,10 +483,11 @@ class _HandOut:
         if _trace.active():  # free when no tool is attached
             with _trace.Range(_RANGE_NEXT):
                 side, error = self.service.take()
-                batch = side.get() if error is None and side is not _END else None
+                batch = self._hand_out(side) if error is None and side is not _END else None
         else:
             side, error = self.service.take()
-            batch = side.get() if error is None and side is not _END else None
+            batch = self._hand_out(side) if error is None and side is not _END else None
+        self.service.room()
         if error is not None:
             self.done = True
             raise error
@@ -457,6 +498,17 @@ class _HandOut:
         stats["wait_s"] += self.last - t0
         stats["batches"] += 1
         return batch
+
+
+    def _hand_out(self, side: SideCopy) -> Any:
+        # No call here releases the GIL (the event wait is one driver call made with it held,
+        # the buffers were recorded on the predicted stream by the service): releasing it would
+        # let the service thread, woken for the next batch, take it for up to a switch interval.
+        if side._event is not None:
+            fresh = side._hand_to_current()
+            if fresh is not None:
+                self.service.consumer = fresh
+        return side._result
 
 
 class _EpochEnd(Exception):

@@ -215,3 +215,23 @@ def test_gil_switch_interval_lowered_while_working_and_restored():
 def test_bad_gil_switch_interval(bad):
     with pytest.raises(ValueError, match="gil_switch_interval"):
         mtc_loader.PrefetchLoader([], "cpu", gil_switch_interval=bad)
+
+
+@pytest.mark.parametrize("args, err, match", [
+    ((-1, 0, 8), ValueError, "device index in \\[0, 64\\).*got device -1"),
+    ((64, 0, 8), ValueError, "got device 64"),
+    ((0, 0, 0), ValueError, "a recorded event"),
+    ((0, 0), TypeError, "takes 3 arguments"),
+    ((0, "s", 8), TypeError, "integer"),
+])
+def test_stream_wait_event_refuses_bad_arguments(args, err, match):
+    """The hand-out's driver-level wait (GIL held) checks what it is given before any CUDA call."""
+    with pytest.raises(err, match=match):
+        mtc_loader._engine.stream_wait_event(*args)
+
+
+def test_stream_wait_event_without_a_driver_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
+    with pytest.raises(RuntimeError, match="wait for a batch's event failed: libcuda"):
+        mtc_loader._engine.stream_wait_event(0, 0, 8)

@@ -3,6 +3,7 @@ sync), output memory recorded on the consumer's stream. Skipped without a GPU.""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -173,3 +174,57 @@ def test_interpreter_exit_with_the_service_busy_on_cuda(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "exiting" in r.stdout and "terminate called" not in r.stderr
+
+
+def test_consumer_that_switches_streams_keeps_its_batches_safe():
+    """The service records each batch's buffers on the stream predicted from the last hand-out;
+    a consumer that switches streams mid-epoch is recorded at hand-out. Each batch is read by a
+    kernel queued behind ~20 ms of GPU work on the consumer's stream and dropped at once: if its
+    buffers were not recorded on that stream, the next copies (issued meanwhile on the copy
+    stream) could reuse the memory before the read."""
+    ds, pc, dl, refs = packed_loader(n=48, workers=2, batch_size=4)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    clones = []
+    for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=1)):
+        s = streams[(k // 3) % len(streams)]  # three batches per stream, then switch
+        with torch.cuda.stream(s):
+            if k > 0:  # the batch arrived on the previous batch's stream: join it
+                s.wait_stream(streams[((k - 1) // 3) % len(streams)])
+            torch.cuda._sleep(34_000_000)
+            clones.append(torch.utils._pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b))
+        del b
+    torch.cuda.synchronize()
+    assert len(clones) == len(refs)
+    for k, (got, ref) in enumerate(zip(clones, refs)):
+        assert_tree_bitwise(got, tree_to(ref, "cuda:0"), f"batch {k}")
+    wait_no_service_threads()
+    assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
+
+
+def test_stream_wait_event_from_a_thread_without_a_cuda_context():
+    """The hand-out's wait is a driver call; a thread that never used CUDA has no current context,
+    so the engine pushes the device's primary context for the call. The wait must hold: work
+    queued on the waiting stream after it does not finish before the event's kernel."""
+    producer, waiter = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(LONG_KERNEL_CYCLES // 4)  # ~250 ms
+        ev = torch.cuda.Event()
+        ev.record(producer)
+    errors = []
+
+    def fresh_thread():
+        try:
+            mtc_loader._engine.stream_wait_event(0, waiter.cuda_stream, ev.cuda_event)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    assert not errors, errors
+    after = torch.cuda.Event()
+    after.record(waiter)
+    assert not after.query(), "the waiting stream did not wait for the event"
+    after.synchronize()
+    assert ev.query()
