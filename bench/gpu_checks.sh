@@ -67,11 +67,11 @@ profile)
       done; } 2>&1 | tee -a "$out/copy.log" ;;
 sanitize-prefetch)
     timeout 110 "$cs" --tool memcheck --leak-check no \
-        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or overlaps or bitwise" \
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or overlaps or bitwise or switches or context" \
         > "$out/sanitize.log" 2>&1
     echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" "$out/sanitize.log" | tail -3
     timeout 60 "$cs" --tool racecheck \
-        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive" >> "$out/sanitize.log" 2>&1
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or switches" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
 ab-next)
     old=${2:?ab-next needs the old tree}
