@@ -185,15 +185,20 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     ds, pc, dl, refs = packed_loader(n=48, workers=2, batch_size=4)
     streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
     clones = []
-    for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=1)):
+    it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
+    k = 0
+    while True:
         s = streams[(k // 3) % len(streams)]  # three batches per stream, then switch
-        with torch.cuda.stream(s):
-            if k > 0:  # the batch arrived on the previous batch's stream: join it
-                s.wait_stream(streams[((k - 1) // 3) % len(streams)])
+        with torch.cuda.stream(s):  # the hand-out (next) and every use on s
+            try:
+                b = next(it)
+            except StopIteration:
+                break
             torch.cuda._sleep(34_000_000)
             clones.append(torch.utils._pytree.tree_map(
                 lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b))
         del b
+        k += 1
     torch.cuda.synchronize()
     assert len(clones) == len(refs)
     for k, (got, ref) in enumerate(zip(clones, refs)):
