@@ -176,13 +176,27 @@ def test_interpreter_exit_with_the_service_busy_on_cuda(tmp_path):
     assert "exiting" in r.stdout and "terminate called" not in r.stderr
 
 
+class SameSize(torch.utils.data.Dataset):
+    """Samples of one size, so that every batch's packed chunk has the same size and the caching
+    allocator hands a freed chunk's block to the next copy whenever the block is free to reuse."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return [torch.full((16384,), float(i)), torch.arange(1000, dtype=torch.int64) + i]
+
+
 def test_consumer_that_switches_streams_keeps_its_batches_safe():
     """The service records each batch's buffers on the stream predicted from the last hand-out;
     a consumer that switches streams mid-epoch is recorded at hand-out. Each batch is read by a
     kernel queued behind ~20 ms of GPU work on the consumer's stream and dropped at once: if its
-    buffers were not recorded on that stream, the next copies (issued meanwhile on the copy
-    stream) could reuse the memory before the read."""
-    ds, pc, dl, refs = packed_loader(n=48, workers=2, batch_size=4)
+    buffers were not recorded on that stream, the allocator would give the freed block to a
+    later batch's copy (issued meanwhile on the copy stream) before the read."""
+    ds = SameSize()
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    dl = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=pc)
+    refs = [[ds[4 * k + j] for j in range(4)] for k in range(len(ds) // 4)]
     streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
     clones = []
     it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
@@ -203,6 +217,7 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     assert len(clones) == len(refs)
     for k, (got, ref) in enumerate(zip(clones, refs)):
         assert_tree_bitwise(got, tree_to(ref, "cuda:0"), f"batch {k}")
+    del it
     wait_no_service_threads()
     assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
 
