@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import mtc_loader
-from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_to
+from conftest import assert_tree_bitwise, requires_2gpus, requires_cuda, seed_batch, tree_to
 from test_loader import ARENA, SeedSamples, reference, settle
 from test_prefetch import Recorder, wait_no_service_threads
 
@@ -248,3 +248,23 @@ def test_stream_wait_event_from_a_thread_without_a_cuda_context():
     assert not after.query(), "the waiting stream did not wait for the event"
     after.synchronize()
     assert ev.query()
+
+
+@requires_2gpus
+def test_hand_out_while_another_device_is_current():
+    """The caller's current device is cuda:1 while it consumes batches copied to cuda:0: the
+    hand-out's driver-level wait runs in cuda:0's context (pushed for the call), on the caller's
+    current stream of cuda:0, and the thread's own device stays cuda:1."""
+    ds, pc, dl, refs = packed_loader(n=24, workers=2)
+    side0 = torch.cuda.Stream(device=0)
+    with torch.cuda.device(1):
+        with torch.cuda.stream(side0):  # current stream of cuda:0 for this thread
+            got = []
+            for b in mtc_loader.PrefetchLoader(dl, "cuda:0", depth=2):
+                assert torch.cuda.current_device() == 1
+                got.append(torch.utils._pytree.tree_map(
+                    lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b))
+    torch.cuda.synchronize(0)
+    for k, (g, ref) in enumerate(zip(got, refs)):
+        assert_tree_bitwise(g, tree_to(ref, "cuda:0"), f"batch {k}")
+    wait_no_service_threads()
