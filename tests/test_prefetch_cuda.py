@@ -197,9 +197,12 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
     dl = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=pc)
     refs = [[ds[4 * k + j] for j in range(4)] for k in range(len(ds) // 4)]
-    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    # none of them the legacy default stream: an event recorded there at a free would wait for
+    # every other stream's work and hide a missing record on the stream that read the batch
+    streams = [torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()]
     clones = []
-    it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
+    with torch.cuda.stream(streams[0]):  # the service predicts the stream current at iter()
+        it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
     k = 0
     while True:
         s = streams[(k // 3) % len(streams)]  # three batches per stream, then switch
