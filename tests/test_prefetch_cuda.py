@@ -199,13 +199,15 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     refs = [[ds[4 * k + j] for j in range(4)] for k in range(len(ds) // 4)]
     # none of them the legacy default stream: an event recorded there at a free would wait for
     # every other stream's work and hide a missing record on the stream that read the batch
-    streams = [torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    # and the stream current at iter() (the service's first prediction) never runs anything, so
+    # that an event recorded there is complete at once
+    first, s1, s2 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
     clones = []
-    with torch.cuda.stream(streams[0]):  # the service predicts the stream current at iter()
+    with torch.cuda.stream(first):
         it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
     k = 0
     while True:
-        s = streams[(k // 3) % len(streams)]  # three batches per stream, then switch
+        s = (s1, s2)[(k // 3) % 2]  # three batches per stream, then switch
         with torch.cuda.stream(s):  # the hand-out (next) and every use on s
             try:
                 b = next(it)
@@ -260,8 +262,8 @@ def test_hand_out_while_another_device_is_current():
     current stream of cuda:0, and the thread's own device stays cuda:1."""
     ds, pc, dl, refs = packed_loader(n=24, workers=2)
     side0 = torch.cuda.Stream(device=0)
-    with torch.cuda.device(1):
-        with torch.cuda.stream(side0):  # current stream of cuda:0 for this thread
+    with torch.cuda.stream(side0):  # this thread's current stream of cuda:0 (and device 0)...
+        with torch.cuda.device(1):  # ...then current device cuda:1; the stream of cuda:0 stays
             got = []
             for b in mtc_loader.PrefetchLoader(dl, "cuda:0", depth=2):
                 assert torch.cuda.current_device() == 1
