@@ -236,8 +236,8 @@ class _Service:
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"]) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
-        # the stream the caller is expected to consume on (the one current when iteration
-        # started, then the one of the last hand-out whose prediction missed)
+        # the stream the caller is expected to consume on (the one current at the epoch's first
+        # next(), then the one of the last hand-out whose prediction missed)
         self.consumer = consumer
         self.options, self.stats, self.switch_interval = options, stats, switch_interval
         self.items: deque[tuple[Any, Optional[BaseException]]] = deque()

@@ -202,20 +202,21 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     # and the stream current at iter() (the service's first prediction) never runs anything, so
     # that an event recorded there is complete at once
     first, s1, s2 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    clones = []
+    clone = lambda b: torch.utils._pytree.tree_map(  # noqa: E731
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b)
     with torch.cuda.stream(first):
         it = iter(mtc_loader.PrefetchLoader(dl, "cuda", depth=1))
-    k = 0
+        clones = [clone(next(it))]  # the epoch starts at the first next(): prediction `first`
+    k = 1
     while True:
-        s = (s1, s2)[(k // 3) % 2]  # three batches per stream, then switch
+        s = (s1, s2)[((k - 1) // 3) % 2]  # three batches per stream, then switch
         with torch.cuda.stream(s):  # the hand-out (next) and every use on s
             try:
                 b = next(it)
             except StopIteration:
                 break
             torch.cuda._sleep(34_000_000)
-            clones.append(torch.utils._pytree.tree_map(
-                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b))
+            clones.append(clone(b))
         del b
         k += 1
     torch.cuda.synchronize()
