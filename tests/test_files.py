@@ -2,8 +2,9 @@
 start_copy outputs and .load(), compared bitwise with numpy loading (np.fromfile / np.load).
 
 Every read test runs under several reader settings (``reader`` fixture): io_uring with the
-defaults; io_uring with a 4-deep ring and reads cut to a few KiB (many submissions, every read
-completed in several short steps); io_uring without O_DIRECT; pread on the helpers; pread cut
+defaults (O_DIRECT for aligned middles the page cache does not hold); io_uring with a 4-deep ring,
+reads cut to a few KiB (many submissions, every read completed in several short steps) and
+O_DIRECT even for cached pages; io_uring without O_DIRECT; pread on the helpers; pread cut
 into short reads. The io_uring settings skip where io_uring cannot be set up (the pread ones
 always run). CUDA variants run on the GPU machine.
 """
@@ -34,15 +35,16 @@ ARENA = 32 << 20
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 URING, PREAD = 1, 2
+DIRECT_OFF, DIRECT_UNCACHED, DIRECT_ALWAYS = 0, 1, 2
 # name -> (queue depth, largest single read (0: any), O_DIRECT, mode)
 READERS = {
-    "uring": (128, 0, True, URING),
-    "uring_short": (4, 3000, True, URING),
-    "uring_buffered": (128, 0, False, URING),
-    "pread": (128, 0, True, PREAD),
-    "pread_short": (128, 3000, True, PREAD),
+    "uring": (128, 0, DIRECT_UNCACHED, URING),
+    "uring_short": (4, 3000, DIRECT_ALWAYS, URING),
+    "uring_buffered": (128, 0, DIRECT_OFF, URING),
+    "pread": (128, 0, DIRECT_UNCACHED, PREAD),
+    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD),
 }
-DEFAULT_READER = (128, 0, True, 0)
+DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0)
 
 
 def _uring_works() -> bool:
@@ -262,10 +264,46 @@ def test_files_larger_than_a_piece_and_unaligned(tmp_path, reader):
     # aligned offset and destination: the O_DIRECT path proper
     write_raw(tmp_path / "al.bin", ref[: 8 << 20], head=4096)
     ft = FileTensor(tmp_path / "al.bin", torch.uint8, (8 << 20,), 4096)
-    before = mtc_loader.stats()["file_reads_direct"]
+    before = mtc_loader.stats()
     check_equal(pc([ft]).unpack()[0], ref[: 8 << 20], torch.uint8, "aligned")
-    if reader in ("uring", "uring_short"):
-        assert mtc_loader.stats()["file_reads_direct"] > before
+    after = mtc_loader.stats()
+    if reader == "uring_short":  # O_DIRECT although the file's pages are cached
+        assert after["file_reads_direct"] > before["file_reads_direct"]
+    if reader == "uring" and _cache_droppable(tmp_path / "al.bin"):
+        # just written: the page cache holds it, a buffered read copies it from there
+        assert after["file_reads_direct_cached"] > before["file_reads_direct_cached"]
+        assert after["file_reads_direct"] == before["file_reads_direct"]
+        # cold: the aligned middle goes O_DIRECT
+        _drop_cache(tmp_path / "al.bin")
+        check_equal(pc([ft]).unpack()[0], ref[: 8 << 20], torch.uint8, "aligned, cold")
+        assert mtc_loader.stats()["file_reads_direct"] > after["file_reads_direct"]
+
+
+def _drop_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cache_droppable(path) -> bool:
+    """Whether the reader can tell cached pages here (cachestat, Linux 6.5) and dropping them
+    works (not tmpfs, where O_DIRECT is not offered either): read a probe file of tmp_path cold
+    with MTC_FILE_DIRECT's default and see whether it went O_DIRECT."""
+    probe = os.path.join(os.path.dirname(path), "probe_direct.bin")
+    np.zeros(4 << 16, np.uint8).tofile(probe)
+    ft = FileTensor(probe, torch.uint8, (4 << 16,))
+    pc = PackedCollate(list, arena_bytes=1 << 20, min_packed_alignment_bytes=4096)
+    s0 = mtc_loader.stats()
+    pc([ft]).unpack()
+    s1 = mtc_loader.stats()
+    _drop_cache(probe)
+    pc([ft]).unpack()
+    s2 = mtc_loader.stats()
+    return (s1["file_reads_direct_cached"] > s0["file_reads_direct_cached"]
+            and s2["file_reads_direct"] > s1["file_reads_direct"])
 
 
 def test_many_files_in_one_batch(tmp_path, reader):
