@@ -154,14 +154,15 @@ PyObject *mtc_files_configure(PyObject *module, PyObject *args)
 {
     unsigned int depth;
     unsigned long long max_io;
-    int direct, mode;
-    if (!PyArg_ParseTuple(args, "IKii", &depth, &max_io, &direct, &mode)) return NULL;
+    int direct, mode, async = -1;
+    if (!PyArg_ParseTuple(args, "IKii|i", &depth, &max_io, &direct, &mode, &async)) return NULL;
     if (direct < MTC_URING_DIRECT_OFF || direct > MTC_URING_DIRECT_ALWAYS) {
         PyErr_SetString(PyExc_ValueError, "file_configure: direct is 0 (off), 1 (uncached) or 2 (always)");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     mtc_uring_configure(depth, max_io, direct, mode);
+    if (async >= 0) mtc_uring_configure_async(async);
     Py_END_ALLOW_THREADS
     _warned = 0;
     Py_RETURN_NONE;

@@ -44,6 +44,7 @@ static struct {
     uint64_t max_io;          /* 0: unlimited (tests lower it to force short reads) */
     int direct;               /* MTC_URING_DIRECT_* */
     int want_mode;            /* 0 automatic, else forced MTC_URING_MODE_* */
+    int async;                /* buffered reads with IOSQE_ASYNC: copied by io-wq threads in parallel */
     int env_read;
 #ifdef MTC_HAVE_LIBURING
     struct io_uring ring;
@@ -105,6 +106,7 @@ static void _read_env_locked(void)
     if ((e = getenv("MTC_FILE_DIRECT")) && *e)
         _u.direct = strcmp(e, "0") == 0 ? MTC_URING_DIRECT_OFF
                     : strcmp(e, "always") == 0 ? MTC_URING_DIRECT_ALWAYS : MTC_URING_DIRECT_UNCACHED;
+    if ((e = getenv("MTC_URING_ASYNC")) && *e) _u.async = strcmp(e, "0") != 0;
     if ((e = getenv("MTC_FILE_READER")) && *e)
         _u.want_mode = strcmp(e, "pread") == 0 ? MTC_URING_MODE_PREAD : strcmp(e, "uring") == 0 ? MTC_URING_MODE_URING : 0;
 }
@@ -171,6 +173,15 @@ void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode)
     _u.max_io = max_io;
     _u.direct = direct;
     _u.want_mode = mode;
+    pthread_mutex_unlock(&_u.lock);
+}
+
+void mtc_uring_configure_async(int on)
+{
+    pthread_once(&_once, _init_once);
+    pthread_mutex_lock(&_u.lock);
+    _read_env_locked();
+    _u.async = on;
     pthread_mutex_unlock(&_u.lock);
 }
 
@@ -469,6 +480,9 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
         }
         int fd = u->direct ? w->dfd[u->req] : w->fd[u->req];
         io_uring_prep_read(sqe, fd, u->dst + u->done, (unsigned)want, u->off + u->done);
+        /* a cached buffered read is otherwise copied inline by io_uring_enter,
+         * one after another on this thread; ASYNC hands each to an io-wq thread */
+        if (_u.async && !u->direct) sqe->flags |= IOSQE_ASYNC;
         u->asked = want;
         io_uring_sqe_set_data64(sqe, ui);
         queued++;

@@ -136,6 +136,12 @@ enum { MTC_URING_DIRECT_OFF = 0, MTC_URING_DIRECT_UNCACHED = 1, MTC_URING_DIRECT
  * MTC_FILE_READER=pread. */
 void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode);
 
+/* Buffered reads submitted with IOSQE_ASYNC (on) or inline (off, the
+ * default): with the page cache warm, io_uring_enter copies inline reads
+ * one after another on the calling thread, while ASYNC ones are copied by
+ * the ring's io-wq threads in parallel. Environment: MTC_URING_ASYNC=1. */
+void mtc_uring_configure_async(int on);
+
 /* Tears the ring down (interpreter exit, tests). */
 void mtc_uring_shutdown(void);
 

@@ -4,7 +4,8 @@ start_copy outputs and .load(), compared bitwise with numpy loading (np.fromfile
 Every read test runs under several reader settings (``reader`` fixture): io_uring with the
 defaults (O_DIRECT for aligned middles the page cache does not hold); io_uring with a 4-deep ring,
 reads cut to a few KiB (many submissions, every read completed in several short steps) and
-O_DIRECT even for cached pages; io_uring without O_DIRECT; pread on the helpers; pread cut
+O_DIRECT even for cached pages; io_uring without O_DIRECT; io_uring with a 16-deep ring and
+buffered reads handed to io-wq threads (``MTC_URING_ASYNC``); pread on the helpers; pread cut
 into short reads. The io_uring settings skip where io_uring cannot be set up (the pread ones
 always run). CUDA variants run on the GPU machine.
 """
@@ -36,15 +37,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 URING, PREAD = 1, 2
 DIRECT_OFF, DIRECT_UNCACHED, DIRECT_ALWAYS = 0, 1, 2
-# name -> (queue depth, largest single read (0: any), O_DIRECT, mode)
+# name -> (queue depth, largest single read (0: any), O_DIRECT, mode, buffered reads IOSQE_ASYNC)
 READERS = {
-    "uring": (128, 0, DIRECT_UNCACHED, URING),
-    "uring_short": (4, 3000, DIRECT_ALWAYS, URING),
-    "uring_buffered": (128, 0, DIRECT_OFF, URING),
-    "pread": (128, 0, DIRECT_UNCACHED, PREAD),
-    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD),
+    "uring": (128, 0, DIRECT_UNCACHED, URING, 0),
+    "uring_short": (4, 3000, DIRECT_ALWAYS, URING, 0),
+    "uring_buffered": (128, 0, DIRECT_OFF, URING, 0),
+    "uring_async": (16, 0, DIRECT_UNCACHED, URING, 1),
+    "pread": (128, 0, DIRECT_UNCACHED, PREAD, 0),
+    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD, 0),
 }
-DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0)
+DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0, 0)
 
 
 def _uring_works() -> bool:

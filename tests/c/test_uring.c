@@ -440,6 +440,10 @@ int main(void)
         run_random(mode, 4, 1000, U, rounds / 2, 1);
         run_random(mode, 7, 3 * A + 5, AL, rounds, 0);
         run_random(mode, 32, 0, MTC_URING_DIRECT_OFF, rounds, 0); /* buffered only */
+        mtc_uring_configure_async(1); /* buffered reads copied by io-wq threads */
+        run_random(mode, 16, 0, U, rounds, 0);
+        run_random(mode, 16, 5000, U, rounds / 2, 1);
+        mtc_uring_configure_async(0);
         test_errors(mode);
         test_threads(mode);
     }
