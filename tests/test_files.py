@@ -241,6 +241,38 @@ def test_npy_files(tmp_path, reader):
     check_equal(FileTensor.npy(tmp_path / "v2.npy").load(), big, torch.float32, "v2")
 
 
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_header_fast_path_matches_numpy(tmp_path, version):
+    """FileTensor.npy parses np.save's canonical header itself (files._npy_header_fast) and
+    hands anything else to numpy's reader: both agree wherever the fast path answers."""
+    from mtc_loader import files as F
+    p = tmp_path / "x.npy"
+    answered = 0
+    for dt in ["u1", "i1", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8", "?", "<c8", "<u8", ">f4"]:
+        for shape in [(), (0,), (5,), (3, 4), (2, 3, 4, 5), (1,) * 10]:
+            for fortran in (False, True):
+                a = np.zeros(shape, np.dtype(dt))
+                with open(p, "wb") as f:
+                    np.lib.format.write_array(f, np.asfortranarray(a) if fortran else a, version=version)
+                fast = F._npy_header_fast(str(p))
+                if version != (3, 0):
+                    assert fast is not None, (dt, shape)
+                if fast is not None:
+                    answered += 1
+                    assert fast == F._npy_header(str(p)), (dt, shape, fortran)
+    assert answered or version == (3, 0)
+    # a valid header in another spelling: numpy's reader takes it
+    hdr = b"{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}"
+    hdr += b" " * (127 - 10 - len(hdr)) + b"\n"  # data at 128
+    with open(p, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+        f.write(np.arange(6, dtype="<f4").tobytes())
+    assert F._npy_header_fast(str(p)) is None
+    ft = FileTensor.npy(p)
+    assert (ft.dtype, tuple(ft.shape), ft.offset) == (torch.float32, (2, 3), 128)
+    assert torch.equal(ft.load(), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
 def test_npy_refusals(tmp_path):
     np.save(tmp_path / "f.npy", np.asfortranarray(np.ones((3, 4))))
     with pytest.raises(ValueError, match="mtc_loader: .*Fortran"):
