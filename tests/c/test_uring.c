@@ -124,6 +124,20 @@ static void drop_cache(void)
     }
 }
 
+/* Reads every file through the page cache (a warm read: an earlier cold
+ * batch, or O_DIRECT reads, may have left parts of them uncached). */
+static void warm_cache(void)
+{
+    static char buf[1 << 16];
+    for (int i = 0; i < NFILES; i++) {
+        int fd = open(g_path[i], O_RDONLY);
+        CHECK(fd >= 0);
+        while (read(fd, buf, sizeof buf) > 0) {
+        }
+        close(fd);
+    }
+}
+
 /* Whether this kernel has cachestat(2) (Linux 6.5), which the reader asks
  * before an O_DIRECT read whether the page cache holds the bytes. */
 static long cached_pages(int f)
@@ -172,6 +186,7 @@ static void run_random(int mode, unsigned depth, uint64_t max_io, int direct, in
         uint32_t n = make_requests(&rng, reqs, r % 4 == 0 ? 400 : 40, dst, cap);
         memset(dst, 0xAB, cap);
         if (cold) drop_cache();
+        else if (r == 0) warm_cache();
         mtc_uring_err e = {0, 0};
         int rc = mtc_uring_read(reqs, n, &e);
         if (rc) FAILF("mode %d depth %u max_io %llu direct %d: read failed %d at %u", mode, depth,
