@@ -2,7 +2,7 @@
 
 Usage::
 
-    python3 bench/bench_files.py [--device cuda:0] [--workers 4] [--batch-size 8]
+    python3 bench/bench_files.py [--device cuda:0|cpu|none] [--workers 4] [--batch-size 8]
                                  [--samples 48] [--rounds 3] [--warmup 6] [--quick] [--dir DIR]
                                  [--out DIR]
 
@@ -10,6 +10,10 @@ The data, written by the benchmark itself into ``--dir`` (default: ``bench_files
 ``--out``, on the repository's disk rather than a /tmp that may be tmpfs; removed at the end): per sample 10 LiDAR-like sweeps stored as raw float32 ``.bin`` files (35,000 points
 x 5 floats, 700 KB each, nuScenes-style) and 6 camera arrays stored as ``.npy`` (uint8,
 3 x 256 x 448, 344 KB each): 9.1 MB per sample.
+
+``--device none`` drops each batch in the main process (a packed batch's region is freed
+unread): the workers' side alone, which a CPU target hides behind the main process's 72 MB copy
+out of the arena per batch.
 
 Methods, each a ``DataLoader(..., batch_size=8, num_workers=4, persistent_workers=True)`` over
 the same files, ``collate_fn`` keeping the samples separate (``list``), batches taken to
@@ -23,12 +27,15 @@ the same files, ``collate_fn`` keeping the samples separate (``list``), batches 
   (io_uring, or pread where it is unavailable), + ``PrefetchLoader``;
 - ``files_packed_direct``: the same with ``min_packed_alignment_bytes=4096``, so that the
   ``.bin`` sweeps (offset 0) land 4 KiB-aligned and are read with ``O_DIRECT`` (bypassing the
-  page cache) except for their unaligned tails.
+  page cache) except for their unaligned tails, and except where the page cache holds them (a
+  warm cache: read buffered, ``file_reads_direct_cached``);
+- ``files_packed_async``: ``files_packed`` with its workers' buffered reads submitted with
+  ``IOSQE_ASYNC`` (``MTC_URING_ASYNC=1``): copied from the page cache by io-wq threads in
+  parallel instead of one after another inside ``io_uring_enter``.
 
-What is timed: ``--warmup`` untimed epochs per loader (default 6: every worker has then written
-most of the arena once, so that the timed epochs do not pay the first touch of its pages, which
-costs a page fault per 4 KiB in each worker process and is the same for every packed method),
-then ``--rounds`` rounds; in each round every
+What is timed: ``--warmup`` untimed epochs per loader (default 6; a worker maps the whole arena
+into its page tables at its first pack, ``MTC_ARENA_POPULATE``, which the warm-up pays), then
+``--rounds`` rounds; in each round every
 method runs one epoch with the page cache warm (every file read just before) and one with it
 cold (every file's pages dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` right before the
 epoch), methods interleaved and their order rotated between rounds (which cache state goes first
@@ -67,7 +74,7 @@ import mtc_loader
 from mtc_loader import FileTensor, PackedCollate, PrefetchLoader
 
 SWEEPS, POINTS, CAMS, CAM_SHAPE = 10, 35_000, 6, (3, 256, 448)
-METHODS = ["numpy_plain", "numpy_packed", "files_packed", "files_packed_direct"]
+METHODS = ["numpy_plain", "numpy_packed", "files_packed", "files_packed_direct", "files_packed_async"]
 TARGET_WARM_RATIO = 2.0   # files_packed vs numpy_packed, warm cache, per batch
 TARGET_COLD_FRACTION = 0.8  # files_packed GB/s vs raw O_DIRECT read GB/s, cold cache
 
@@ -164,14 +171,27 @@ def make_loader(method: str, root: str, args) -> tuple:
         return dl, None
     align = 4096 if method == "files_packed_direct" else 16
     pc = PackedCollate(list, arena_bytes=args.arena_mib << 20, min_packed_alignment_bytes=align)
+    if method == "files_packed_async":
+        kw["worker_init_fn"] = async_reads
     return DataLoader(ds, collate_fn=pc, **kw), pc
+
+
+def async_reads(worker_id: int) -> None:
+    """files_packed_async's workers: buffered reads submitted with IOSQE_ASYNC (MTC_URING_ASYNC=1
+    for this loader's workers only; the other settings are the defaults)."""
+    from mtc_loader import _engine
+    _engine.file_configure(128, 0, 1, 0, 1)
 
 
 def run_epoch(method: str, loader, device: str) -> float:
     cuda = device.startswith("cuda")
     t0 = time.perf_counter()
     n = 0
-    if method == "numpy_plain":
+    if device == "none":  # the workers' side alone: batches taken and dropped (regions freed unread)
+        for batch in loader:
+            n += 1
+            del batch
+    elif method == "numpy_plain":
         for batch in loader:
             out = [{"lidar": [t.to(device, non_blocking=True) for t in s["lidar"]],
                     "cams": [t.to(device, non_blocking=True) for t in s["cams"]], "token": s["token"]}
@@ -191,7 +211,8 @@ def run_epoch(method: str, loader, device: str) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="cuda:N, cpu, or none (batches dropped in the main process: the workers' side alone)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--samples", type=int, default=0, help="samples (default 48; --quick 16)")
@@ -283,7 +304,12 @@ def main(argv=None) -> int:
         checks["warm_ratio_files_vs_numpy_packed"] = ratio
         print(f"warm: files_packed is {ratio:.2f}x numpy_packed per batch (target >= {TARGET_WARM_RATIO}x): "
               f"{'MET' if ratio >= TARGET_WARM_RATIO else 'NOT MET'}")
-    for m in ("files_packed", "files_packed_direct"):
+    if "files_packed_async" in med and "numpy_packed" in med:
+        ratio = med["numpy_packed"]["warm"] / med["files_packed_async"]["warm"]
+        checks["warm_ratio_files_async_vs_numpy_packed"] = ratio
+        print(f"warm: files_packed_async is {ratio:.2f}x numpy_packed per batch (MTC_URING_ASYNC=1; the target "
+              f"is for the defaults)")
+    for m in ("files_packed", "files_packed_direct", "files_packed_async"):
         if m in gbps:
             frac = gbps[m]["cold"] / raw_med["direct_cold"]
             checks[f"cold_fraction_{m}"] = frac

@@ -117,6 +117,23 @@ int mtc_arena_attach(int fd, mtc_arena **out)
     return 0;
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+int mtc_arena_populate(mtc_arena *a)
+{
+    int32_t me = (int32_t)getpid();
+    if (mtc_load_relaxed(&a->populated_pid) == me) return 0;
+    /* two threads of a process may both populate: harmless, and rare */
+    mtc_store_relaxed(&a->populated_pid, me);
+    const char *e = getenv("MTC_ARENA_POPULATE");
+    if (e && strcmp(e, "0") == 0) return 0;
+    /* data_offset is a multiple of the page size, and so is the data area */
+    if (madvise(a->base + a->data_offset, (size_t)a->nslots * a->slot_bytes, MADV_POPULATE_WRITE)) return -errno;
+    return 0;
+}
+
 void mtc_arena_ref(mtc_arena *a) { mtc_fetch_add_relaxed(&a->refs, 1); }
 
 void mtc_arena_unref(mtc_arena *a)

@@ -61,6 +61,7 @@ typedef struct mtc_arena {
     uint64_t slot_bytes;
     int registered;         /* page-locked with CUDA in this process */
     _Atomic int32_t refs;
+    _Atomic int32_t populated_pid; /* the process whose page tables map the whole data area (0: none) */
 } mtc_arena;
 
 typedef struct mtc_arena_stats {
@@ -78,6 +79,18 @@ void mtc_arena_ref(mtc_arena *a);
 /* Drops a reference; unmaps and closes at zero. Unregistering from CUDA is
  * the caller's business (before the last unref). */
 void mtc_arena_unref(mtc_arena *a);
+
+/* Maps every page of the data area into this process's page tables, once
+ * per process (a forked worker inherits the mapping but not its page table
+ * entries): one madvise(MADV_POPULATE_WRITE) instead of a page fault per
+ * 4 KiB the first time each part of the arena is written here, which costs
+ * a DataLoader worker ~1 us per page (regions cycle through the whole arena,
+ * so every worker touches all of it). The first call in a process does the
+ * work; later calls return at once. Memory the main process has not
+ * page-locked yet is allocated then. 0, or -errno of madvise (EINVAL before
+ * Linux 5.14: the pages are then faulted in as they are written, as
+ * without it). MTC_ARENA_POPULATE=0 in the environment turns it off. */
+int mtc_arena_populate(mtc_arena *a);
 
 /* Owners are pids, 1 .. INT32_MAX; every function below returns -EINVAL for
  * any other owner (a caller that narrows a wider pid must check first). */

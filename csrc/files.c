@@ -125,7 +125,8 @@ int mtc_files_stats(PyObject *d)
     mtc_uring_get_stats(&s);
     struct { const char *k; uint64_t v; } kv[] = {
         {"file_reads_uring", s.reads_uring}, {"file_reads_pread", s.reads_pread}, {"file_bytes_read", s.bytes},
-        {"file_reads_direct", s.direct_reads}, {"file_uring_submits", s.submits},
+        {"file_reads_direct", s.direct_reads}, {"file_reads_direct_cached", s.direct_cached},
+        {"file_uring_submits", s.submits},
         {"file_short_reads", s.short_reads}, {"file_read_errors", s.errors},
     };
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++) {
@@ -153,10 +154,15 @@ PyObject *mtc_files_configure(PyObject *module, PyObject *args)
 {
     unsigned int depth;
     unsigned long long max_io;
-    int direct, mode;
-    if (!PyArg_ParseTuple(args, "IKpi", &depth, &max_io, &direct, &mode)) return NULL;
+    int direct, mode, async = -1;
+    if (!PyArg_ParseTuple(args, "IKii|i", &depth, &max_io, &direct, &mode, &async)) return NULL;
+    if (direct < MTC_URING_DIRECT_OFF || direct > MTC_URING_DIRECT_ALWAYS) {
+        PyErr_SetString(PyExc_ValueError, "file_configure: direct is 0 (off), 1 (uncached) or 2 (always)");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     mtc_uring_configure(depth, max_io, direct, mode);
+    if (async >= 0) mtc_uring_configure_async(async);
     Py_END_ALLOW_THREADS
     _warned = 0;
     Py_RETURN_NONE;

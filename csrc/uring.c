@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -41,16 +42,17 @@ static struct {
     char why_buf[160];
     unsigned depth;
     uint64_t max_io;          /* 0: unlimited (tests lower it to force short reads) */
-    int direct;
+    int direct;               /* MTC_URING_DIRECT_* */
     int want_mode;            /* 0 automatic, else forced MTC_URING_MODE_* */
+    int async;                /* buffered reads with IOSQE_ASYNC: copied by io-wq threads in parallel */
     int env_read;
 #ifdef MTC_HAVE_LIBURING
     struct io_uring ring;
 #endif
-} _u = {.lock = PTHREAD_MUTEX_INITIALIZER, .depth = 128, .direct = 1};
+} _u = {.lock = PTHREAD_MUTEX_INITIALIZER, .depth = 128, .direct = MTC_URING_DIRECT_UNCACHED};
 
 static struct {
-    _Atomic uint64_t reads_uring, reads_pread, bytes, direct_reads, submits, short_reads, errors;
+    _Atomic uint64_t reads_uring, reads_pread, bytes, direct_reads, direct_cached, submits, short_reads, errors;
 } _st;
 
 #define _COUNT(field, v) mtc_fetch_add_relaxed(&_st.field, (uint64_t)(v))
@@ -61,6 +63,7 @@ void mtc_uring_get_stats(mtc_uring_stats *o)
     o->reads_pread = mtc_load_relaxed(&_st.reads_pread);
     o->bytes = mtc_load_relaxed(&_st.bytes);
     o->direct_reads = mtc_load_relaxed(&_st.direct_reads);
+    o->direct_cached = mtc_load_relaxed(&_st.direct_cached);
     o->submits = mtc_load_relaxed(&_st.submits);
     o->short_reads = mtc_load_relaxed(&_st.short_reads);
     o->errors = mtc_load_relaxed(&_st.errors);
@@ -100,7 +103,10 @@ static void _read_env_locked(void)
     const char *e;
     if ((e = getenv("MTC_URING_DEPTH")) && *e) _u.depth = (unsigned)strtoul(e, NULL, 10);
     if ((e = getenv("MTC_URING_MAX_IO")) && *e) _u.max_io = strtoull(e, NULL, 10);
-    if ((e = getenv("MTC_FILE_DIRECT")) && *e) _u.direct = strcmp(e, "0") != 0;
+    if ((e = getenv("MTC_FILE_DIRECT")) && *e)
+        _u.direct = strcmp(e, "0") == 0 ? MTC_URING_DIRECT_OFF
+                    : strcmp(e, "always") == 0 ? MTC_URING_DIRECT_ALWAYS : MTC_URING_DIRECT_UNCACHED;
+    if ((e = getenv("MTC_URING_ASYNC")) && *e) _u.async = strcmp(e, "0") != 0;
     if ((e = getenv("MTC_FILE_READER")) && *e)
         _u.want_mode = strcmp(e, "pread") == 0 ? MTC_URING_MODE_PREAD : strcmp(e, "uring") == 0 ? MTC_URING_MODE_URING : 0;
 }
@@ -167,6 +173,15 @@ void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode)
     _u.max_io = max_io;
     _u.direct = direct;
     _u.want_mode = mode;
+    pthread_mutex_unlock(&_u.lock);
+}
+
+void mtc_uring_configure_async(int on)
+{
+    pthread_once(&_once, _init_once);
+    pthread_mutex_lock(&_u.lock);
+    _read_env_locked();
+    _u.async = on;
     pthread_mutex_unlock(&_u.lock);
 }
 
@@ -376,6 +391,39 @@ typedef struct _win {
 
 static uint64_t _round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+/* cachestat(2), Linux 6.5: how many pages of a file range are in the page
+ * cache, one system call, no I/O started. (A buffered RWF_NOWAIT read would
+ * answer too, but on a miss it starts readahead of the range into the page
+ * cache before it returns -EAGAIN, so that the O_DIRECT read after it would
+ * read the bytes from the device a second time.) */
+#ifndef SYS_cachestat
+#if defined(__x86_64__) || defined(__aarch64__)
+#define SYS_cachestat 451
+#endif
+#endif
+static _Atomic int _no_cachestat; /* ENOSYS seen (or an architecture we have no number for) */
+
+/* 1 when every page of [off, off + len) of fd is in the page cache (an
+ * O_DIRECT read would go to the device for bytes a buffered read copies from
+ * memory), 0 when some is not or we cannot tell. */
+static int _cached(int fd, uint64_t off, uint64_t len)
+{
+#ifdef SYS_cachestat
+    if (mtc_load_relaxed(&_no_cachestat)) return 0;
+    struct { uint64_t off, len; } range = {off, len};
+    struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
+    if (syscall(SYS_cachestat, fd, &range, &cs, 0) != 0) {
+        if (errno == ENOSYS) mtc_store_relaxed(&_no_cachestat, 1);
+        return 0;
+    }
+    uint64_t page = 4096, pages = (off + len + page - 1) / page - off / page;
+    return cs.nr_cache >= pages;
+#else
+    (void)fd, (void)off, (void)len;
+    return 0;
+#endif
+}
+
 /* Splits request i of the window into units, opening its descriptors. 0 or
  * -errno (the open failed). */
 static int _win_add(_win *w, uint32_t i, int direct)
@@ -391,9 +439,16 @@ static int _win_add(_win *w, uint32_t i, int direct)
      * second open costs more than it saves. */
     if (direct && mid_e > mid_a && mid_e - mid_a >= 2 * _DIRECT_ALIGN &&
         ((uintptr_t)r->dst + (mid_a - a)) % _DIRECT_ALIGN == 0) {
-        int dfd = open(r->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
-        /* EINVAL: a filesystem without O_DIRECT (tmpfs): buffered it is */
-        if (dfd >= 0) w->dfd[i] = dfd;
+        /* Unless asked for always: not when the page cache holds the bytes
+         * (a warm cache), which a buffered read copies at memory speed while
+         * O_DIRECT would read them from the device again. */
+        if (direct != MTC_URING_DIRECT_ALWAYS && _cached(fd, mid_a, mid_e - mid_a)) {
+            _COUNT(direct_cached, 1);
+        } else {
+            int dfd = open(r->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+            /* EINVAL: a filesystem without O_DIRECT (tmpfs): buffered it is */
+            if (dfd >= 0) w->dfd[i] = dfd;
+        }
     }
     uint64_t cuts[4] = {a, a, e, e};
     if (w->dfd[i] >= 0) cuts[1] = mid_a, cuts[2] = mid_e;
@@ -425,6 +480,9 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
         }
         int fd = u->direct ? w->dfd[u->req] : w->fd[u->req];
         io_uring_prep_read(sqe, fd, u->dst + u->done, (unsigned)want, u->off + u->done);
+        /* a cached buffered read is otherwise copied inline by io_uring_enter,
+         * one after another on this thread; ASYNC hands each to an io-wq thread */
+        if (_u.async && !u->direct) sqe->flags |= IOSQE_ASYNC;
         u->asked = want;
         io_uring_sqe_set_data64(sqe, ui);
         queued++;

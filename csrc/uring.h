@@ -113,6 +113,7 @@ typedef struct mtc_uring_stats {
     uint64_t reads_uring, reads_pread; /* requests completed by each path */
     uint64_t bytes;                    /* bytes read (both paths) */
     uint64_t direct_reads;             /* O_DIRECT segments */
+    uint64_t direct_cached;            /* segments O_DIRECT could read, read buffered: in the page cache */
     uint64_t submits;                  /* io_uring_enter calls that submitted */
     uint64_t short_reads;              /* reads resubmitted for their remainder */
     uint64_t errors;
@@ -120,12 +121,26 @@ typedef struct mtc_uring_stats {
 
 void mtc_uring_get_stats(mtc_uring_stats *out);
 
+/* When the aligned middle of a read goes O_DIRECT: never; when the page
+ * cache does not hold all of it (the default: with a warm cache a buffered
+ * read copies from memory, O_DIRECT would go to the device; cachestat(2),
+ * Linux 6.5, tells, and without it the middle goes O_DIRECT as with ALWAYS);
+ * always. */
+enum { MTC_URING_DIRECT_OFF = 0, MTC_URING_DIRECT_UNCACHED = 1, MTC_URING_DIRECT_ALWAYS = 2 };
+
 /* Tests: set the queue depth, the largest single read (0: unlimited; forces
- * short reads to be completed in several steps), O_DIRECT on/off, and the
- * mode (MTC_URING_MODE_*, 0: automatic). Tears the ring down; the next read
- * sets it up again. Environment equivalents, read once per process:
- * MTC_URING_DEPTH, MTC_URING_MAX_IO, MTC_FILE_DIRECT=0, MTC_FILE_READER=pread. */
+ * short reads to be completed in several steps), O_DIRECT (MTC_URING_DIRECT_*),
+ * and the mode (MTC_URING_MODE_*, 0: automatic). Tears the ring down; the
+ * next read sets it up again. Environment equivalents, read once per process:
+ * MTC_URING_DEPTH, MTC_URING_MAX_IO, MTC_FILE_DIRECT=0|1|always,
+ * MTC_FILE_READER=pread. */
 void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode);
+
+/* Buffered reads submitted with IOSQE_ASYNC (on) or inline (off, the
+ * default): with the page cache warm, io_uring_enter copies inline reads
+ * one after another on the calling thread, while ASYNC ones are copied by
+ * the ring's io-wq threads in parallel. Environment: MTC_URING_ASYNC=1. */
+void mtc_uring_configure_async(int on);
 
 /* Tears the ring down (interpreter exit, tests). */
 void mtc_uring_shutdown(void);

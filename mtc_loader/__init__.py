@@ -35,7 +35,8 @@ def stats() -> dict[str, int]:
     direction, DMA calls, per-stage times in ns, pinned-memory use (held, in use, high water,
     waits at the cap), threads; file-backed reads of this process by path (``file_reads_uring``,
     ``file_reads_pread``: file parts read; ``file_bytes_read``, ``file_reads_direct``: O_DIRECT
-    segments, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
+    segments, ``file_reads_direct_cached``: aligned segments read buffered since the page cache
+    held them, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
     return _engine.stats()
 
 

@@ -2,8 +2,10 @@
 start_copy outputs and .load(), compared bitwise with numpy loading (np.fromfile / np.load).
 
 Every read test runs under several reader settings (``reader`` fixture): io_uring with the
-defaults; io_uring with a 4-deep ring and reads cut to a few KiB (many submissions, every read
-completed in several short steps); io_uring without O_DIRECT; pread on the helpers; pread cut
+defaults (O_DIRECT for aligned middles the page cache does not hold); io_uring with a 4-deep ring,
+reads cut to a few KiB (many submissions, every read completed in several short steps) and
+O_DIRECT even for cached pages; io_uring without O_DIRECT; io_uring with a 16-deep ring and
+buffered reads handed to io-wq threads (``MTC_URING_ASYNC``); pread on the helpers; pread cut
 into short reads. The io_uring settings skip where io_uring cannot be set up (the pread ones
 always run). CUDA variants run on the GPU machine.
 """
@@ -34,15 +36,17 @@ ARENA = 32 << 20
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 URING, PREAD = 1, 2
-# name -> (queue depth, largest single read (0: any), O_DIRECT, mode)
+DIRECT_OFF, DIRECT_UNCACHED, DIRECT_ALWAYS = 0, 1, 2
+# name -> (queue depth, largest single read (0: any), O_DIRECT, mode, buffered reads IOSQE_ASYNC)
 READERS = {
-    "uring": (128, 0, True, URING),
-    "uring_short": (4, 3000, True, URING),
-    "uring_buffered": (128, 0, False, URING),
-    "pread": (128, 0, True, PREAD),
-    "pread_short": (128, 3000, True, PREAD),
+    "uring": (128, 0, DIRECT_UNCACHED, URING, 0),
+    "uring_short": (4, 3000, DIRECT_ALWAYS, URING, 0),
+    "uring_buffered": (128, 0, DIRECT_OFF, URING, 0),
+    "uring_async": (16, 0, DIRECT_UNCACHED, URING, 1),
+    "pread": (128, 0, DIRECT_UNCACHED, PREAD, 0),
+    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD, 0),
 }
-DEFAULT_READER = (128, 0, True, 0)
+DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0, 0)
 
 
 def _uring_works() -> bool:
@@ -237,6 +241,38 @@ def test_npy_files(tmp_path, reader):
     check_equal(FileTensor.npy(tmp_path / "v2.npy").load(), big, torch.float32, "v2")
 
 
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_header_fast_path_matches_numpy(tmp_path, version):
+    """FileTensor.npy parses np.save's canonical header itself (files._npy_header_fast) and
+    hands anything else to numpy's reader: both agree wherever the fast path answers."""
+    from mtc_loader import files as F
+    p = tmp_path / "x.npy"
+    answered = 0
+    for dt in ["u1", "i1", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8", "?", "<c8", "<u8", ">f4"]:
+        for shape in [(), (0,), (5,), (3, 4), (2, 3, 4, 5), (1,) * 10]:
+            for fortran in (False, True):
+                a = np.zeros(shape, np.dtype(dt))
+                with open(p, "wb") as f:
+                    np.lib.format.write_array(f, np.asfortranarray(a) if fortran else a, version=version)
+                fast = F._npy_header_fast(str(p))
+                if version != (3, 0):
+                    assert fast is not None, (dt, shape)
+                if fast is not None:
+                    answered += 1
+                    assert fast == F._npy_header(str(p)), (dt, shape, fortran)
+    assert answered or version == (3, 0)
+    # a valid header in another spelling: numpy's reader takes it
+    hdr = b"{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}"
+    hdr += b" " * (127 - 10 - len(hdr)) + b"\n"  # data at 128
+    with open(p, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+        f.write(np.arange(6, dtype="<f4").tobytes())
+    assert F._npy_header_fast(str(p)) is None
+    ft = FileTensor.npy(p)
+    assert (ft.dtype, tuple(ft.shape), ft.offset) == (torch.float32, (2, 3), 128)
+    assert torch.equal(ft.load(), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
 def test_npy_refusals(tmp_path):
     np.save(tmp_path / "f.npy", np.asfortranarray(np.ones((3, 4))))
     with pytest.raises(ValueError, match="mtc_loader: .*Fortran"):
@@ -262,10 +298,46 @@ def test_files_larger_than_a_piece_and_unaligned(tmp_path, reader):
     # aligned offset and destination: the O_DIRECT path proper
     write_raw(tmp_path / "al.bin", ref[: 8 << 20], head=4096)
     ft = FileTensor(tmp_path / "al.bin", torch.uint8, (8 << 20,), 4096)
-    before = mtc_loader.stats()["file_reads_direct"]
+    before = mtc_loader.stats()
     check_equal(pc([ft]).unpack()[0], ref[: 8 << 20], torch.uint8, "aligned")
-    if reader in ("uring", "uring_short"):
-        assert mtc_loader.stats()["file_reads_direct"] > before
+    after = mtc_loader.stats()
+    if reader == "uring_short":  # O_DIRECT although the file's pages are cached
+        assert after["file_reads_direct"] > before["file_reads_direct"]
+    if reader == "uring" and _cache_droppable(tmp_path / "al.bin"):
+        # just written: the page cache holds it, a buffered read copies it from there
+        assert after["file_reads_direct_cached"] > before["file_reads_direct_cached"]
+        assert after["file_reads_direct"] == before["file_reads_direct"]
+        # cold: the aligned middle goes O_DIRECT
+        _drop_cache(tmp_path / "al.bin")
+        check_equal(pc([ft]).unpack()[0], ref[: 8 << 20], torch.uint8, "aligned, cold")
+        assert mtc_loader.stats()["file_reads_direct"] > after["file_reads_direct"]
+
+
+def _drop_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cache_droppable(path) -> bool:
+    """Whether the reader can tell cached pages here (cachestat, Linux 6.5) and dropping them
+    works (not tmpfs, where O_DIRECT is not offered either): read a probe file of tmp_path cold
+    with MTC_FILE_DIRECT's default and see whether it went O_DIRECT."""
+    probe = os.path.join(os.path.dirname(path), "probe_direct.bin")
+    np.zeros(4 << 16, np.uint8).tofile(probe)
+    ft = FileTensor(probe, torch.uint8, (4 << 16,))
+    pc = PackedCollate(list, arena_bytes=1 << 20, min_packed_alignment_bytes=4096)
+    s0 = mtc_loader.stats()
+    pc([ft]).unpack()
+    s1 = mtc_loader.stats()
+    _drop_cache(probe)
+    pc([ft]).unpack()
+    s2 = mtc_loader.stats()
+    return (s1["file_reads_direct_cached"] > s0["file_reads_direct_cached"]
+            and s2["file_reads_direct"] > s1["file_reads_direct"])
 
 
 def test_many_files_in_one_batch(tmp_path, reader):

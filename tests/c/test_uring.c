@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -55,6 +56,7 @@ static void make_files(void)
         FILE *f = fopen(g_path[i], "wb");
         CHECK(f != NULL);
         CHECK_EQ(fwrite(g_data[i], 1, g_size[i], f), g_size[i]);
+        CHECK(fflush(f) == 0 && fsync(fileno(f)) == 0); /* clean pages: drop_cache can drop them */
         fclose(f);
     }
 }
@@ -111,8 +113,61 @@ static void check_requests(const mtc_uring_req *reqs, uint32_t n)
 
 static int g_have_uring;
 
-/* Many random batches under one setting; the mode must be what was asked. */
-static void run_random(int mode, unsigned depth, uint64_t max_io, int direct, int rounds)
+/* Drops the files' pages from the page cache (a cold read). */
+static void drop_cache(void)
+{
+    for (int i = 0; i < NFILES; i++) {
+        int fd = open(g_path[i], O_RDONLY);
+        CHECK(fd >= 0);
+        CHECK_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+        close(fd);
+    }
+}
+
+/* Reads every file through the page cache (a warm read: an earlier cold
+ * batch, or O_DIRECT reads, may have left parts of them uncached). */
+static void warm_cache(void)
+{
+    static char buf[1 << 16];
+    for (int i = 0; i < NFILES; i++) {
+        int fd = open(g_path[i], O_RDONLY);
+        CHECK(fd >= 0);
+        while (read(fd, buf, sizeof buf) > 0) {
+        }
+        close(fd);
+    }
+}
+
+/* Whether this kernel has cachestat(2) (Linux 6.5), which the reader asks
+ * before an O_DIRECT read whether the page cache holds the bytes. */
+static long cached_pages(int f)
+{
+#if defined(__x86_64__) || defined(__aarch64__)
+    int fd = open(g_path[f], O_RDONLY);
+    CHECK(fd >= 0);
+    uint64_t range[2] = {0, 0}, cs[5];
+    long rc = syscall(451, fd, range, cs, 0);
+    close(fd);
+    return rc == 0 ? (long)cs[0] : -1;
+#else
+    return -1;
+#endif
+}
+static int have_cachestat(void) { return cached_pages(9) >= 0; }
+
+/* Whether dropping the cache works here (not on tmpfs, whose pages are the
+ * files): cold batches then must read their middles O_DIRECT. */
+static int cache_droppable(void)
+{
+    drop_cache();
+    return cached_pages(9) <= 0;
+}
+
+/* Many random batches under one setting; the mode must be what was asked.
+ * cold: the files' pages are dropped before every batch (O_DIRECT reads go
+ * to the device); else they are in the page cache, and the default direct
+ * setting (UNCACHED) reads them buffered where cachestat says so. */
+static void run_random(int mode, unsigned depth, uint64_t max_io, int direct, int rounds, int cold)
 {
     mtc_uring_configure(depth, max_io, direct, mode);
     const char *why;
@@ -130,6 +185,8 @@ static void run_random(int mode, unsigned depth, uint64_t max_io, int direct, in
     for (int r = 0; r < rounds; r++) {
         uint32_t n = make_requests(&rng, reqs, r % 4 == 0 ? 400 : 40, dst, cap);
         memset(dst, 0xAB, cap);
+        if (cold) drop_cache();
+        else if (r == 0) warm_cache();
         mtc_uring_err e = {0, 0};
         int rc = mtc_uring_read(reqs, n, &e);
         if (rc) FAILF("mode %d depth %u max_io %llu direct %d: read failed %d at %u", mode, depth,
@@ -145,7 +202,22 @@ static void run_random(int mode, unsigned depth, uint64_t max_io, int direct, in
         CHECK_EQ(after.reads_pread - before.reads_pread, total);
     }
     if (max_io && max_io < 4096) CHECK(after.short_reads > before.short_reads);
-    if (mode == MTC_URING_MODE_URING && direct) CHECK(after.direct_reads > before.direct_reads);
+    if (mode == MTC_URING_MODE_URING) {
+        int dropped = cold && cache_droppable();
+        if (direct == MTC_URING_DIRECT_ALWAYS || (direct == MTC_URING_DIRECT_UNCACHED && (dropped || !have_cachestat())))
+            CHECK(after.direct_reads > before.direct_reads);
+        /* (cold: a later window may find pages that an earlier one's buffered
+         * heads and tails, with their readahead, brought in: cached is right) */
+        if (direct == MTC_URING_DIRECT_ALWAYS || !have_cachestat())
+            CHECK_EQ(after.direct_cached, before.direct_cached);
+        if (direct == MTC_URING_DIRECT_UNCACHED && !cold && have_cachestat()) {
+            /* warm: every O_DIRECT candidate was read buffered */
+            CHECK(after.direct_cached > before.direct_cached);
+            CHECK_EQ(after.direct_reads, before.direct_reads);
+        }
+        if (direct == MTC_URING_DIRECT_OFF) CHECK_EQ(after.direct_reads + after.direct_cached,
+                                                     before.direct_reads + before.direct_cached);
+    }
     CHECK_EQ(open_fds(), fds);
     free(dst);
     free(reqs);
@@ -374,11 +446,19 @@ int main(void)
     for (int m = g_have_uring ? 0 : 1; m < 2; m++) {
         int mode = modes[m];
         int rounds = UNDER_TSAN ? 8 : 30;
-        run_random(mode, 128, 0, 1, rounds);
-        run_random(mode, 1, 0, 1, rounds);       /* one read in flight at a time */
-        run_random(mode, 4, 1000, 1, rounds);     /* every read cut short and completed */
-        run_random(mode, 7, 3 * A + 5, 1, rounds);
-        run_random(mode, 32, 0, 0, rounds);      /* buffered only */
+        const int U = MTC_URING_DIRECT_UNCACHED, AL = MTC_URING_DIRECT_ALWAYS;
+        run_random(mode, 128, 0, U, rounds, 0);
+        run_random(mode, 128, 0, U, rounds / 2, 1); /* cold: O_DIRECT middles */
+        run_random(mode, 128, 0, AL, rounds, 0);    /* O_DIRECT even with the pages cached */
+        run_random(mode, 1, 0, AL, rounds, 0);      /* one read in flight at a time */
+        run_random(mode, 4, 1000, AL, rounds, 0);   /* every read cut short and completed */
+        run_random(mode, 4, 1000, U, rounds / 2, 1);
+        run_random(mode, 7, 3 * A + 5, AL, rounds, 0);
+        run_random(mode, 32, 0, MTC_URING_DIRECT_OFF, rounds, 0); /* buffered only */
+        mtc_uring_configure_async(1); /* buffered reads copied by io-wq threads */
+        run_random(mode, 16, 0, U, rounds, 0);
+        run_random(mode, 16, 5000, U, rounds / 2, 1);
+        mtc_uring_configure_async(0);
         test_errors(mode);
         test_threads(mode);
     }
