@@ -81,6 +81,7 @@ int mtc_arena_create(size_t bytes, mtc_arena **out)
     a->nslots = nslots;
     a->data_offset = data_offset;
     a->slot_bytes = MTC_ARENA_SLOT_BYTES;
+    a->populated = calloc(nslots, 1); /* NULL: never populate */
     *out = a;
     return 0;
 }
@@ -113,6 +114,7 @@ int mtc_arena_attach(int fd, mtc_arena **out)
     a->nslots = nslots;
     a->data_offset = data_offset;
     a->slot_bytes = slot_bytes;
+    a->populated = calloc(nslots, 1); /* NULL: never populate */
     *out = a;
     return 0;
 }
@@ -121,17 +123,44 @@ int mtc_arena_attach(int fd, mtc_arena **out)
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
-int mtc_arena_populate(mtc_arena *a)
+static _Atomic int _populate_off = -1; /* MTC_ARENA_POPULATE=0, read once */
+
+int mtc_arena_populate(mtc_arena *a, uint64_t off, uint64_t nbytes)
 {
+    if (!nbytes || !a->populated || off < a->data_offset) return 0;
+    if (mtc_load_relaxed(&_populate_off) < 0) {
+        const char *e = getenv("MTC_ARENA_POPULATE");
+        mtc_store_relaxed(&_populate_off, e && strcmp(e, "0") == 0);
+    }
+    if (mtc_load_relaxed(&_populate_off)) return 0;
     int32_t me = (int32_t)getpid();
-    if (mtc_load_relaxed(&a->populated_pid) == me) return 0;
-    /* two threads of a process may both populate: harmless, and rare */
-    mtc_store_relaxed(&a->populated_pid, me);
-    const char *e = getenv("MTC_ARENA_POPULATE");
-    if (e && strcmp(e, "0") == 0) return 0;
-    /* data_offset is a multiple of the page size, and so is the data area */
-    if (madvise(a->base + a->data_offset, (size_t)a->nslots * a->slot_bytes, MADV_POPULATE_WRITE)) return -errno;
-    return 0;
+    if (mtc_load_relaxed(&a->populated_pid) != me) {
+        /* a new process (fork copied the bitmap of its parent): nothing is
+         * mapped here yet. Two threads may both reset it: harmless. */
+        for (uint32_t i = 0; i < a->nslots; i++) mtc_store_relaxed(&a->populated[i], 0);
+        mtc_store_relaxed(&a->populated_pid, me);
+    }
+    uint64_t first = (off - a->data_offset) / a->slot_bytes;
+    uint64_t end = (off - a->data_offset + nbytes + a->slot_bytes - 1) / a->slot_bytes;
+    if (end > a->nslots) end = a->nslots;
+    int rc = 0;
+    for (uint64_t i = first; i < end;) {
+        if (mtc_load_relaxed(&a->populated[i])) {
+            i++;
+            continue;
+        }
+        uint64_t j = i;
+        while (j < end && !mtc_load_relaxed(&a->populated[j])) j++;
+        /* slots are whole pages: data_offset and slot_bytes are page multiples */
+        if (madvise(a->base + a->data_offset + i * a->slot_bytes, (size_t)((j - i) * a->slot_bytes),
+                    MADV_POPULATE_WRITE)) {
+            rc = -errno;
+            break;
+        }
+        for (uint64_t k = i; k < j; k++) mtc_store_relaxed(&a->populated[k], 1);
+        i = j;
+    }
+    return rc;
 }
 
 void mtc_arena_ref(mtc_arena *a) { mtc_fetch_add_relaxed(&a->refs, 1); }
@@ -142,6 +171,7 @@ void mtc_arena_unref(mtc_arena *a)
     if (mtc_fetch_sub_acq_rel(&a->refs, 1) != 1) return;
     munmap(a->base, a->bytes);
     close(a->fd);
+    free((void *)a->populated);
     free(a);
 }
 

@@ -61,7 +61,8 @@ typedef struct mtc_arena {
     uint64_t slot_bytes;
     int registered;         /* page-locked with CUDA in this process */
     _Atomic int32_t refs;
-    _Atomic int32_t populated_pid; /* the process whose page tables map the whole data area (0: none) */
+    _Atomic int32_t populated_pid; /* the process `populated` describes (0: none yet) */
+    _Atomic uint8_t *populated;    /* per slot: mapped in populated_pid's page tables (NULL: unknown, never populate) */
 } mtc_arena;
 
 typedef struct mtc_arena_stats {
@@ -80,17 +81,19 @@ void mtc_arena_ref(mtc_arena *a);
  * the caller's business (before the last unref). */
 void mtc_arena_unref(mtc_arena *a);
 
-/* Maps every page of the data area into this process's page tables, once
- * per process (a forked worker inherits the mapping but not its page table
- * entries): one madvise(MADV_POPULATE_WRITE) instead of a page fault per
- * 4 KiB the first time each part of the arena is written here, which costs
- * a DataLoader worker ~1 us per page (regions cycle through the whole arena,
- * so every worker touches all of it). The first call in a process does the
- * work; later calls return at once. Memory the main process has not
- * page-locked yet is allocated then. 0, or -errno of madvise (EINVAL before
- * Linux 5.14: the pages are then faulted in as they are written, as
- * without it). MTC_ARENA_POPULATE=0 in the environment turns it off. */
-int mtc_arena_populate(mtc_arena *a);
+/* Maps the pages of the region [off, off + nbytes) (offsets from the
+ * arena's base, slot-aligned start) into this process's page tables before
+ * it is written: one madvise(MADV_POPULATE_WRITE) per run of slots this
+ * process has not populated yet, instead of a page fault per 4 KiB (a forked
+ * DataLoader worker inherits the mapping but not its page table entries, and
+ * regions cycle through the whole arena, so every worker would fault on all
+ * of it, ~1 us per page). A per-process bitmap of slots (reset when the pid
+ * changes, i.e. after fork) makes later calls over the same slots a scan of
+ * a few bytes. Memory the main process has not page-locked yet is allocated
+ * then. 0, or -errno of madvise (EINVAL before Linux 5.14: the pages are
+ * then faulted in as they are written, as without it).
+ * MTC_ARENA_POPULATE=0 in the environment turns it off. */
+int mtc_arena_populate(mtc_arena *a, uint64_t off, uint64_t nbytes);
 
 /* Owners are pids, 1 .. INT32_MAX; every function below returns -EINVAL for
  * any other owner (a caller that narrows a wider pid must check first). */

@@ -443,13 +443,13 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     if (_pack_check_plan(a, &t, &plan, arena_bytes)) goto error;
     int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
-    /* before the first region is written in this process: its page tables
-     * map the whole arena in one call (see mtc_arena_populate) */
-    Py_BEGIN_ALLOW_THREADS
-    mtc_arena_populate(a);
-    Py_END_ALLOW_THREADS
     if (_pack_alloc_region(a, payload, timeout_ns, me, &off)) goto error;
     have_region = 1;
+    /* the region's pages into this process's page tables in one call, the
+     * first time this process writes its slots (see mtc_arena_populate) */
+    Py_BEGIN_ALLOW_THREADS
+    mtc_arena_populate(a, off, (uint64_t)payload);
+    Py_END_ALLOW_THREADS
     if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton)) goto error;
     if (!(res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton))) goto error;
     have_region = 0; /* handed to the descriptor */
