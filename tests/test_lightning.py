@@ -135,19 +135,23 @@ class Checking(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("prefetch", [False, True], ids=["collate_only", "prefetch"])
-def test_ddp_spawn_with_packed_collate_built_in_the_launcher(tmp_path, prefetch):
+def test_ddp_spawn_with_packed_collate_built_in_the_launcher(tmp_path, prefetch, accelerator):
     """strategy="ddp_spawn": the DataLoader and its PackedCollate (and its arena) are built in
-    the launching process and pickled into the two ranks; each rank unpacks the batches its own
-    DataLoader workers pack into that shared arena (Lightning re-creates the loader with a
-    DistributedSampler, so the ranks' shards cover the dataset once per epoch)."""
+    the launching process and pickled into the ranks (two CPU processes; one per GPU); each rank
+    unpacks the batches its own DataLoader workers pack into that shared arena (Lightning
+    re-creates the loader with a DistributedSampler, so the ranks' shards cover the dataset once
+    per epoch)."""
+    ranks = 2 if accelerator == "cpu" else torch.cuda.device_count()
     loader = DataLoader(NestedSamples(24), batch_size=4, shuffle=True, num_workers=2,
                         collate_fn=mtc_loader.PackedCollate(collate, arena_bytes=16 << 20))
     callbacks = [mtc_loader.lightning.PrefetchCallback()] if prefetch else []
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=ranks, strategy="ddp_spawn", max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
     trainer.fit(Checking(str(tmp_path)), loader)
-    seen = [[int(i) for i in line.split()] for r in (0, 1) for line in (tmp_path / f"rank{r}").read_text().splitlines()]
-    assert len(seen) == 2 * 2 * 3  # 2 ranks, 2 epochs, 12 samples per rank in batches of 4
+    seen = [[int(i) for i in line.split()]
+            for r in range(ranks) for line in (tmp_path / f"rank{r}").read_text().splitlines()]
+    assert sum(map(len, seen)) == 2 * 24  # 2 epochs, each rank its 24 / ranks samples
     assert sorted(i for b in seen for i in b) == sorted(list(range(24)) * 2)
