@@ -112,7 +112,8 @@ frameworks)
     if ! python3 -c "from mtc_loader import _engine; assert _engine.nvtx_info()['compiled']" 2>/dev/null \
         && [ -f /tmp/nvtx_wheel/nvidia/nvtx/include/nvtx3/nvToolsExt.h ]; then
         echo "rebuilding the engine with the carried nvtx3 headers"
-        MTC_NVTX_INCLUDE=/tmp/nvtx_wheel/nvidia/nvtx/include python3 setup.py build_ext --inplace -q --force \
+        export MTC_NVTX_INCLUDE=/tmp/nvtx_wheel/nvidia/nvtx/include  # test_nvtx.py builds its tool with them too
+        python3 setup.py build_ext --inplace -q --force \
             >> "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
     fi
     python3 - <<'PY' 2>&1 | tee "$out/versions.log" || exit 1
