@@ -13,6 +13,15 @@
 #   bash bench/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
 #                                      # thread's __next__) with this tree's package and DIR's,
 #                                      # alternating: new, old, old, new
+#   bash bench/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
+#                                      # launcher (ddp_spawn) tests, then the profile ranges of a
+#                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
+#                                      # trace and summary) and the engine's NVTX ranges (tests/
+#                                      # nvtx_tool.c). Wheels carried in .whl (bench/fetch_wheels.sh)
+#                                      # are installed into /tmp/site where the machine lacks them
+#                                      # (FORCE_WHEELS=1: all), with no index and no dependency resolution;
+#                                      # it builds the engine in place itself (NO_INSTALL=1 skips pip -e);
+#                                      # FRAMEWORKS_ON_CPU=1 lets it run without a GPU (a dry run)
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -83,4 +92,64 @@ ab-next)
             --methods packed_prefetch --out /tmp/next_$v 2>&1 | grep -E "PrefetchLoader  |__next__" >> "$out/next.log"
     done
     cat "$out/next.log" ;;
+frameworks)
+    site=/tmp/site
+    if [ -d .whl ]; then
+        whl=$(python3 bench/missing_wheels.py .whl ${FORCE_WHEELS:+--all})
+        if [ -n "$whl" ]; then
+            echo "installing into $site: $(for w in $whl; do basename "$w"; done | tr '\n' ' ')"
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+                $whl 2>&1 | grep -v "root user"
+        else
+            echo "every carried wheel's distribution is installed here; none installed"
+        fi
+        # the nvtx3 headers only (never an nvidia folder on the path, in front of torch's CUDA libraries)
+        for w in .whl/nvidia_nvtx_cu12-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/nvtx_wheel; done
+    fi
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    # the engine in place, with NVTX: its own search first (nvidia.nvtx, $CUDA_HOME/include), then the carried headers
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    if ! python3 -c "from mtc_loader import _engine; assert _engine.nvtx_info()['compiled']" 2>/dev/null \
+        && [ -f /tmp/nvtx_wheel/nvidia/nvtx/include/nvtx3/nvToolsExt.h ]; then
+        echo "rebuilding the engine with the carried nvtx3 headers"
+        export MTC_NVTX_INCLUDE=/tmp/nvtx_wheel/nvidia/nvtx/include  # test_nvtx.py builds its tool with them too
+        python3 setup.py build_ext --inplace -q --force \
+            >> "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    fi
+    python3 - <<'PY' 2>&1 | tee "$out/versions.log" || exit 1
+import importlib.metadata as md
+import torch
+from mtc_loader import _engine
+def v(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return "-"
+print("torch", torch.__version__, "| cuda:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+      "|", ", ".join(f"{n} {v(n)}" for n in ("lightning", "pytorch-lightning", "accelerate", "pytest", "hypothesis")))
+print("engine nvtx:", _engine.nvtx_info())
+import accelerate, lightning.pytorch  # noqa: F401  (fail here: the tests would only skip)
+import os
+assert torch.cuda.is_available() or os.environ.get("FRAMEWORKS_ON_CPU"), "no CUDA device: the CUDA variants would skip"
+PY
+    timeout 360 python3 -m pytest -q -p no:cacheprovider -rs tests/test_lightning.py tests/test_accelerate.py \
+        tests/test_profiler.py tests/test_nvtx.py tests/test_batch_to.py \
+        "tests/test_loader.py::test_packed_collate_built_in_a_launcher" > "$out/frameworks_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/frameworks_tests.log" | tail -15
+    # torch.profiler (every thread, CPU + CUDA) over examples/profile_prefetch.py: Chrome trace into $out
+    python3 examples/profile_prefetch.py "$out/trace.json" 2>&1 | grep -v "^USDT\|profiler_st" | tee "$out/profile.log"
+    echo "profile_prefetch rc=${PIPESTATUS[0]}"
+    python3 bench/trace_summary.py "$out/trace.json" 2>&1 | tee -a "$out/profile.log"
+    # the same loop with an NVTX tool attached (as Nsight Systems attaches): the engine's ranges, workers included
+    inc=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from test_nvtx import nvtx_headers; print(nvtx_headers() or '')")
+    [ -z "$inc" ] && [ -d /tmp/nvtx_wheel/nvidia/nvtx/include ] && inc=/tmp/nvtx_wheel/nvidia/nvtx/include
+    if [ -n "$inc" ] && cc -shared -fPIC -O1 -I "$inc" tests/nvtx_tool.c -o /tmp/nvtx_tool.so -lpthread; then
+        rm -f /tmp/nvtx.log
+        NVTX_INJECTION64_PATH=/tmp/nvtx_tool.so MTC_NVTX_LOG=/tmp/nvtx.log MTC_NVTX_TIMES=1 \
+            python3 examples/profile_prefetch.py /tmp/trace_nvtx.json > /tmp/profile_nvtx.log 2>&1
+        echo "profile_prefetch with the NVTX tool rc=$?"
+        python3 bench/nvtx_summary.py /tmp/nvtx.log 2>&1 | tee -a "$out/profile.log"
+    else
+        echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
+    fi ;;
 esac

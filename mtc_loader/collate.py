@@ -16,7 +16,7 @@ from multiprocessing import reduction, resource_sharer
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from . import _engine
 from ._device import target_index
@@ -112,6 +112,15 @@ def _unshare(keys: list[int]) -> None:
             entry[1]()  # its close(): os.close of the dup
 
 
+def _consumes(arena: Arena) -> bool:
+    """Whether this process unpacks the batches packed into ``arena``: the process that created
+    it, and any other process holding it that is not a DataLoader worker. The second case is a
+    process started with a ``PackedCollate`` built in its launcher (Lightning's ``ddp_spawn``,
+    ``ddp_fork`` and notebook launchers, ``torch.multiprocessing.spawn``): each such process
+    consumes the batches its own DataLoader workers pack into the shared arena."""
+    return arena.creator == os.getpid() or get_worker_info() is None
+
+
 def _attach(dupfd: Any, token: tuple[int, int, int]) -> Arena:
     existing = _ARENAS.get(token)
     fd = dupfd.detach()
@@ -135,11 +144,18 @@ class PackedBatch:
     __slots__ = ("_arena", "_off", "_nbytes", "_owner", "_layout", "_skeleton", "_state", "_moved",
                  "__weakref__")
 
-    def __init__(self, arena: Arena, off: int, nbytes: int, owner: int, layout: bytes, skeleton: Any):
+    def __init__(self, arena: Arena, off: int, nbytes: int, owner: int, layout: bytes, skeleton: Any,
+                 state: Optional[str] = None):
         self._arena, self._off, self._nbytes, self._owner = arena, off, nbytes, owner
         self._layout, self._skeleton = layout, skeleton
         self._moved: Optional[tuple[int, Any]] = None  # (target index, structure) after to()
-        self._state = "held" if owner == os.getpid() and arena.creator == owner else "sent"
+        # held: this process's to unpack, and to free if dropped (the arena's creator, or a
+        # region adopted on arrival); own: packed here by a process that is not the creator
+        # nor a DataLoader worker (a rank with num_workers=0, or a forked packer that may send
+        # it): unpackable here, never freed on drop (it may have been sent); sent: not here
+        if state is None:
+            state = "held" if owner == os.getpid() and arena.creator == owner else "sent"
+        self._state = state
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_batch, (self._arena.token, self._off, self._nbytes, self._owner,
@@ -158,7 +174,8 @@ class PackedBatch:
         if self._state == "consumed":
             raise RuntimeError("mtc_loader: this PackedBatch was already unpacked (a batch is consumed once)")
         if self._state == "sent":
-            raise RuntimeError("mtc_loader: a PackedBatch can only be unpacked in the process that created its arena")
+            raise RuntimeError("mtc_loader: this PackedBatch is unpacked by the process it is sent to (the one "
+                               "that iterates the DataLoader), not in a DataLoader worker")
         self._state = "consumed"
         return self._arena._a
 
@@ -237,11 +254,12 @@ def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: in
     if owner == os.getpid():
         raise RuntimeError("mtc_loader: a PackedBatch cannot be copied or pickled within the process "
                            "that holds its region (it is consumed once)")
-    if arena.creator == os.getpid() and owner != os.getpid():
-        # the main process takes the region over from the worker that filled it, so that the
-        # worker's death cannot free it any more
+    if _consumes(arena):
+        # the consuming process takes the region over from the worker that filled it, so that
+        # the worker's death cannot free it any more
         owner = arena._a.adopt(off, owner)
-    return PackedBatch(arena, off, nbytes, owner, layout, skeleton)
+        return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "held")
+    return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent")
 
 
 class PackedCollate:
@@ -278,7 +296,9 @@ class PackedCollate:
     def __call__(self, samples: list[Any]) -> PackedBatch:
         batch = self.collate_fn(samples)
         off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
-        return PackedBatch(self.arena, off, nbytes, os.getpid(), layout, skeleton)
+        me = os.getpid()
+        state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
+        return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)
 
     def stats(self) -> dict[str, int]:
         """The arena's counters."""

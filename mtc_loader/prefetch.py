@@ -26,7 +26,7 @@ import torch
 
 from . import _engine, _trace
 from ._device import target_index
-from .collate import _ARENAS, PackedBatch
+from .collate import _ARENAS, PackedBatch, _consumes
 from .copy import start_copy
 from .handle import AsyncCopyHandle
 
@@ -521,8 +521,8 @@ def _new_stats() -> dict[str, Any]:
 
 
 def _reclaim_dead() -> None:
-    """Frees the arena regions of worker processes that have exited (this process's arenas)."""
-    me = os.getpid()
+    """Frees the arena regions of worker processes that have exited (the arenas this process
+    consumes)."""
     for arena in list(_ARENAS.values()):
-        if arena.creator == me:
+        if _consumes(arena):
             arena.reclaim_dead()

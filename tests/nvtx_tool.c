@@ -3,6 +3,8 @@
  * through NVTX_INJECTION64_PATH (as Nsight Systems is), it takes over the
  * domain calls mtc_loader makes and appends one line per event to the file
  * named by MTC_NVTX_LOG: "<pid> <tid> push <domain> <name>" / "<pid> <tid> pop".
+ * With MTC_NVTX_TIMES set, each line starts with CLOCK_MONOTONIC nanoseconds
+ * ("<ns> <pid> ..."; bench/nvtx_summary.py reads such a log).
  */
 #define _GNU_SOURCE
 #include <nvtx3/nvToolsExt.h>
@@ -13,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -23,9 +26,12 @@ static void emit(const char *what, const char *domain, const char *name)
 {
     const char *path = getenv("MTC_NVTX_LOG");
     if (!path) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     pthread_mutex_lock(&mu);
     FILE *f = fopen(path, "a");
     if (f) {
+        if (getenv("MTC_NVTX_TIMES")) fprintf(f, "%lld ", (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
         fprintf(f, "%d %ld %s %s %s\n", (int)getpid(), (long)syscall(SYS_gettid), what, domain ? domain : "-",
                 name ? name : "-");
         fclose(f);

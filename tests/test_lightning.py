@@ -114,3 +114,44 @@ def test_prefetch_callback_sets_sampler_epoch():
 def test_prefetch_callback_bad_depth():
     with pytest.raises(ValueError, match="mtc_loader: depth"):
         mtc_loader.lightning.PrefetchCallback(depth=0)
+
+
+class Checking(L.LightningModule):
+    """Checks every batch in the step (the ranks of ddp_spawn are other processes): the
+    collated dict on the rank's device, bitwise; writes the indices it saw to a file."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.out = out
+
+    def training_step(self, batch, batch_idx):
+        check_seen([record(batch)], self.device, NestedSamples(24), batch["idx"].tolist(), epochs=1)
+        with open(f"{self.out}/rank{self.global_rank}", "a") as f:
+            f.write(" ".join(map(str, batch["idx"].tolist())) + "\n")
+        return self.layer(batch["x"]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["collate_only", "prefetch"])
+def test_ddp_spawn_with_packed_collate_built_in_the_launcher(tmp_path, prefetch, accelerator):
+    """strategy="ddp_spawn": the DataLoader and its PackedCollate (and its arena) are built in
+    the launching process and pickled into the ranks (two CPU processes; one per GPU); each rank
+    unpacks the batches its own DataLoader workers pack into that shared arena (Lightning
+    re-creates the loader with a DistributedSampler, so the ranks' shards cover the dataset once
+    per epoch)."""
+    ranks = 2 if accelerator == "cpu" else torch.cuda.device_count()
+    loader = DataLoader(NestedSamples(24), batch_size=4, shuffle=True, num_workers=2,
+                        collate_fn=mtc_loader.PackedCollate(collate, arena_bytes=16 << 20))
+    callbacks = [mtc_loader.lightning.PrefetchCallback()] if prefetch else []
+    trainer = L.Trainer(accelerator=accelerator, devices=ranks, strategy="ddp_spawn", max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks)
+    trainer.fit(Checking(str(tmp_path)), loader)
+    seen = [[int(i) for i in line.split()]
+            for r in range(ranks) for line in (tmp_path / f"rank{r}").read_text().splitlines()]
+    assert sum(map(len, seen)) == 2 * 24  # 2 epochs, each rank its 24 / ranks samples
+    assert sorted(i for b in seen for i in b) == sorted(list(range(24)) * 2)

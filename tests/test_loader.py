@@ -696,3 +696,32 @@ def test_a_held_batch_cannot_be_duplicated_in_its_process():
         pickle.loads(pickle.dumps(pb))
     assert_tree_bitwise(pb.unpack("cpu"), tree_to([seed_sample(0)], "cpu"))
     assert pc.stats()["slots_in_use"] == 0
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _rank(rank: int, collate, worker_ctx: str, device: str) -> None:
+    """One rank of a launcher (torch.multiprocessing.spawn, as Lightning's ddp_spawn): its
+    DataLoader workers pack into the launcher's arena, and the rank unpacks, through
+    PackedBatch.to, PrefetchLoader, and with num_workers=0 (packing in the rank itself)."""
+    ds = SeedSamples(12)
+    refs = reference(ds, batch_size=3)
+    for workers in (2, 0):
+        kw = {"multiprocessing_context": worker_ctx} if workers else {}
+        loader = DataLoader(ds, batch_size=3, num_workers=workers, collate_fn=collate, **kw)
+        for k, b in enumerate(loader):
+            out = b.to(device)
+            sync(device)
+            assert_tree_bitwise(out, tree_to(refs[k], device), f"rank {rank} batch {k}")
+        check_epoch(loader, refs, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("worker_ctx", ["fork", "spawn"])
+def test_packed_collate_built_in_a_launcher(worker_ctx, device):
+    """A PackedCollate built in a launching process and pickled into the processes it starts
+    (ddp_spawn, a notebook launcher): every such process unpacks what its own workers pack.
+    The ranks share the launcher's arena; each frees what it took."""
+    collate = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    torch.multiprocessing.spawn(_rank, args=(collate, worker_ctx, device), nprocs=2)
+    assert settle(collate.arena)["slots_in_use"] == 0

@@ -40,9 +40,10 @@ def nvtx_headers():
         spec = importlib.util.find_spec("nvidia.nvtx")
     except ImportError:
         spec = None
-    dirs = [os.path.join(d, "include") for d in (spec.submodule_search_locations if spec else [])]
+    dirs = [os.environ.get("MTC_NVTX_INCLUDE", "")]  # as setup.py
+    dirs += [os.path.join(d, "include") for d in (spec.submodule_search_locations if spec else [])]
     dirs.append(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"))
-    return next((d for d in dirs if os.path.exists(os.path.join(d, "nvtx3", "nvToolsExt.h"))), None)
+    return next((d for d in dirs if d and os.path.exists(os.path.join(d, "nvtx3", "nvToolsExt.h"))), None)
 
 
 @pytest.fixture(scope="module")
