@@ -13,6 +13,8 @@
 #   bash bench/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
 #                                      # thread's __next__) with this tree's package and DIR's,
 #                                      # alternating: new, old, old, new
+#   bash bench/gpu_checks.sh ab-train DIR  # bench_train.py --config launch (ideal and packed) with
+#                                      # this tree's package and DIR's, alternating: new, old, old, new
 #   bash bench/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
 #                                      # launcher (ddp_spawn) tests, then the profile ranges of a
 #                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
@@ -92,6 +94,16 @@ ab-next)
             --methods packed_prefetch --out /tmp/next_$v 2>&1 | grep -E "PrefetchLoader  |__next__" >> "$out/next.log"
     done
     cat "$out/next.log" ;;
+ab-train)
+    old=${2:?ab-train needs the old tree}
+    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+    for v in new old old new; do
+        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
+        echo "== $v ($p)" >> "$out/train_ab.log"
+        PYTHONPATH=$p python3 bench/bench_train.py --config launch --workers 4 --batches "${TRAIN_BATCHES:-150}" \
+            --rounds 2 --methods packed --out /tmp/train_$v 2>&1 | grep -E "^launch " >> "$out/train_ab.log"
+    done
+    cat "$out/train_ab.log" ;;
 frameworks)
     site=/tmp/site
     if [ -d .whl ]; then

@@ -112,6 +112,27 @@ def test_large_tensors_staged_in_pieces():
     assert mtc_loader.stats()["pieces"] > 0
 
 
+@pytest.mark.parametrize("stream", ["current", "side"])
+def test_large_packed_chunk(stream):
+    """A packed chunk of many medium tensors (256 x ~64 KB: 16 MB, staged by the helpers in
+    parallel) with odd sizes (so padding between them), mixed dtypes and a strided leaf arrives
+    exactly, in one chunk, on the captured stream."""
+    g = torch.Generator().manual_seed(61)
+    dtypes = [torch.float32, torch.uint8, torch.int64, torch.float16, torch.bool, torch.complex64]
+    data = [random_tensor(dtypes[i % len(dtypes)], ((61_000 + 37 * i) // 8,), g) for i in range(256)]
+    data.insert(100, random_tensor(torch.float32, (200, 128), g)[:, ::2])  # strided, packed after staging
+    before = mtc_loader.stats()
+    s = torch.cuda.Stream() if stream == "side" else torch.cuda.current_stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # the copies must come after this on s
+        out = start_copy(data, "cuda:0").get()
+    s.synchronize()
+    after = mtc_loader.stats()
+    for o, r in zip(out, data):
+        assert_bitwise(o, r.to("cuda:0"))
+    assert after["chunks"] - before["chunks"] == 1
+
+
 def test_inputs_already_on_target_are_reused():
     x = torch.arange(10, device="cuda:0")
     y = torch.ones(3)
