@@ -13,8 +13,9 @@
 #   bash bench/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
 #                                      # thread's __next__) with this tree's package and DIR's,
 #                                      # alternating: new, old, old, new
-#   bash bench/gpu_checks.sh ab-train DIR  # bench_train.py --config launch (ideal and packed) with
-#                                      # this tree's package and DIR's, alternating: new, old, old, new
+#   bash bench/gpu_checks.sh ab-train DIR  # bench_train.py (ideal and packed; TRAIN_CONFIG: launch
+#                                      # and/or gpu, default launch) with this tree's package and
+#                                      # DIR's, alternating: new, old, old, new
 #   bash bench/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
 #                                      # launcher (ddp_spawn) tests, then the profile ranges of a
 #                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
@@ -100,8 +101,9 @@ ab-train)
     for v in new old old new; do
         p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
         echo "== $v ($p)" >> "$out/train_ab.log"
-        PYTHONPATH=$p python3 bench/bench_train.py --config launch --workers 4 --batches "${TRAIN_BATCHES:-150}" \
-            --rounds 2 --methods packed --out /tmp/train_$v 2>&1 | grep -E "^launch " >> "$out/train_ab.log"
+        PYTHONPATH=$p python3 bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 \
+            --batches "${TRAIN_BATCHES:-150}" --rounds 2 --methods packed --out /tmp/train_$v 2>&1 \
+            | grep -E "^(launch|gpu) " >> "$out/train_ab.log"
     done
     cat "$out/train_ab.log" ;;
 frameworks)

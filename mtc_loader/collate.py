@@ -21,6 +21,7 @@ from torch.utils.data import default_collate, get_worker_info
 from . import _engine
 from ._device import target_index
 from ._options import positive_int, seconds
+from ._stack import stacking_into_scratch
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -270,6 +271,14 @@ class PackedCollate:
     region and returns a small :class:`PackedBatch`. With ``num_workers=0`` it works the same in
     the main process.
 
+    While ``collate_fn`` runs, the CPU tensors that ``default_collate`` stacks (directly, or
+    inside a collate function of yours that calls it) are written into memory that this worker
+    keeps from one batch to the next, instead of a new shared-memory segment per batch: after
+    the first batch, stacking costs no page faults (66 MB of images: ~7 ms instead of ~55 ms on
+    the CI machine). Those stacked tensors are views of that memory and valid until the batch is
+    packed: a ``collate_fn`` must not keep them beyond its call (the next batch reuses the
+    memory). The worker keeps as much of it as one batch's stacked tensors take.
+
     Args:
         collate_fn: The collate function to wrap.
         arena_bytes: Size of the shared arena. It must hold every batch in flight: about
@@ -294,8 +303,12 @@ class PackedCollate:
         self.align = align
 
     def __call__(self, samples: list[Any]) -> PackedBatch:
-        batch = self.collate_fn(samples)
-        off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
+        # the tensors default_collate stacks go to this thread's warm scratch memory rather than
+        # a new shared-memory segment per batch (_stack.py); they are packed before it is reused
+        with stacking_into_scratch():
+            batch = self.collate_fn(samples)
+            off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
+            del batch
         me = os.getpid()
         state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)

@@ -1,0 +1,193 @@
+"""What default_collate stacks inside a PackedCollate goes to warm scratch memory (_stack.py).
+
+Every batch is compared bitwise with the plain collate function's result; the scratch memory is
+reused from one batch to the next, so a batch packed after its memory was reused would differ.
+The datasets are module-level classes so that spawn workers can unpickle them.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+import mtc_loader
+from mtc_loader import _stack
+from conftest import assert_tree_bitwise, requires_cuda
+
+ARENA = 32 << 20
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class Images(Dataset):
+    """Camera images (stacked by default_collate), a depth map of another dtype, per-sample
+    meta-data of varying length (kept per sample), a numpy array and a label whose dtype
+    alternates (default_collate promotes: the original function must stack it)."""
+
+    def __init__(self, n: int = 40, size: int = 32):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return {
+            "img": torch.randint(0, 256, (6, 3, self.size, self.size), dtype=torch.uint8, generator=g),
+            "depth": torch.rand(self.size, self.size, generator=g, dtype=torch.float64),
+            "boxes": torch.rand(1 + i % 7, 4, generator=g),
+            "arr": np.full(5, i, dtype=np.int16),
+            "label": torch.tensor([i], dtype=torch.int32 if i % 2 else torch.float32),
+        }
+
+
+def collate_parts(samples):
+    """A user's collate function: default_collate on the fixed-size parts, the rest per sample;
+    it also reports whether the stacked images are in a shared-memory segment."""
+    fixed = default_collate([{k: s[k] for k in ("img", "depth", "arr")} for s in samples])
+    fixed["boxes"] = [s["boxes"] for s in samples]
+    fixed["label"] = default_collate([s["label"] for s in samples])
+    fixed["img_shared"] = torch.tensor(fixed["img"].is_shared())
+    fixed["in_worker"] = torch.tensor(get_worker_info() is not None)
+    return fixed
+
+
+def without_flags(b):
+    return {k: v for k, v in b.items() if k not in ("img_shared", "in_worker")}
+
+
+@pytest.mark.parametrize("ctx,workers", [(None, 0), ("fork", 2), ("spawn", 1)])
+def test_batches_bitwise_across_reuse(ctx, workers):
+    ds = Images()
+    pc = mtc_loader.PackedCollate(collate_parts, arena_bytes=ARENA)
+    dl = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=pc, multiprocessing_context=ctx,
+                    persistent_workers=workers > 0)
+    refs = list(DataLoader(ds, batch_size=4, num_workers=0, collate_fn=collate_parts))
+    for epoch in range(2):
+        # keep every batch of the epoch: a region packed from reused memory would differ
+        got = [b.to("cpu") for b in dl]
+        assert len(got) == len(refs) == 10
+        for k, (b, r) in enumerate(zip(got, refs)):
+            assert_tree_bitwise(without_flags(b), without_flags(r), f"epoch {epoch} batch {k}")
+            assert b["label"].dtype == torch.float32  # int32 and float32 promoted, as default_collate does
+            assert not bool(b["img_shared"])  # stacked into the scratch, not a shared-memory segment
+            assert bool(b["in_worker"]) == (workers > 0)
+
+
+def test_default_collate_outside_packed_collate_is_unchanged():
+    """In a plain worker, default_collate still stacks into shared memory (what crosses to the
+    main process), and in the main process into ordinary memory."""
+    ds = Images(n=8)
+    for b in DataLoader(ds, batch_size=4, num_workers=1, collate_fn=collate_parts):
+        assert bool(b["in_worker"]) and bool(b["img_shared"])
+    b = collate_parts([ds[i] for i in range(4)])
+    assert not bool(b["img_shared"])
+    assert getattr(_stack._TLS, "active", None) is None
+
+
+def test_registered_once_and_delegates():
+    fn = default_collate_fn_map[torch.Tensor]
+    assert hasattr(fn, "_mtc_original")
+    _stack._register()  # idempotent: the original is never wrapped twice
+    assert default_collate_fn_map[torch.Tensor] is fn
+    x = [torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.float32)]
+    assert default_collate(x).dtype == torch.float32
+
+
+def test_unstackable_tensors_take_the_original_path():
+    """Mixed shapes raise torch's own error; tensors that require grad, subclasses and numpy
+    inputs give what default_collate gives without the scratch."""
+    pc = mtc_loader.PackedCollate(default_collate, arena_bytes=ARENA)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        pc([torch.ones(2), torch.ones(3)])
+    assert getattr(_stack._TLS, "active", None) is None  # left on the error
+
+    class Sub(torch.Tensor):
+        pass
+
+    seen = {}
+
+    def spy(samples):
+        out = default_collate(samples)
+        seen["out"] = out
+        return out.detach() if out.requires_grad else out
+
+    pc = mtc_loader.PackedCollate(spy, arena_bytes=ARENA)
+    grads = [torch.ones(3, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    assert torch.equal(pc(grads).to("cpu"), torch.stack([g.detach() for g in grads]))
+    assert seen["out"].requires_grad  # torch.stack's result, with autograd, as without the scratch
+    subs = [torch.ones(2).as_subclass(Sub), torch.zeros(2).as_subclass(Sub)]
+    pc(subs)
+    assert type(seen["out"]) is Sub
+    arrays = [np.arange(4, dtype=np.float32), np.ones(4, dtype=np.float32)]
+    assert torch.equal(pc(arrays).to("cpu"), torch.from_numpy(np.stack(arrays)))
+
+
+def test_scratch_grows_then_is_one_buffer():
+    s = _stack._Scratch()
+    s.begin()
+    a = s.take(100)
+    b = s.take(3 << 20)  # larger than the first buffer: a second one
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and a.numel() == 100
+    assert len(s.buffers) == 2
+    s.end()
+    s.begin()  # one buffer that holds everything the last call took
+    assert len(s.buffers) == 1 and s.buffers[0].numel() >= 64 + (3 << 20)
+    base = s.buffers[0].data_ptr()
+    assert s.take(100).data_ptr() == base and s.take(3 << 20).data_ptr() == base + 128
+    s.end()
+    s.begin()
+    assert s.buffers[0].data_ptr() == base  # reused, not reallocated
+    assert s.take(0).numel() == 0
+
+
+def test_exception_in_collate_fn_leaves_scratch_inactive():
+    def bad(samples):
+        default_collate(samples)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        mtc_loader.PackedCollate(bad, arena_bytes=ARENA)([torch.ones(4), torch.ones(4)])
+    assert getattr(_stack._TLS, "active", None) is None
+    pc = mtc_loader.PackedCollate(arena_bytes=ARENA)
+    assert torch.equal(pc([torch.ones(4), torch.zeros(4)]).to("cpu"), torch.stack([torch.ones(4), torch.zeros(4)]))
+
+
+def test_threads_have_their_own_scratch():
+    pc = mtc_loader.PackedCollate(arena_bytes=ARENA)
+    errors = []
+
+    def run(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(30):
+                samples = [torch.rand(64, 64, generator=g) for _ in range(4)]
+                out = pc(samples).to("cpu")
+                assert torch.equal(out, torch.stack(samples))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_prefetch_to_cuda_bitwise():
+    ds = Images(n=24, size=64)
+    pc = mtc_loader.PackedCollate(collate_parts, arena_bytes=ARENA)
+    dl = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=pc)
+    refs = list(DataLoader(ds, batch_size=4, num_workers=0, collate_fn=collate_parts))
+    got = list(mtc_loader.PrefetchLoader(dl, "cuda:0"))
+    torch.cuda.synchronize()
+    for k, (b, r) in enumerate(zip(got, refs)):
+        assert_tree_bitwise(without_flags(b), {k2: (v.to("cuda:0") if isinstance(v, torch.Tensor) else
+                                                    [t.to("cuda:0") for t in v])
+                                               for k2, v in without_flags(r).items()}, f"batch {k}")
