@@ -16,8 +16,8 @@ per call, so after the first batch their pages are warm. The stacked tensors are
 memory: they are valid until the batch is packed, which is all ``PackedCollate`` needs, and the
 memory is reused by the next call on the same thread. Outside a ``PackedCollate`` call (or for
 tensors it cannot stack that way: mixed dtypes, which ``torch.stack`` promotes; tensors that
-require grad; nested, sparse or non-CPU tensors; subclasses) the original function runs
-unchanged.
+require grad; nested, sparse, quantized, non-contiguous or non-CPU tensors; subclasses) the
+original function runs unchanged.
 
 Registered in ``default_collate_fn_map`` (torch's documented way to extend ``default_collate``)
 on import, like FileTensor's collate (files.py).
@@ -99,8 +99,9 @@ class stacking_into_scratch:
 
 def _stackable(batch: Any) -> bool:
     elem = batch[0]
-    if type(elem) is not torch.Tensor or elem.layout != torch.strided or elem.device.type != "cpu":
-        return False
+    if type(elem) is not torch.Tensor or elem.layout != torch.strided or elem.device.type != "cpu" \
+            or elem.is_quantized or not elem.is_contiguous():
+        return False  # (torch.stack keeps a channels_last layout, which out= would not)
     dtype, shape = elem.dtype, elem.shape
     for t in batch:
         if type(t) is not torch.Tensor or t.dtype != dtype or t.shape != shape or t.requires_grad \

@@ -98,8 +98,8 @@ def test_registered_once_and_delegates():
 
 
 def test_unstackable_tensors_take_the_original_path():
-    """Mixed shapes raise torch's own error; tensors that require grad, subclasses and numpy
-    inputs give what default_collate gives without the scratch."""
+    """Mixed shapes raise torch's own error; tensors that require grad, subclasses, channels_last
+    tensors and numpy inputs give what default_collate gives without the scratch."""
     pc = mtc_loader.PackedCollate(default_collate, arena_bytes=ARENA)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         pc([torch.ones(2), torch.ones(3)])
@@ -122,6 +122,9 @@ def test_unstackable_tensors_take_the_original_path():
     subs = [torch.ones(2).as_subclass(Sub), torch.zeros(2).as_subclass(Sub)]
     pc(subs)
     assert type(seen["out"]) is Sub
+    cl = [torch.rand(1, 3, 4, 4).contiguous(memory_format=torch.channels_last) for _ in range(2)]
+    pc(cl)  # not contiguous: the original torch.stack, which keeps the layout
+    assert seen["out"].stride() == torch.stack(cl).stride()
     arrays = [np.arange(4, dtype=np.float32), np.ones(4, dtype=np.float32)]
     assert torch.equal(pc(arrays).to("cpu"), torch.from_numpy(np.stack(arrays)))
 
