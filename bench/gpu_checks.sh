@@ -34,6 +34,20 @@ mkdir -p "$out"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py"
 for t in tests/test_loader.py tests/test_faults.py tests/test_fuzz.py; do [ -f "$t" ] && cuda_tests="$cuda_tests $t"; done
+# alternate OLD LOG PATTERN SCRIPT ARGS...: builds the tree OLD in place, then runs SCRIPT with
+# this tree's package and OLD's, alternating new, old, old, new, keeping the lines that match
+# PATTERN in $out/LOG
+alternate() {
+    local old=$1 log=$2 pattern=$3 v p
+    shift 3
+    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+    for v in new old old new; do
+        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
+        echo "== $v ($p)" >> "$out/$log"
+        PYTHONPATH=$p python3 "$@" --out /tmp/alternate_$v 2>&1 | grep -E "$pattern" >> "$out/$log"
+    done
+    cat "$out/$log"
+}
 case "${1:-tests}" in
 tests)
     python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -8 ;;
@@ -61,15 +75,8 @@ train)
         > "$out/loader.log" 2>&1
     echo "bench_loader rc=$?"; tail -12 "$out/loader.log" ;;
 ab)
-    old=${2:?ab needs the old tree}
-    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-    for v in new old old new; do
-        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
-        echo "== $v ($p)" >> "$out/copy.log"
-        PYTHONPATH=$p python3 bench/bench_copy.py --only seed16 seed4 seed64 4096x64B --rounds 12 --out /tmp/ab_$v \
-            2>&1 | grep -E " mtc | to " >> "$out/copy.log"
-    done
-    cat "$out/copy.log" ;;
+    alternate "${2:?ab needs the old tree}" copy.log " mtc | to " \
+        bench/bench_copy.py --only seed16 seed4 seed64 4096x64B --rounds 12 ;;
 profile)
     { python3 bench/profile_stages.py --calls 100 --gc both
       for n in 4 8 14; do
@@ -86,26 +93,12 @@ sanitize-prefetch)
         python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or switches" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
 ab-next)
-    old=${2:?ab-next needs the old tree}
-    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-    for v in new old old new; do
-        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
-        echo "== $v ($p)" >> "$out/next.log"
-        PYTHONPATH=$p python3 bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 \
-            --methods packed_prefetch --out /tmp/next_$v 2>&1 | grep -E "PrefetchLoader  |__next__" >> "$out/next.log"
-    done
-    cat "$out/next.log" ;;
+    alternate "${2:?ab-next needs the old tree}" next.log "PrefetchLoader  |__next__" \
+        bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --methods packed_prefetch ;;
 ab-train)
-    old=${2:?ab-train needs the old tree}
-    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-    for v in new old old new; do
-        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
-        echo "== $v ($p)" >> "$out/train_ab.log"
-        PYTHONPATH=$p python3 bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 \
-            --batches "${TRAIN_BATCHES:-150}" --rounds 2 --methods packed --out /tmp/train_$v 2>&1 \
-            | grep -E "^(launch|gpu) " >> "$out/train_ab.log"
-    done
-    cat "$out/train_ab.log" ;;
+    alternate "${2:?ab-train needs the old tree}" train_ab.log "^(launch|gpu) " \
+        bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 --batches "${TRAIN_BATCHES:-150}" \
+        --rounds 2 --methods packed ;;
 frameworks)
     site=/tmp/site
     if [ -d .whl ]; then

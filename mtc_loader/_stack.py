@@ -79,13 +79,13 @@ class stacking_into_scratch:
     """Context manager: while it is active on this thread, default_collate stacks into the
     thread's scratch memory (see the module's docstring)."""
 
-    __slots__ = ("scratch", "outer")
+    __slots__ = ("outer",)
 
     def __enter__(self) -> None:
         self.outer = getattr(_TLS, "active", None)
-        scratch = getattr(_TLS, "scratch", None)
         if self.outer is not None:  # a PackedCollate inside a collate_fn: share the outer call's memory
             return
+        scratch = getattr(_TLS, "scratch", None)
         if scratch is None:
             scratch = _TLS.scratch = _Scratch()
         scratch.begin()
