@@ -20,7 +20,8 @@ require grad; nested, sparse, quantized, non-contiguous or non-CPU tensors; subc
 original function runs unchanged.
 
 Registered in ``default_collate_fn_map`` (torch's documented way to extend ``default_collate``)
-on import, like FileTensor's collate (files.py).
+on import, like FileTensor's collate (files.py), in place of torch's own ``collate_tensor_fn``
+only: a program that put its own function there keeps it, inside PackedCollate too.
 """
 from __future__ import annotations
 
@@ -125,13 +126,14 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _register() -> None:
+    """Wraps torch's own tensor collate in default_collate_fn_map; an entry a program put there
+    itself is left alone (PackedCollate then stacks with it, as default_collate would)."""
     try:
-        from torch.utils.data._utils.collate import default_collate_fn_map
+        from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
     except ImportError:  # older torch: no registry; default_collate stacks as it always has
         return
-    original = default_collate_fn_map.get(torch.Tensor)
-    if original is not None and not hasattr(original, "_mtc_original"):
-        default_collate_fn_map[torch.Tensor] = _wrap(original)
+    if default_collate_fn_map.get(torch.Tensor) is collate_tensor_fn:
+        default_collate_fn_map[torch.Tensor] = _wrap(collate_tensor_fn)
 
 
 _register()

@@ -88,11 +88,21 @@ def test_default_collate_outside_packed_collate_is_unchanged():
     assert getattr(_stack._TLS, "active", None) is None
 
 
-def test_registered_once_and_delegates():
+def test_registered_once_and_delegates(monkeypatch):
+    from torch.utils.data._utils.collate import collate_tensor_fn
     fn = default_collate_fn_map[torch.Tensor]
-    assert hasattr(fn, "_mtc_original")
+    assert fn._mtc_original is collate_tensor_fn
     _stack._register()  # idempotent: the original is never wrapped twice
     assert default_collate_fn_map[torch.Tensor] is fn
+
+    def mine(batch, *, collate_fn_map=None):  # a program's own entry is left alone
+        return torch.stack(batch).neg()
+
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, mine)
+    _stack._register()
+    assert default_collate_fn_map[torch.Tensor] is mine
+    out = mtc_loader.PackedCollate(arena_bytes=ARENA)([torch.ones(3), torch.ones(3)]).to("cpu")
+    assert torch.equal(out, -torch.ones(2, 3))
     x = [torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.float32)]
     assert default_collate(x).dtype == torch.float32
 
