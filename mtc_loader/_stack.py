@@ -100,15 +100,15 @@ class stacking_into_scratch:
 
 def _stackable(batch: Any) -> bool:
     elem = batch[0]
-    if type(elem) is not torch.Tensor or elem.layout != torch.strided or elem.device.type != "cpu" \
-            or elem.is_quantized or not elem.is_contiguous():
+    if type(elem) is not torch.Tensor or elem.is_nested or elem.layout != torch.strided \
+            or elem.device.type != "cpu" or elem.is_quantized or not elem.is_contiguous():
         return False  # (torch.stack keeps a channels_last layout, which out= would not)
     dtype, shape = elem.dtype, elem.shape
     for t in batch:
-        if type(t) is not torch.Tensor or t.dtype != dtype or t.shape != shape or t.requires_grad \
-                or t.device.type != "cpu":
+        if type(t) is not torch.Tensor or t.is_nested or t.dtype != dtype or t.shape != shape \
+                or t.requires_grad or t.device.type != "cpu":
             return False  # the original function stacks (or refuses) these as it always has
-    return not elem.is_nested
+    return True
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -132,6 +132,9 @@ def test_unstackable_tensors_take_the_original_path():
     subs = [torch.ones(2).as_subclass(Sub), torch.zeros(2).as_subclass(Sub)]
     pc(subs)
     assert type(seen["out"]) is Sub
+    nested = [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="nested tensors are not currently supported"):
+        pc(nested)  # torch's own message
     cl = [torch.rand(1, 3, 4, 4).contiguous(memory_format=torch.channels_last) for _ in range(2)]
     pc(cl)  # not contiguous: the original torch.stack, which keeps the layout
     assert seen["out"].stride() == torch.stack(cl).stride()
