@@ -4,9 +4,9 @@ Inside a DataLoader worker, torch's ``default_collate`` stacks each group of sam
 a **new shared-memory segment** (so that the stacked tensor can cross to the main process by
 file descriptor). Under :class:`~mtc_loader.PackedCollate` that segment is pure cost: the
 batch is copied into the arena right after, and the segment is dropped. Its pages are new on
-every batch, so the stack pays a page fault and the kernel's zeroing for every 4 KiB: stacking 8
-samples of 6 x 3 x 512 x 896 uint8 images (66 MB) takes ~55 ms on the CI machine, against
-~7 ms into memory whose pages are already mapped.
+every batch, so the stack pays a page fault and the kernel's zeroing for every 4 KiB (in
+bench/bench_train.py's GPU-bound loop, 66 MB of images per batch, this was most of the wait for
+an epoch's first batch: docs/benchmarks.md).
 
 While a ``PackedCollate`` call runs on a thread, the tensors that ``default_collate`` (or any
 collate function that goes through ``default_collate_fn_map``, as a user's function that calls
