@@ -14,7 +14,9 @@
  * seeing the job completed.
  *
  * No Python here; functions return 0 or a negative code (errno, or a CUDA
- * error as in cuda.h). Names starting with `_` are internal to transfer.c.
+ * error as in cuda.h). Names starting with `_` are internal to their file;
+ * runner.h holds what transfer.c shares with the per-direction runners
+ * (h2d.c, d2h.c, d2d.c).
  */
 #ifndef MTC_TRANSFER_H
 #define MTC_TRANSFER_H
