@@ -65,7 +65,7 @@ TARGETS: dict[str, float] = {
 }
 
 BASELINE = "to"
-BIG_WORKLOADS = {"16x16MB"}  # fewer rounds, and bandwidth is reported
+BIG_WORKLOADS = {"16x16MB", "16x16MB_d2h"}  # fewer rounds, and bandwidth is reported
 SEED = 0
 
 # A method copies a structure to a device and returns the result (not yet synchronized).
@@ -171,7 +171,8 @@ def build_workloads(args: argparse.Namespace) -> tuple[list[Workload], dict[str,
         specs = [(f"{w}_np", "np2cpu", w) for w in ("seed16", "seed4", "seed64")]
     else:
         specs = [(w, "H2D", w) for w in WORKLOADS]
-        specs += [("seed16_d2h", "D2H", "seed16"), ("seed16_d2d", "D2D", "seed16")]
+        specs += [("seed16_d2h", "D2H", "seed16"), ("16x16MB_d2h", "D2H", "16x16MB"),
+                  ("seed16_d2d", "D2D", "seed16")]
 
     workloads = []
     for name, direction, builder in specs:
@@ -386,6 +387,132 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int =
     }
 
 
+CEILING_THREADS = (1, 2, 4, 8, 16)
+
+
+def _median_rate(nbytes: int, secs: list[float]) -> float:
+    """GB/s of ``nbytes`` at the median of ``secs``."""
+    return nbytes / statistics.median(secs) / 1e9
+
+
+def measure_ceiling(device: torch.device, nbytes: int = 256 << 20, reps: int = 7) -> dict:
+    """What bounds a staged pageable-source H2D copy, measured in this process.
+
+    - ``memcpy_gbps[n]`` / ``memcpy_nt_gbps[n]``: aggregate copy bandwidth from pageable into
+      pinned memory of ``n`` threads (the engine's ``_memcpy_bench``: memcpy, and streaming
+      stores), and ``torch_copy_gbps[n]``: ``pinned.copy_(pageable)`` with
+      ``torch.set_num_threads(n)`` (torch's intra-op pool, as in ``pin_memory()``);
+    - ``dma_gbps``: H2D from pinned memory alone; ``overlap``: the same DMA while the helpers'
+      number of threads copy pageable -> pinned (both rates, memcpy and streaming stores): how
+      much the staging copy and the DMA slow each other through memory bandwidth;
+    - ``register_gbps``: ``cudaHostRegister`` + ``cudaHostUnregister`` of a pageable source in
+      place (16 MB and 256 MB), as bytes per second of that work.
+    """
+    engine = getattr(mtc_loader, "_engine", None) if mtc_loader else None
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.zero_()
+    out: dict[str, Any] = {"bytes": nbytes, "reps": reps, "cpus": os.cpu_count()}
+    if engine is not None:
+        for key, nt in (("memcpy_gbps", 0), ("memcpy_nt_gbps", 1)):
+            out[key] = {}
+            for n in CEILING_THREADS:
+                secs = engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, n, reps, nt)
+                out[key][n] = _median_rate(nbytes, secs[1:])
+    threads_before = torch.get_num_threads()
+    out["torch_threads_default"] = threads_before
+    out["torch_copy_gbps"] = {}
+    try:
+        for n in CEILING_THREADS:
+            torch.set_num_threads(n)
+            dst.copy_(src)
+            secs = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                secs.append(time.perf_counter() - t0)
+            out["torch_copy_gbps"][n] = _median_rate(nbytes, secs)
+    finally:
+        torch.set_num_threads(threads_before)
+
+    # DMA alone, then DMA + concurrent staging copies into another pinned buffer.
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    other = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    other.fill_(2)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def dma(times: int) -> None:
+        start.record()
+        for _ in range(times):
+            gpu.copy_(other, non_blocking=True)
+        end.record()
+
+    dma(1)
+    synchronize([device])
+    secs = []
+    for _ in range(reps):
+        dma(1)
+        end.synchronize()
+        secs.append(start.elapsed_time(end) / 1e3)
+    out["dma_gbps"] = _median_rate(nbytes, secs)
+    if engine is not None:
+        helpers = (os.cpu_count() or 4) - 2 if (os.cpu_count() or 4) > 3 else 1
+        helpers = int(os.environ.get("MTC_HELPER_THREADS", helpers))
+        out["overlap"] = {"threads": helpers}
+        for key, nt in (("memcpy", 0), ("memcpy_nt", 1)):
+            copy_secs, dma_rates = [], []
+            for _ in range(3):
+                dma(4)  # about 20 ms of DMA: the copies below run inside it
+                copy_secs += engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, helpers, 2, nt)
+                busy = not end.query()
+                end.synchronize()
+                dma_rates.append(4 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+                out["overlap"][f"{key}_inside_dma"] = busy
+            out["overlap"][f"{key}_gbps"] = _median_rate(nbytes, copy_secs)
+            out["overlap"][f"dma_with_{key}_gbps"] = statistics.median(dma_rates)
+    del gpu, other
+
+    try:
+        cudart = torch.cuda.cudart()
+        out["register_gbps"] = {}
+        for size in (16 << 20, nbytes):
+            t = torch.ones(size, dtype=torch.uint8)
+            secs = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                cudart.cudaHostRegister(t.data_ptr(), size, 0)
+                cudart.cudaHostUnregister(t.data_ptr())
+                secs.append(time.perf_counter() - t0)
+            out["register_gbps"][size] = _median_rate(size, secs)
+    except Exception as exc:  # an older torch without the binding: report, go on
+        out["register_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def print_ceiling(c: dict) -> None:
+    """The ceiling measurement as a few lines of text."""
+    mb = c["bytes"] >> 20
+    print(f"ceiling ({mb} MB, median of {c['reps']}, {c['cpus']} CPUs; GB/s):")
+    print(f"  {'threads':<34}" + "".join(f"{n:>8}" for n in CEILING_THREADS))
+    for key, label in (("memcpy_gbps", "memcpy pageable -> pinned"),
+                       ("memcpy_nt_gbps", "streaming stores pageable -> pinned"),
+                       ("torch_copy_gbps", "torch pinned.copy_(pageable)")):
+        if key in c:
+            print(f"  {label:<34}" + "".join(f"{c[key][n]:>8.2f}" for n in CEILING_THREADS))
+    print(f"  torch intra-op threads by default: {c['torch_threads_default']}")
+    print(f"  H2D DMA from pinned, alone: {c['dma_gbps']:.2f}")
+    ov = c.get("overlap")
+    if ov:
+        for key in ("memcpy", "memcpy_nt"):
+            print(f"  {key} with {ov['threads']} threads during a pinned H2D DMA: copy "
+                  f"{ov[key + '_gbps']:.2f}, DMA {ov['dma_with_' + key + '_gbps']:.2f}"
+                  f"{'' if ov[key + '_inside_dma'] else ' (the copy outlasted the DMA)'}")
+    for size, gbps in c.get("register_gbps", {}).items():
+        print(f"  cudaHostRegister + Unregister of {int(size) >> 20} MB in place: {gbps:.2f}")
+    if "register_error" in c:
+        print(f"  cudaHostRegister: {c['register_error']}")
+
+
 # --------------------------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------------------------
@@ -532,6 +659,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                    help="output folder (default bench/results)")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip the ceiling measurement (copy bandwidth by threads, DMA overlap)")
     p.add_argument("--keep-going", action="store_true",
                    help="drop methods that fail the correctness check instead of aborting "
                         "(they are listed in the JSON; the exit code is then 1)")
@@ -552,6 +681,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if MTC_IMPORT_ERROR:
         print(f"WARNING: import mtc_loader failed ({MTC_IMPORT_ERROR}): baselines only")
+
+    ceiling = None
+    if device.type == "cuda" and not args.no_ceiling:
+        ceiling = measure_ceiling(device)
+        print_ceiling(ceiling)
 
     workloads, skipped = build_workloads(args)
     for name, reason in skipped.items():
@@ -589,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print_table(results)
+    if ceiling is not None:
+        print_ceiling(ceiling)
     if stats is not None:
         print("mtc_loader.stats():", json.dumps(stats, indent=None, default=str))
     if MTC_IMPORT_ERROR:
@@ -606,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "failed": failed,
         "mtc_stats": stats,
+        "ceiling": ceiling,
     }
     json_path = os.path.join(args.out, "bench_copy.json")
     with open(json_path, "w") as f:

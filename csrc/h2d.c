@@ -12,24 +12,38 @@
 
 #include "hostcopy.h"
 
-static void _stage_item(char *base, const mtc_item *it)
+/* A size from the environment (tuning and benchmarks), else dflt. */
+static size_t _env_size(const char *name, size_t dflt)
+{
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    long long v = atoll(e);
+    return v >= 0 ? (size_t)v : dflt;
+}
+
+/* Streaming stores for large staging copies (MTC_STAGE_NT=0 turns them off). */
+static int _stage_nt(void) { return _env_size("MTC_STAGE_NT", 1) != 0; }
+
+static void _stage_item(char *base, const mtc_item *it, int nt)
 {
     if (it->file) return; /* read by mtc_run_read_files */
     if (it->shape)
         mtc_copy_strided(base + it->dst, (const void *)it->src, it->ndim, it->shape, it->strides,
                          it->elsize);
+    else if (it->nbytes && nt)
+        mtc_memcpy_nt(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
     else if (it->nbytes)
         memcpy(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
 }
 
 /* Staging of one chunk's items, split over helpers when the chunk is large. */
-typedef struct _stage_ctx { char *base; const mtc_item *items; uint32_t n, per_task; } _stage_ctx;
+typedef struct _stage_ctx { char *base; const mtc_item *items; uint32_t n, per_task; int nt; } _stage_ctx;
 
 static void _stage_task(void *arg, uint32_t t)
 {
     _stage_ctx *c = arg;
     uint32_t a = t * c->per_task, b = a + c->per_task < c->n ? a + c->per_task : c->n;
-    for (uint32_t i = a; i < b; i++) _stage_item(c->base, &c->items[i]);
+    for (uint32_t i = a; i < b; i++) _stage_item(c->base, &c->items[i], c->nt);
 }
 
 static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t bytes)
@@ -39,12 +53,12 @@ static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t 
         /* about 1 MiB of items per task */
         uint32_t tasks = (uint32_t)(bytes >> 20);
         if (tasks > n) tasks = n;
-        _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks};
+        _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks, _stage_nt()};
         mtc_parallel_for(_stage_task, &c, (n + c.per_task - 1) / c.per_task);
     } else if (n == 1 && !items[0].shape && !items[0].file) {
         mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes);
     } else {
-        for (uint32_t i = 0; i < n; i++) _stage_item(base, &items[i]);
+        for (uint32_t i = 0; i < n; i++) _stage_item(base, &items[i], 0);
     }
     MTC_COUNT(ns_stage, mtc_now_ns() - t0);
 }
@@ -111,55 +125,190 @@ int mtc_h2d_chunk(mtc_run *r, const mtc_op *op)
     return _release_after(r, pool, slab, s, leaf0);
 }
 
-/* Large host -> device: pieces are copied into pinned slabs by the helpers,
- * and each piece's DMA is issued as soon as its copy is done, so the copy of
- * piece k+1 overlaps the DMA of piece k. Two windows of pieces are in flight,
- * so the helpers never wait for the transfer thread between windows. */
+/* Large host -> device: the copy is cut into pieces (each one pinned slab and
+ * one DMA), and each piece into tasks that the helpers take in order, so that
+ * all of them work on the first pieces together. A piece's DMA is issued as
+ * soon as its last task is done, so the DMA of piece k overlaps the copy of
+ * pieces k+1...; the first DMA starts after one piece's copy by all helpers,
+ * not after one helper copied a whole piece. Two windows of pieces are in
+ * flight, so the helpers never wait for the transfer thread between windows. */
 typedef struct _piece {
-    const char *src;
     CUdeviceptr dst;
     size_t n;
     mtc_slab *slab;
-    mtc_flag done;
-    const void *file;   /* a file-backed item's spec: bytes [foff, foff + n) of it are read */
-    uint64_t foff;
-    int err;            /* the read's failure */
-    mtc_uring_err ferr;
+    mtc_flag done;           /* set by the piece's last task */
+    _Atomic uint32_t left;   /* tasks of the piece not finished */
+    uint32_t task0;          /* its tasks: [task0, next piece's task0) */
+    int32_t leaf;
 } _piece;
+
+typedef struct _task {
+    _piece *piece;
+    const char *src;         /* where the task's bytes are (unused for a file) */
+    size_t off, n;           /* the bytes [off, off + n) of the piece */
+    const void *file;        /* a file-backed item's spec: bytes [foff, foff + n) of it are read */
+    uint64_t foff;
+    int nt;                  /* streaming stores (mtc_memcpy_nt) */
+    int err;                 /* the read's failure */
+    mtc_uring_err ferr;
+} _task;
 
 static void _piece_task(void *arg, uint32_t i)
 {
-    _piece *p = &((_piece *)arg)[i];
-    if (p->file) /* pread on this helper: the pieces of one file are read in parallel */
-        p->err = mtc_uring_pread_range(p->file, p->foff, p->n, p->slab->ptr, &p->ferr);
+    _task *t = &((_task *)arg)[i];
+    char *dst = (char *)t->piece->slab->ptr + t->off;
+    if (t->file) /* pread on this helper: the parts of one file are read in parallel */
+        t->err = mtc_uring_pread_range(t->file, t->foff, t->n, dst, &t->ferr);
+    else if (t->nt)
+        mtc_memcpy_nt(dst, t->src, t->n);
     else
-        memcpy(p->slab->ptr, p->src, p->n);
-    mtc_flag_set(&p->done);
+        memcpy(dst, t->src, t->n);
+    /* acq_rel: the last task of the piece sees the others' bytes before its
+     * flag's release publishes them to the transfer thread */
+    if (mtc_fetch_sub_acq_rel(&t->piece->left, 1) == 1) mtc_flag_set(&t->piece->done);
 }
 
-/* Allocates the slabs of window w and hands its copies to the helpers (b),
- * or does them here when there are none (b NULL). After an error, no piece
- * of the window gets a slab, and the batch is empty. */
-static void _submit_window(mtc_run *r, mtc_slab_pool *pool, _piece *pc, uint32_t np, uint32_t W,
-                           uint32_t w, mtc_batch *b, int *err, int32_t leaf)
+/* The large-copy pipeline of one run of H2D ops: pieces, tasks, windows. */
+typedef struct _pipe {
+    mtc_run *r;
+    mtc_slab_pool *pool;
+    _piece *pc;
+    _task *tk;
+    uint32_t np, nt, W;      /* pieces, tasks, pieces per window */
+    int err;
+} _pipe;
+
+/* Allocates the slabs of window w and hands its tasks to the helpers (b), or
+ * runs them here when there are none (b NULL). After an error, no piece of
+ * the window gets a slab, and the batch is empty. */
+static void _submit_window(_pipe *pp, uint32_t w, mtc_batch *b)
 {
-    uint32_t a = w * W, e = a + W < np ? a + W : np;
-    for (uint32_t i = a; i < e && !*err; i++)
-        if ((*err = mtc_slab_alloc(pool, pc[i].n, &pc[i].slab))) {
+    _piece *pc = pp->pc;
+    uint32_t a = w * pp->W, e = a + pp->W < pp->np ? a + pp->W : pp->np;
+    for (uint32_t i = a; i < e && !pp->err; i++)
+        if ((pp->err = mtc_slab_alloc(pp->pool, pc[i].n, &pc[i].slab))) {
             pc[i].slab = NULL;
-            mtc_run_fail(r, *err, leaf, "allocating pinned staging memory");
+            mtc_run_fail(pp->r, pp->err, pc[i].leaf, "allocating pinned staging memory");
         }
-    if (*err) {
+    if (pp->err) {
         for (uint32_t i = a; i < e; i++)
             if (pc[i].slab) {
-                mtc_slab_release(pool, pc[i].slab, 0);
+                mtc_slab_release(pp->pool, pc[i].slab, 0);
                 pc[i].slab = NULL;
             }
         e = a;
     }
-    if (b) mtc_batch_submit(b, _piece_task, &pc[a], e - a);
+    uint32_t ta = pc[a].task0, te = e < pp->np ? pc[e].task0 : pp->nt;
+    if (e == a) te = ta;
+    if (b) mtc_batch_submit(b, _piece_task, &pp->tk[ta], te - ta);
     else
-        for (uint32_t i = a; i < e; i++) _piece_task(pc, i);
+        for (uint32_t i = ta; i < te; i++) _piece_task(pp->tk, i);
+}
+
+/* Cuts the run's items into pieces of `piece` bytes and those into tasks of
+ * `task` bytes. 0, or -ENOMEM. */
+static int _plan_pipe(_pipe *pp, const mtc_item *items, const mtc_op *ops, uint32_t nops, size_t piece,
+                      size_t task, int nt)
+{
+    uint32_t np = 0, ntk = 0;
+    for (uint32_t k = 0; k < nops; k++) {
+        size_t n = (size_t)items[ops[k].first].nbytes;
+        np += (uint32_t)((n + piece - 1) / piece);
+        ntk += (uint32_t)((n / piece) * ((piece + task - 1) / task) + (n % piece + task - 1) / task);
+    }
+    pp->pc = calloc(np ? np : 1, sizeof *pp->pc);
+    pp->tk = calloc(ntk ? ntk : 1, sizeof *pp->tk);
+    if (!pp->pc || !pp->tk) return -ENOMEM;
+    pp->np = np;
+    pp->nt = ntk;
+    uint32_t i = 0, t = 0;
+    for (uint32_t k = 0; k < nops; k++) {
+        const mtc_item *it = &items[ops[k].first];
+        for (size_t off = 0; off < (size_t)it->nbytes; off += piece, i++) {
+            _piece *p = &pp->pc[i];
+            p->dst = it->dst + (CUdeviceptr)off;
+            p->n = (size_t)it->nbytes - off < piece ? (size_t)it->nbytes - off : piece;
+            p->leaf = it->leaf;
+            p->task0 = t;
+            mtc_flag_init(&p->done);
+            uint32_t parts = 0;
+            for (size_t o = 0; o < p->n; o += task, t++, parts++)
+                pp->tk[t] = (_task){.piece = p, .src = (const char *)it->src + off + o, .off = o,
+                                    .n = p->n - o < task ? p->n - o : task, .file = it->file,
+                                    .foff = off + o, .nt = nt};
+            atomic_init(&p->left, parts);
+        }
+    }
+    return 0;
+}
+
+/* Waits for piece i's copy, issues its DMA and gives its slab back fenced
+ * (or at once after an error). */
+static void _finish_piece(_pipe *pp, uint32_t i, CUstream s)
+{
+    _piece *p = &pp->pc[i];
+    if (!p->slab) return;
+    mtc_flag_wait(&p->done, -1);
+    uint32_t te = i + 1 < pp->np ? pp->pc[i + 1].task0 : pp->nt;
+    for (uint32_t t = p->task0; t < te && !pp->err; t++)
+        if (pp->tk[t].err) pp->err = mtc_run_fail_file(pp->r, pp->tk[t].err, p->leaf, &pp->tk[t].ferr);
+    if (!pp->err && (pp->err = _dma_h2d(pp->r, p->dst, p->slab->ptr, p->n, s, p->leaf)) == 0)
+        pp->err = _release_after(pp->r, pp->pool, p->slab, s, p->leaf);
+    else
+        mtc_slab_release(pp->pool, p->slab, 0);
+    p->slab = NULL;
+}
+
+/* Staged large copies: pieces through pinned slabs (see _piece). */
+static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t total)
+{
+    mtc_job *j = r->job;
+    int dev = ops[0].dev;
+    CUstream s = j->streams[dev];
+    int32_t leaf0 = j->items[ops[0].first].leaf;
+    int rc;
+    mtc_slab_pool *pool = mtc_run_pool(dev, &rc);
+    if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
+
+    uint32_t helpers = (uint32_t)mtc_pool_size();
+    /* Pieces large enough that the per-piece DMA and fence stay cheap, small
+     * enough that the first DMA starts early and every helper gets two:
+     * 1 to 4 MiB. Tasks of 512 KiB keep every helper on the first pieces. */
+    size_t piece = _env_size("MTC_H2D_PIECE_BYTES", MTC_PIECE_BYTES);
+    if (piece < 65536) piece = 65536;
+    while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
+    size_t task = _env_size("MTC_H2D_TASK_BYTES", (size_t)512 << 10);
+    if (!task || task > piece) task = piece;
+    if (task < 65536) task = 65536;
+    int nt = _stage_nt();
+    _pipe pp = {.r = r, .pool = pool};
+    if (_plan_pipe(&pp, j->items, ops, nops, piece, task, nt)) {
+        free(pp.pc);
+        free(pp.tk);
+        return mtc_run_fail(r, -ENOMEM, leaf0, "planning the staged copy");
+    }
+    uint32_t W = helpers ? 2 * helpers : 1;
+    /* Two windows of slabs are held at once: keep them within half the cap,
+     * or the pool's backpressure would wait on slabs only this run releases. */
+    size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
+    if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
+    if (W > pp.np) W = pp.np;
+    pp.W = W;
+    MTC_COUNT(pieces, pp.np);
+    uint32_t nwin = (pp.np + W - 1) / W;
+    mtc_batch batch[2];
+    int64_t t0 = mtc_now_ns();
+    _submit_window(&pp, 0, helpers ? &batch[0] : NULL);
+    for (uint32_t w = 0; w < nwin; w++) {
+        if (w + 1 < nwin) _submit_window(&pp, w + 1, helpers ? &batch[(w + 1) & 1] : NULL);
+        uint32_t a = w * W, b = a + W < pp.np ? a + W : pp.np;
+        for (uint32_t i = a; i < b; i++) _finish_piece(&pp, i, s);
+        if (helpers) mtc_batch_wait(&batch[w & 1]);
+    }
+    MTC_COUNT(ns_stage, mtc_now_ns() - t0);
+    free(pp.pc);
+    free(pp.tk);
+    return pp.err;
 }
 
 /* Large host -> device copies of consecutive ops (one tensor each) on one
@@ -176,94 +325,27 @@ int mtc_h2d_large(mtc_run *r, const mtc_op *ops, uint32_t nops)
     MTC_COUNT(items_copied, nops);
     size_t total = 0;
     for (uint32_t k = 0; k < nops; k++) total += (size_t)j->items[ops[k].first].nbytes;
-    if (!j->staging) {
-        for (uint32_t k = 0; k < nops; k++) {
-            const mtc_item *it = &j->items[ops[k].first];
-            if (!it->nbytes) continue;
-            /* The DMA reads the input itself; if the input happens to be
-             * pinned it runs asynchronously, so get() must wait for it
-             * (DESIGN: "no input will be read any more"). */
-            r->sync_mask |= 1ull << dev;
-            if (it->file) {
-                /* read into pageable memory: the driver copies it out before the call returns */
-                char *buf = malloc((size_t)it->nbytes);
-                if (!buf) return mtc_run_fail(r, -ENOMEM, it->leaf, "allocating a read buffer");
-                rc = mtc_run_read_files(r, (uintptr_t)buf - it->dst, it, 1);
-                if (!rc) rc = _dma_h2d(r, it->dst, buf, (size_t)it->nbytes, s, it->leaf);
-                free(buf);
-                if (rc) return rc;
-                continue;
-            }
-            if ((rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf))) return rc;
-        }
-        return 0;
-    }
-    if (!total) return 0;
-    mtc_slab_pool *pool = mtc_run_pool(dev, &rc);
-    if (!pool) return mtc_run_fail(r, rc, first->leaf, "creating the pinned pool");
-
-    uint32_t helpers = (uint32_t)mtc_pool_size();
-    /* Pieces small enough that every helper gets two, large enough that the
-     * per-piece DMA and fence stay cheap: 1 to 4 MiB. */
-    size_t piece = MTC_PIECE_BYTES;
-    while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
-    uint32_t np = 0;
-    for (uint32_t k = 0; k < nops; k++) {
-        size_t n = (size_t)j->items[ops[k].first].nbytes;
-        np += (uint32_t)((n + piece - 1) / piece);
-    }
-    uint32_t W = helpers ? 2 * helpers : 1;
-    /* Two windows of slabs are held at once: keep them within half the cap,
-     * or the pool's backpressure would wait on slabs only this run releases. */
-    size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
-    if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
-    if (W > np) W = np;
-    _piece *pc = calloc(np, sizeof *pc);
-    int32_t *leaf_of = calloc(np, sizeof *leaf_of);
-    if (!pc || !leaf_of) {
-        free(pc);
-        free(leaf_of);
-        return mtc_run_fail(r, -ENOMEM, first->leaf, "planning the staged copy");
-    }
-    uint32_t i = 0;
+    if (j->staging) return total ? _h2d_staged(r, ops, nops, total) : 0;
     for (uint32_t k = 0; k < nops; k++) {
         const mtc_item *it = &j->items[ops[k].first];
-        for (size_t off = 0; off < (size_t)it->nbytes; off += piece, i++) {
-            pc[i].src = (const char *)it->src + off;
-            pc[i].dst = it->dst + (CUdeviceptr)off;
-            pc[i].n = (size_t)it->nbytes - off < piece ? (size_t)it->nbytes - off : piece;
-            pc[i].file = it->file;
-            pc[i].foff = off;
-            mtc_flag_init(&pc[i].done);
-            leaf_of[i] = it->leaf;
+        if (!it->nbytes) continue;
+        /* The DMA reads the input itself; if the input happens to be
+         * pinned it runs asynchronously, so get() must wait for it
+         * (DESIGN: "no input will be read any more"). */
+        r->sync_mask |= 1ull << dev;
+        if (it->file) {
+            /* read into pageable memory: the driver copies it out before the call returns */
+            char *buf = malloc((size_t)it->nbytes);
+            if (!buf) return mtc_run_fail(r, -ENOMEM, it->leaf, "allocating a read buffer");
+            rc = mtc_run_read_files(r, (uintptr_t)buf - it->dst, it, 1);
+            if (!rc) rc = _dma_h2d(r, it->dst, buf, (size_t)it->nbytes, s, it->leaf);
+            free(buf);
+            if (rc) return rc;
+            continue;
         }
+        if ((rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf))) return rc;
     }
-    MTC_COUNT(pieces, np);
-    uint32_t nwin = (np + W - 1) / W;
-    mtc_batch batch[2];
-    int err = 0;
-    int64_t t0 = mtc_now_ns();
-    _submit_window(r, pool, pc, np, W, 0, helpers ? &batch[0] : NULL, &err, first->leaf);
-    for (uint32_t w = 0; w < nwin; w++) {
-        if (w + 1 < nwin)
-            _submit_window(r, pool, pc, np, W, w + 1, helpers ? &batch[(w + 1) & 1] : NULL, &err, first->leaf);
-        uint32_t a = w * W, b = a + W < np ? a + W : np;
-        for (i = a; i < b; i++) {
-            if (!pc[i].slab) continue;
-            mtc_flag_wait(&pc[i].done, -1);
-            if (!err && pc[i].err) err = mtc_run_fail_file(r, pc[i].err, leaf_of[i], &pc[i].ferr);
-            if (!err && (err = _dma_h2d(r, pc[i].dst, pc[i].slab->ptr, pc[i].n, s, leaf_of[i])) == 0)
-                err = _release_after(r, pool, pc[i].slab, s, leaf_of[i]);
-            else
-                mtc_slab_release(pool, pc[i].slab, 0);
-            pc[i].slab = NULL;
-        }
-        if (helpers) mtc_batch_wait(&batch[w & 1]);
-    }
-    MTC_COUNT(ns_stage, mtc_now_ns() - t0);
-    free(pc);
-    free(leaf_of);
-    return err;
+    return 0;
 }
 
 /* DMA straight from page-locked memory the caller owns (an arena region);

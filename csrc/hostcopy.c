@@ -13,6 +13,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 /* ---- futex ---- */
 
 void mtc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns)
@@ -317,4 +321,115 @@ void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes)
     }
     _pcopy c = {dst, src, nbytes, MTC_PIECE_BYTES};
     mtc_parallel_for(_pcopy_task, &c, (uint32_t)((nbytes + c.piece - 1) / c.piece));
+}
+
+/* ---- streaming copies and the copy-bandwidth probe ---- */
+
+#if defined(__x86_64__)
+/* 64 bytes per step, unaligned loads, aligned streaming stores (SSE2 is part
+ * of x86-64): memory-bound, so wider vectors would not copy faster. */
+static void _copy_nt_sse2(char *d, const char *s, size_t n)
+{
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    if (n) memcpy(d, s, n);
+}
+#endif
+
+void mtc_memcpy_nt(void *dst, const void *src, size_t nbytes)
+{
+#if defined(__x86_64__)
+    char *d = dst;
+    const char *s = src;
+    size_t head = (size_t)(-(uintptr_t)d & 15); /* to the destination's 16-byte alignment */
+    if (nbytes < 256 || head >= nbytes) {
+        memcpy(dst, src, nbytes);
+        return;
+    }
+    memcpy(d, s, head);
+    _copy_nt_sse2(d + head, s + head, nbytes - head);
+    /* streaming stores are weakly ordered: fence them before the caller publishes the bytes */
+    _mm_sfence();
+#else
+    memcpy(dst, src, nbytes);
+#endif
+}
+
+typedef struct _bench {
+    char *dst;
+    const char *src;
+    size_t n;
+    int threads, reps, nt;
+    int abort;              /* written before `go` is set: the threads exit at once */
+    mtc_flag go;            /* set once every thread was started (or one failed to) */
+    pthread_barrier_t start, end;
+} _bench;
+
+typedef struct _bench_thread { _bench *b; int index; } _bench_thread;
+
+static void _bench_share(_bench *b, int i)
+{
+    /* 4 KiB-aligned shares, the last one takes the rest */
+    size_t per = (b->n / (size_t)b->threads) & ~(size_t)4095;
+    size_t off = per * (size_t)i, len = i == b->threads - 1 ? b->n - off : per;
+    if (b->nt) mtc_memcpy_nt(b->dst + off, b->src + off, len);
+    else memcpy(b->dst + off, b->src + off, len);
+}
+
+static void *_bench_main(void *arg)
+{
+    _bench_thread *t = arg;
+    mtc_flag_wait(&t->b->go, -1);
+    if (t->b->abort) return NULL;
+    for (int r = 0; r < t->b->reps; r++) {
+        pthread_barrier_wait(&t->b->start);
+        _bench_share(t->b, t->index);
+        pthread_barrier_wait(&t->b->end);
+    }
+    return NULL;
+}
+
+int mtc_memcpy_bench(void *dst, const void *src, size_t nbytes, int threads, int reps, int nt,
+                     double *secs)
+{
+    if (threads < 1 || threads > 64 || reps < 1) return -EINVAL;
+    _bench b = {.dst = dst, .src = src, .n = nbytes, .threads = threads, .reps = reps, .nt = nt};
+    mtc_flag_init(&b.go);
+    pthread_t th[64];
+    _bench_thread ts[64];
+    int started = 0, rc = 0;
+    if (pthread_barrier_init(&b.start, NULL, (unsigned)threads)) return -ENOMEM;
+    if (pthread_barrier_init(&b.end, NULL, (unsigned)threads)) {
+        pthread_barrier_destroy(&b.start);
+        return -ENOMEM;
+    }
+    /* the caller is thread 0; the others are started once and meet it at the barriers */
+    for (int i = 1; i < threads && !rc; i++) {
+        ts[i] = (_bench_thread){&b, i};
+        if ((rc = -pthread_create(&th[i], NULL, _bench_main, &ts[i])) == 0) started++;
+    }
+    b.abort = rc != 0;
+    mtc_flag_set(&b.go); /* its release publishes `abort` */
+    if (rc) {
+        /* a barrier of `threads` would never open without the missing ones */
+        for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+    } else {
+        for (int r = 0; r < reps; r++) {
+            pthread_barrier_wait(&b.start);
+            int64_t t0 = _now_ns();
+            _bench_share(&b, 0);
+            pthread_barrier_wait(&b.end);
+            secs[r] = (double)(_now_ns() - t0) * 1e-9;
+        }
+        for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
+    }
+    pthread_barrier_destroy(&b.start);
+    pthread_barrier_destroy(&b.end);
+    return rc;
 }

@@ -85,6 +85,24 @@ void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t 
 /* Copies nbytes, split over the helpers when large. */
 void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes);
 
+/*
+ * Copies nbytes with non-temporal (streaming) stores where the CPU has them
+ * (x86-64), else memcpy. The destination's lines are not read first (no
+ * read-for-ownership) and not left in the cache: for staging that a DMA reads
+ * next, a third less memory traffic than memcpy. Ends with a store fence, so
+ * a release that follows publishes the bytes like any other store.
+ */
+void mtc_memcpy_nt(void *dst, const void *src, size_t nbytes);
+
+/*
+ * Measures the aggregate host copy bandwidth: `threads` threads (1..64, their
+ * own, not the helpers) each copy their contiguous share of nbytes from src to
+ * dst, `reps` times, with memcpy (nt 0) or mtc_memcpy_nt (nt 1). secs[r] is
+ * rep r's time from the common start to the last thread's end. 0 or -errno.
+ */
+int mtc_memcpy_bench(void *dst, const void *src, size_t nbytes, int threads, int reps, int nt,
+                     double *secs);
+
 /* Piece size for splitting large copies, bytes. */
 #define MTC_PIECE_BYTES ((size_t)4 << 20)
 

@@ -10,6 +10,7 @@
 #include "module.h"
 
 #include <numpy/arrayobject.h>
+#include <errno.h>
 #include <string.h>
 
 #include "collate.h"
@@ -198,6 +199,43 @@ static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* _memcpy_bench(dst, src, nbytes, threads, reps, nt) -> [seconds per rep]: the
+ * aggregate host copy bandwidth of `threads` threads (bench/bench_copy.py's
+ * ceiling; dst and src are raw addresses the caller keeps alive). Returns a
+ * new reference, or NULL with an exception set. */
+static PyObject *engine_memcpy_bench(PyObject *module, PyObject *args)
+{
+    unsigned long long dst, src, n;
+    int threads, reps, nt;
+    if (!PyArg_ParseTuple(args, "KKKiii", &dst, &src, &n, &threads, &reps, &nt)) return NULL;
+    if (threads < 1 || threads > 64 || reps < 1 || reps > 10000) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: _memcpy_bench needs 1 <= threads <= 64, 1 <= reps <= 10000");
+        return NULL;
+    }
+    double *secs = PyMem_Calloc((size_t)reps, sizeof *secs);
+    if (!secs) return PyErr_NoMemory();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mtc_memcpy_bench((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n, threads, reps, nt, secs);
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (rc) {
+        errno = -rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if ((out = PyList_New(reps))) {
+        for (int r = 0; r < reps; r++) {
+            PyObject *f = PyFloat_FromDouble(secs[r]);
+            if (!f) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, r, f);
+        }
+    }
+    PyMem_Free(secs);
+    return out;
+}
+
 static PyObject *engine_cuda_available(PyObject *module, PyObject *unused)
 {
     int n = mtc_cuda_device_count();
@@ -289,6 +327,8 @@ static PyMethodDef engine_methods[] = {
     {"set_pinned_cap", engine_set_pinned_cap, METH_O, "Cap on pinned staging bytes per device."},
     {"trim", engine_trim, METH_NOARGS, "Free idle pinned slabs; returns bytes freed."},
     {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
+    {"_memcpy_bench", engine_memcpy_bench, METH_VARARGS,
+     "_memcpy_bench(dst, src, nbytes, threads, reps, nt) -> [seconds]: host copy bandwidth probe."},
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
      "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},

@@ -1,0 +1,112 @@
+"""Variants of the staged large H2D path, interleaved in one process.
+
+    MTC_HELPER_THREADS=N python3 bench/probe_h2d.py [--device cuda:0] [--rounds 15]
+                                                    [--only 16x16MB 256x64KB]
+
+The engine reads its tuning switches at every large copy, so the variants run round-robin in
+one process against ``pin_memory().to(non_blocking=True)`` on the same data:
+
+- ``MTC_H2D_PIECE_BYTES``: bytes per pinned slab and DMA (default 4 MiB, halved down to 1 MiB
+  while there are fewer than two pieces per helper);
+- ``MTC_H2D_TASK_BYTES``: bytes per helper task inside a piece (default 512 KiB; the piece
+  size: one helper per piece);
+- ``MTC_STAGE_NT``: streaming stores in the staging copy (default 1).
+
+The helper count is fixed per process (``MTC_HELPER_THREADS``): run the script once per count.
+Every variant's output is checked bitwise against ``.to()`` first. Prints the median ms, the
+p10-p90 spread and the GB/s per variant, and one JSON line (``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mtc_loader  # noqa: E402
+from workloads import WORKLOADS, count_tensors  # noqa: E402
+
+MB = 1 << 20
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "one_helper_per_piece": {"MTC_H2D_TASK_BYTES": "0", "MTC_STAGE_NT": "0"},
+    "no_nt": {"MTC_STAGE_NT": "0"},
+    "task256K": {"MTC_H2D_TASK_BYTES": str(256 << 10)},
+    "task1M": {"MTC_H2D_TASK_BYTES": str(MB)},
+    "piece2M": {"MTC_H2D_PIECE_BYTES": str(2 * MB)},
+    "piece8M": {"MTC_H2D_PIECE_BYTES": str(8 * MB)},
+    "piece1M_task256K": {"MTC_H2D_PIECE_BYTES": str(MB), "MTC_H2D_TASK_BYTES": str(256 << 10)},
+}
+KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT")
+
+
+def set_env(env: dict[str, str]) -> None:
+    """Sets the variant's switches and clears the others (the engine reads them per copy)."""
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--only", nargs="+", default=["16x16MB", "256x64KB"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--json", action="store_true", help="also print one JSON line of the results")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    torch.cuda.set_device(dev)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    helpers = None
+    for wname in a.only:
+        data = WORKLOADS[wname](0)
+        _, nbytes = count_tensors(data)
+        ref = [t.to(dev) for t in data]
+
+        def run_pin() -> list[torch.Tensor]:
+            return [t.pin_memory().to(dev, non_blocking=True) for t in data]
+
+        def run_mtc() -> list[torch.Tensor]:
+            return mtc_loader.start_copy(data, dev).get()
+
+        methods = [("pin_to_nb", {}, run_pin)] + [(v, VARIANTS[v], run_mtc) for v in a.variants]
+        for name, env, fn in methods:  # check, and warm up (slabs, allocator blocks)
+            set_env(env)
+            for _ in range(3):
+                out = fn()
+            torch.cuda.synchronize(dev)
+            if not all(torch.equal(o, r) for o, r in zip(out, ref)):
+                sys.exit(f"{wname}: {name} differs from .to()")
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        for r in range(a.rounds):
+            k = r % len(methods)
+            for name, env, fn in methods[k:] + methods[:k]:
+                set_env(env)
+                t0 = time.perf_counter()
+                out = fn()
+                torch.cuda.synchronize(dev)
+                samples[name].append(time.perf_counter() - t0)
+                del out
+        set_env({})
+        res = {}
+        helpers = mtc_loader.stats().get("helper_threads")
+        print(f"[{wname}] {nbytes / MB:.0f} MiB, helpers {helpers}, {a.rounds} rounds")
+        for name, s in samples.items():
+            ms = sorted(x * 1e3 for x in s)
+            med = statistics.median(ms)
+            p10, p90 = ms[len(ms) // 10], ms[(len(ms) * 9) // 10 - 1 if len(ms) >= 10 else -1]
+            res[name] = {"median_ms": med, "p10_ms": p10, "p90_ms": p90, "gbps": nbytes / med / 1e6}
+            print(f"  {name:<22} {med:8.3f} ms  [{p10:.3f} .. {p90:.3f}]  {nbytes / med / 1e6:6.2f} GB/s")
+        results[wname] = res
+    if a.json:
+        print("JSON", json.dumps({"helpers": helpers, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
