@@ -10,7 +10,11 @@ one process against ``pin_memory().to(non_blocking=True)`` on the same data:
   while there are fewer than two pieces per helper);
 - ``MTC_H2D_TASK_BYTES``: bytes per helper task inside a piece (default 512 KiB; the piece
   size: one helper per piece);
-- ``MTC_STAGE_NT``: streaming stores in the staging copy (default 1).
+- ``MTC_STAGE_NT``: streaming stores in the staging copy (default 1);
+- ``MTC_H2D_WINDOW``: pieces per window, two windows in flight (default 2 x helpers).
+
+The pinned cap is raised to 4 GiB, so that the variants' slabs (one size class per piece size)
+do not evict each other.
 
 The helper count is fixed per process (``MTC_HELPER_THREADS``): run the script once per count.
 Every variant's output is checked bitwise against ``.to()`` first. Prints the median ms, the
@@ -36,13 +40,18 @@ VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
     "one_helper_per_piece": {"MTC_H2D_TASK_BYTES": "0", "MTC_STAGE_NT": "0"},
     "no_nt": {"MTC_STAGE_NT": "0"},
-    "task256K": {"MTC_H2D_TASK_BYTES": str(256 << 10)},
     "task1M": {"MTC_H2D_TASK_BYTES": str(MB)},
-    "piece2M": {"MTC_H2D_PIECE_BYTES": str(2 * MB)},
-    "piece8M": {"MTC_H2D_PIECE_BYTES": str(8 * MB)},
-    "piece1M_task256K": {"MTC_H2D_PIECE_BYTES": str(MB), "MTC_H2D_TASK_BYTES": str(256 << 10)},
+    # small windows: the slabs in flight (and reused) stay within the last-level cache
+    "p2M_w8_t256K_nt0": {"MTC_H2D_PIECE_BYTES": str(2 * MB), "MTC_H2D_WINDOW": "8",
+                         "MTC_H2D_TASK_BYTES": str(256 << 10), "MTC_STAGE_NT": "0"},
+    "p2M_w8_t256K_nt1": {"MTC_H2D_PIECE_BYTES": str(2 * MB), "MTC_H2D_WINDOW": "8",
+                         "MTC_H2D_TASK_BYTES": str(256 << 10)},
+    "p1M_w16_t256K_nt0": {"MTC_H2D_PIECE_BYTES": str(MB), "MTC_H2D_WINDOW": "16",
+                          "MTC_H2D_TASK_BYTES": str(256 << 10), "MTC_STAGE_NT": "0"},
+    "p8M_w4_t512K_nt0": {"MTC_H2D_PIECE_BYTES": str(8 * MB), "MTC_H2D_WINDOW": "4",
+                         "MTC_STAGE_NT": "0"},
 }
-KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT")
+KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT", "MTC_H2D_WINDOW")
 
 
 def set_env(env: dict[str, str]) -> None:
@@ -62,6 +71,8 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device(a.device)
     torch.cuda.set_device(dev)
+    # room for every variant's slabs (one size class per piece size): no evictions between them
+    mtc_loader.configure(pinned_cap_bytes=4 << 30)
     results: dict[str, dict[str, dict[str, float]]] = {}
     helpers = None
     for wname in a.only:

@@ -288,6 +288,8 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         return mtc_run_fail(r, -ENOMEM, leaf0, "planning the staged copy");
     }
     uint32_t W = helpers ? 2 * helpers : 1;
+    size_t wenv = _env_size("MTC_H2D_WINDOW", 0); /* pieces per window */
+    if (wenv) W = wenv < 4096 ? (uint32_t)wenv : 4096;
     /* Two windows of slabs are held at once: keep them within half the cap,
      * or the pool's backpressure would wait on slabs only this run releases. */
     size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);

@@ -112,6 +112,32 @@ def test_large_tensors_staged_in_pieces():
     assert mtc_loader.stats()["pieces"] > 0
 
 
+@pytest.mark.parametrize("knobs", [
+    {},
+    {"MTC_STAGE_NT": "0"},
+    {"MTC_H2D_TASK_BYTES": "0"},
+    {"MTC_H2D_PIECE_BYTES": str(1 << 20), "MTC_H2D_TASK_BYTES": str(96 << 10), "MTC_H2D_WINDOW": "1"},
+    {"MTC_H2D_PIECE_BYTES": str(3 << 20), "MTC_H2D_TASK_BYTES": str(1 << 20), "MTC_H2D_WINDOW": "5"},
+], ids=lambda k: ",".join(f"{n[4:]}={v}" for n, v in k.items()) or "defaults")
+def test_large_tensors_split_across_helpers(knobs, monkeypatch):
+    """Large leaves staged piece by piece, each piece split into tasks over the helpers, with
+    streaming stores or memcpy: sources at odd addresses (views at byte offsets 1 and 13),
+    sizes that are no multiple of a task, a piece or 16 bytes, and windows down to one piece
+    arrive exactly."""
+    for name, value in knobs.items():  # read by the engine at every large copy
+        monkeypatch.setenv(name, value)
+    g = torch.Generator().manual_seed(62)
+    raw = random_tensor(torch.uint8, ((19 << 20) + 77,), g)
+    data = [raw[1:], raw[13:(9 << 20) + 5], random_tensor(torch.float32, (2_500_003,), g),
+            random_tensor(torch.int16, (4 << 20,), g)]
+    before = mtc_loader.stats()["pieces"]
+    out = start_copy(data, "cuda:0").get()
+    torch.cuda.synchronize()
+    for o, r in zip(out, data):
+        assert_bitwise(o, r.to("cuda:0"))
+    assert mtc_loader.stats()["pieces"] - before >= 4
+
+
 @pytest.mark.parametrize("stream", ["current", "side"])
 def test_large_packed_chunk(stream):
     """A packed chunk of many medium tensors (256 x ~64 KB: 16 MB, staged by the helpers in
