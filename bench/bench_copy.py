@@ -3,7 +3,7 @@
 Usage::
 
     python3 bench/bench_copy.py [--device cuda:0] [--rounds N] [--quick] [--out DIR]
-                                [--only WORKLOAD ...] [--keep-going]
+                                [--only WORKLOAD ...] [--keep-going] [--no-ceiling]
 
 What is timed, per batch: from just before the call until the result is usable, i.e. the host
 clock (``time.perf_counter``) around the copy and a ``torch.cuda.synchronize()`` of every CUDA
@@ -18,6 +18,14 @@ interleaved rounds: each round runs every method once on the same data, with the
 rotated from round to round, so that drifts of the machine (clocks, other tenants) hit all
 methods alike. Reported per workload and method: median, p10 and p90 in ms, and the ratio
 ``median(.to()) / median(method)`` (above 1 means faster than ``.to()``).
+
+With a CUDA device, a ceiling measurement runs first (skip it with ``--no-ceiling``): the
+aggregate copy bandwidth from pageable into pinned memory with 1, 2, 4, 8 and 16 threads (the
+engine's probe, with memcpy and with streaming stores, and torch's ``copy_`` under
+``torch.set_num_threads``), the H2D DMA from pinned memory alone and while the staging copies
+run, and ``cudaHostRegister`` of a source in place. It is printed before and after the table
+and stored under ``"ceiling"``. The workloads include ``16x16MB_d2h``: 16 x 16 MB from the GPU
+into new CPU tensors.
 
 Outputs (in ``--out``, default ``bench/results``): ``bench_copy.json`` (machine info, every
 sample, ``mtc_loader.stats()``), ``bench_copy.png`` (ratio vs ``.to()`` per workload, with the
