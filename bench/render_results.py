@@ -291,6 +291,7 @@ SECTIONS: dict[str, Callable[[list[dict[str, Any]], str], list[str]]] = {
 
 def render(page: str, results: str) -> str:
     docs = os.path.dirname(os.path.abspath(page))
+    PLOTS.clear()
     with open(page) as f:
         text = f.read()
     for name, fn in SECTIONS.items():
