@@ -38,8 +38,7 @@ def test_placeholders_without_results(tmp_path):
 
 def test_renders_what_bench_copy_writes(tmp_path):
     results = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MTC_BENCH_COMMIT="abc1234")
+    env = dict(os.environ, MTC_BENCH_COMMIT="abc1234")  # mtc_loader: the one this run tests
     for n in (1, 2):
         r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_copy.py"), "--device", "cpu", "--quick",
                             "--only", "seed4_np", "--out", str(results / "copy" / str(n))],
