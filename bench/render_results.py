@@ -12,7 +12,8 @@ process under ``$OUT/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loa
 the page) and run this script: it replaces what stands between the page's markers
 ``<!-- BEGIN render:NAME -->`` and ``<!-- END render:NAME -->`` with the table rendered from
 every JSON of that benchmark (the median over processes, and their spread), its commit, machine
-and command, and copies the first process's plot next to the page (``docs/bench_NAME.png``).
+and command, and copies the first process's plot next to the page (``docs/bench_NAME.png``;
+bench_files.py draws none: this script draws it from the JSON, with matplotlib).
 A benchmark without JSON renders as a marked placeholder.
 """
 from __future__ import annotations
@@ -145,6 +146,7 @@ def placeholder(name: str) -> list[str]:
 
 
 PLOTS: list[tuple[str, str]] = []  # (PNG of a run, where the page shows it), copied by main()
+DRAW = [True]  # plots this script draws itself are drawn (not under --check)
 
 
 def plot(runs: list[dict[str, Any]], name: str, docs: str, alt: str) -> list[str]:
@@ -261,6 +263,36 @@ def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
     return out
 
 
+def plot_files(runs: list[dict[str, Any]], methods: list[str]) -> Optional[str]:
+    """bench_files.py draws no plot: a bar chart of GB/s per method, warm and cold, with the raw
+    reads, next to the first run's JSON (bench_files.png). Its path, or None without matplotlib."""
+    path = os.path.join(os.path.dirname(runs[0]["_path"]), "bench_files.png")
+    if not DRAW[0]:
+        return path if os.path.exists(path) else None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    b = runs[0]["bytes_per_batch"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, (state, raw) in enumerate((("warm", "buffered_warm"), ("cold", "direct_cold"))):
+        vals = [b / statistics.median([t for r in runs for t in r["epoch_s_per_batch"][m][state]]) / 1e9
+                for m in methods]
+        ax.bar([i + k * 0.4 for i in range(len(methods))], vals, width=0.4, label=f"{state} page cache")
+        ax.axhline(statistics.median(v for r in runs for v in r["raw_read_gbps"][raw]), linestyle="--",
+                   color=f"C{k}", linewidth=1, label=f"raw read ({'buffered, warm' if k == 0 else 'O_DIRECT, cold'})")
+    ax.set_xticks([i + 0.2 for i in range(len(methods))], methods, rotation=15, fontsize=8)
+    ax.set_ylabel("GB/s of files per batch")
+    ax.set_title(f"file-backed samples, batch of {b / 1e6:.0f} MB, {runs[0]['config']['workers']} workers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
     rows = []
     methods = [m for m in FILES_LABELS if any(m in r["median_ms"] for r in runs)]
@@ -275,7 +307,8 @@ def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
     cfg = runs[0]["config"]
     reader = runs[0].get("reader", {}).get("mode", "?")
     header = ["method", "warm cache ms/batch", "warm GB/s", "cold cache ms/batch", "cold GB/s"]
-    out = table(header, rows)
+    out = plot(runs, "files", docs, "file-backed samples: GB/s per method") if plot_files(runs, methods) else []
+    out += table(header, rows)
     out += ["", f"Raw read of the same files, same run: `O_DIRECT` from a cold cache {spread(raw_cold, gbps)} "
             f"GB/s (one thread), buffered from a warm cache {spread(raw_warm, gbps)} GB/s.", "",
             provenance_line(runs, f"Batch {cfg['batch_size']} ({runs[0]['bytes_per_batch'] / 1e6:.1f} MB of "
@@ -316,6 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--page", default=PAGE, help="the page to render into (default docs/benchmarks.md)")
     p.add_argument("--check", action="store_true", help="exit 1 when the page is not up to date")
     args = p.parse_args(argv)
+    DRAW[0] = not args.check
     text = render(args.page, args.results)
     with open(args.page) as f:
         old = f.read()
