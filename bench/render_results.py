@@ -109,8 +109,8 @@ def gbps(v: float) -> str:
 
 
 def _command(cmd: str) -> str:
-    """The command as a user would type it: without the output folder."""
-    return re.sub(r"\s--out\s+\S+", "", cmd)
+    """The command as a user would type it: without the output and data folders."""
+    return re.sub(r"\s--(out|dir)\s+\S+", "", cmd)
 
 
 def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
