@@ -8,6 +8,8 @@ Environment switches:
                          build requirement in pyproject.toml, else a CUDA toolkit's include dir)
   MTC_NO_LIBURING=1      build without liburing even where it is installed (FileTensor reads
                          then use pread on helper threads)
+  MTC_REQUIRE_LIBURING=1 fail the build where liburing is not found, rather than build the
+                         pread path
   MTC_LIBURING_PREFIX=D  take liburing from D/include (liburing.h, liburing/) and D/lib/liburing.a
                          (a copy of Debian's liburing-dev files, for a machine without it)
 
@@ -15,7 +17,9 @@ liburing (Debian: liburing-dev) is found with pkg-config, or by its header and l
 compiler's default paths; without it the build still succeeds and file reads use pread. Where
 its static library is there (Debian ships liburing.a, position-independent), it is linked in
 statically with its symbols kept private, so the extension needs no liburing at run time (it
-can be carried to a machine that lacks it).
+can be carried to a machine that lacks it). The build prints which reader it built in one line
+that starts with "mtc_loader: FileTensor reads:" (pip shows it with `pip install -v`); at run
+time, mtc_loader.file_reader() says which one a process uses, and why.
 """
 import glob
 import importlib.util
@@ -81,24 +85,27 @@ def _static_liburing(libdirs: list) -> list:
     return []
 
 
-def _liburing() -> tuple[list, list]:
-    """(compile flags, link flags) for liburing, or ([], []) where it is absent."""
+def _liburing() -> tuple[list, list, str]:
+    """(compile flags, link flags, where it came from) for liburing, or ([], [], why not) where
+    it is absent."""
     if os.environ.get("MTC_NO_LIBURING"):
-        return [], []
+        return [], [], "MTC_NO_LIBURING is set"
     prefix = os.environ.get("MTC_LIBURING_PREFIX")
     if prefix:
         prefix = os.path.abspath(prefix)
         static = _static_liburing([os.path.join(prefix, "lib")])
         if not static or not os.path.exists(os.path.join(prefix, "include", "liburing.h")):
             raise SystemExit(f"MTC_LIBURING_PREFIX={prefix}: no include/liburing.h and lib/liburing.a there")
-        return [f"-I{os.path.join(prefix, 'include')}"], static
+        return [f"-I{os.path.join(prefix, 'include')}"], static, f"{static[0]}, linked statically"
     if shutil.which("pkg-config"):
         try:
             run = lambda *a: subprocess.run(["pkg-config", *a, "liburing"], check=True,  # noqa: E731
                                             capture_output=True, text=True).stdout.split()
             cflags, libs = run("--cflags"), run("--libs")
             static = _static_liburing(run("--variable=libdir"))
-            return cflags, static or libs
+            version = " ".join(run("--modversion"))
+            how = f"{static[0]}, linked statically" if static else f"{' '.join(libs)}, linked dynamically"
+            return cflags, static or libs, f"liburing {version} from pkg-config: {how}"
         except (OSError, subprocess.CalledProcessError):
             pass
     # No .pc file: try the header and the library in the compiler's default paths.
@@ -112,17 +119,25 @@ def _liburing() -> tuple[list, list]:
                                 capture_output=True).returncode == 0
         except OSError:
             ok = False
-    return ([], _static_liburing([]) or ["-luring"]) if ok else ([], [])
+    if not ok:
+        return [], [], "liburing not found (no pkg-config entry, no liburing.h and -luring for the compiler)"
+    static = _static_liburing([])
+    return [], static or ["-luring"], f"{static[0]}, linked statically" if static else "-luring, linked dynamically"
 
 
-uring_cflags, uring_libs = _liburing()
+uring_cflags, uring_libs, uring_how = _liburing()
 if uring_libs:
     extra_compile += uring_cflags
     extra_link += uring_libs
     define_macros.append(("MTC_HAVE_LIBURING", "1"))
+    print(f"mtc_loader: FileTensor reads: io_uring ({uring_how})", file=sys.stderr)
+elif os.environ.get("MTC_REQUIRE_LIBURING"):
+    raise SystemExit(f"mtc_loader: MTC_REQUIRE_LIBURING is set but {uring_how}: install liburing's development "
+                     "files (Debian/Ubuntu: apt-get install liburing-dev; Fedora: dnf install liburing-devel), "
+                     "or point MTC_LIBURING_PREFIX at a copy of them")
 else:
-    print("mtc_loader: liburing not found (apt-get install liburing-dev): FileTensor reads will use "
-          "pread on helper threads", file=sys.stderr)
+    print(f"mtc_loader: FileTensor reads: pread on helper threads, not io_uring ({uring_how}; for io_uring, "
+          "install liburing-dev (Debian/Ubuntu) or liburing-devel (Fedora) and build again)", file=sys.stderr)
 
 if os.environ.get("MTC_DEBUG"):
     extra_compile += ["-O0", "-UNDEBUG"]

@@ -54,6 +54,7 @@ import torch.utils._pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import WORKLOADS, count_tensors, iter_leaves, to_numpy, tree_map  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 try:
     import mtc_loader
@@ -751,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": failed,
         "mtc_stats": stats,
         "ceiling": ceiling,
+        "provenance": provenance(argv),
     }
     json_path = os.path.join(args.out, "bench_copy.json")
     with open(json_path, "w") as f:

@@ -73,6 +73,9 @@ from torch.utils.data import DataLoader, Dataset
 import mtc_loader
 from mtc_loader import FileTensor, PackedCollate, PrefetchLoader
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import provenance  # noqa: E402
+
 SWEEPS, POINTS, CAMS, CAM_SHAPE = 10, 35_000, 6, (3, 256, 448)
 METHODS = ["numpy_plain", "numpy_packed", "files_packed", "files_packed_direct", "files_packed_async"]
 TARGET_WARM_RATIO = 2.0   # files_packed vs numpy_packed, warm cache, per batch
@@ -322,7 +325,7 @@ def main(argv=None) -> int:
               "config": vars(args), "reader": reader, "file_bytes": file_bytes, "bytes_per_batch": bytes_per_batch,
               "epoch_s_per_batch": times, "raw_read_gbps": raw, "median_ms": {m: {s: v * 1e3 for s, v in d.items()}
                                                                               for m, d in med.items()},
-              "gbps": gbps, "checks": checks, "stats_main_process": stats}
+              "gbps": gbps, "checks": checks, "stats_main_process": stats, "provenance": provenance(argv)}
     path = os.path.join(args.out, "bench_files.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)

@@ -62,6 +62,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import count_tensors, seed_sample, tree_map  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 import mtc_loader  # noqa: E402
 
@@ -447,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": info, "config": vars(args), "tensors_per_batch": n, "bytes_per_batch": nbytes,
               "results": {str(w): m for w, m in res.items()}, "targets": ts,
               "arena_stats": {str(w): s for w, s in arena_stats.items()}, "mtc_stats": mtc_loader.stats()}
+    report["provenance"] = provenance(argv)
     json_path = os.path.join(args.out, "bench_loader.json")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1, default=str)

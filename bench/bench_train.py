@@ -100,6 +100,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import machine_info  # noqa: E402
+from provenance import provenance  # noqa: E402
 from workloads import NUM_CAMERAS, NUM_CLASSES, count_tensors, iter_leaves, seed_sample, tree_map  # noqa: E402
 
 import mtc_loader  # noqa: E402
@@ -670,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(device)
     info["cudnn"] = torch.backends.cudnn.version() if device.type == "cuda" else None
     report = {"machine": info, "config": vars(args), "shapes": shapes, "results": res, "targets": ts,
-              "arena_stats": arena_stats, "mtc_stats": mtc_loader.stats()}
+              "arena_stats": arena_stats, "mtc_stats": mtc_loader.stats(), "provenance": provenance(argv)}
     json_path = os.path.join(args.out, "bench_train.json")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1, default=str)

@@ -552,14 +552,15 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     return 0;
 }
 
-/* The chunk that receives the region on `target` (torch.empty, uint8, with
- * room to align) and the copy into it: one DMA for a CUDA target, a memcpy
- * for the CPU (never a view of arena memory, which is reused). The region is
- * freed by then or by the DMA's callback: *region_owned becomes 0. 0 with a
- * new reference in *chunk and its alignment skip, or -1 with an exception. */
+/* The chunk that receives the region on `target` (torch.empty, uint8) and
+ * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
+ * view of arena memory, which is reused). The region lands at offset 0 of
+ * the chunk's storage, so that every view's storage offset is its offset in
+ * the region, a multiple of its alignment (see copy.c's _alloc_chunks). The
+ * region is freed by then or by the DMA's callback: *region_owned becomes 0.
+ * 0 with a new reference in *chunk, or -1 with an exception. */
 static int _unpack_copy(mtc_state *st, mtc_handle *h, ArenaObject *ao, uint64_t off, int64_t payload,
-                        int64_t align, int target, int background, PyObject **chunk, Py_ssize_t *skip,
-                        int *region_owned)
+                        int target, int background, PyObject **chunk, int *region_owned)
 {
     mtc_arena *a = ao->a;
     PyObject *dev_obj = NULL, *shape = NULL;
@@ -574,18 +575,17 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, ArenaObject *ao, uint64_t 
         }
     }
     if (!(dev_obj = mtc_out_device(st, target))) goto error;
-    if (!(shape = Py_BuildValue("(L)", (long long)(payload + align - 1)))) goto error;
+    if (!(shape = Py_BuildValue("(L)", (long long)payload))) goto error;
     if (!(*chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0))) goto error;
     uintptr_t ptr;
     if (mtc_out_data_ptr(st, *chunk, &ptr)) goto error;
-    *skip = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
     *region_owned = 0;
     if (target < 0) {
         Py_BEGIN_ALLOW_THREADS
-        mtc_memcpy_parallel((void *)(ptr + (uintptr_t)*skip), a->base + off, (size_t)payload);
+        mtc_memcpy_parallel((void *)ptr, a->base + off, (size_t)payload);
         Py_END_ALLOW_THREADS
         mtc_arena_free(a, off, (uint32_t)getpid());
-    } else if (_unpack_dma(st, h, a, off, payload, ptr + (uintptr_t)*skip, target, background)) {
+    } else if (_unpack_dma(st, h, a, off, payload, ptr, target, background)) {
         goto error;
     }
     Py_DECREF(dev_obj);
@@ -600,7 +600,7 @@ error:
 
 /* The output views over the chunk, and the skeleton walked (in slots mode)
  * and rebuilt around them into h->result. 0, or -1 with an exception. */
-static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyObject *chunk, Py_ssize_t skip)
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyObject *chunk)
 {
     PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
     if (!outputs) {
@@ -613,7 +613,7 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     lt.shape = L->shape;
     PyObject *chunks[1] = {chunk};
     int rc = -1;
-    if (!mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs) && (h->result = mtc_rebuild(st, &h->tree, outputs)))
+    if (!mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs) && (h->result = mtc_rebuild(st, &h->tree, outputs)))
         rc = 0;
     for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
     PyMem_Free(outputs);
@@ -651,7 +651,6 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     memset(&L, 0, sizeof L);
     mtc_handle *h = NULL;
     PyObject *chunk = NULL;
-    Py_ssize_t skip = 0;
     long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
     if (nbytes < 0) {
         PyErr_Clear();
@@ -674,11 +673,10 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
-    int64_t align = L.nleaves ? L.plan.chunks[0].align : 1;
-    if (_unpack_copy(st, h, ao, off, nbytes, align, (int)target, background, &chunk, &skip, &region_owned))
+    if (_unpack_copy(st, h, ao, off, nbytes, (int)target, background, &chunk, &region_owned))
         goto error;
     if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
-    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk, skip)) goto error;
+    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk)) goto error;
     Py_DECREF(chunk);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);

@@ -68,8 +68,7 @@ typedef struct {
     mtc_plan plan;
     PyObject **outputs;     /* new references, one per leaf */
     PyObject **chunk_t;     /* uint8 tensor of each chunk */
-    uintptr_t *chunk_base;  /* aligned start of each chunk */
-    Py_ssize_t *chunk_skip; /* bytes from the tensor's start to chunk_base */
+    uintptr_t *chunk_base;  /* start of each chunk: its tensor's data_ptr */
     PyObject *dev_obj;      /* torch.device of the target */
     mtc_job *job;           /* NULL when nothing needs copying, or once submitted */
     uint32_t oi, ii;        /* ops and items filled so far */
@@ -85,7 +84,6 @@ static void _copy_clear(_copy *c)
     PyMem_Free(c->outputs);
     PyMem_Free(c->chunk_t);
     PyMem_Free(c->chunk_base);
-    PyMem_Free(c->chunk_skip);
     Py_XDECREF(c->dev_obj);
     mtc_plan_free(&c->plan);
 }
@@ -229,23 +227,24 @@ static int _new_job(_copy *c)
 }
 
 /* Stage 3b: one uint8 tensor per packed chunk (pinned on the host for a CPU
- * target), aligned inside, and one op per chunk over its members, chunk by
- * chunk (segments are in chunk order). 0, or -1 with an exception. */
+ * target), and one op per chunk over its members, chunk by chunk (segments
+ * are in chunk order). A chunk starts at offset 0 of its tensor's storage:
+ * the offset a user observes, data_ptr() - untyped_storage().data_ptr(), is
+ * then the planner's, a multiple of each member's alignment. (Rounding the
+ * base up inside a larger allocation would align absolute addresses to
+ * alignments the allocator does not give, 6 or 4096, but put every storage
+ * offset off the rule by the skip.) 0, or -1 with an exception. */
 static int _alloc_chunks(_copy *c)
 {
     const mtc_plan *p = &c->plan;
     int pin = c->o.target < 0; /* D2H packing writes into pinned host chunks */
     for (uint32_t k = 0; k < p->nchunks; k++) {
-        int64_t align = p->chunks[k].align, bytes = p->chunks[k].payload + align - 1;
-        PyObject *shape = Py_BuildValue("(L)", (long long)bytes);
+        PyObject *shape = Py_BuildValue("(L)", (long long)p->chunks[k].payload);
         if (!shape) return -1;
         c->chunk_t[k] = mtc_out_empty(c->st, shape, c->st->uint8, pin ? c->st->device_cpu : c->dev_obj, pin);
         Py_DECREF(shape);
         if (!c->chunk_t[k]) return -1;
-        uintptr_t ptr;
-        if (mtc_out_data_ptr(c->st, c->chunk_t[k], &ptr)) return -1;
-        c->chunk_skip[k] = (Py_ssize_t)((align - (int64_t)(ptr % (uintptr_t)align)) % align);
-        c->chunk_base[k] = ptr + (uintptr_t)c->chunk_skip[k];
+        if (mtc_out_data_ptr(c->st, c->chunk_t[k], &c->chunk_base[k])) return -1;
     }
     for (uint32_t s = 0; s < p->nsegs;) {
         int32_t k = p->segs[s].chunk;
@@ -328,8 +327,7 @@ static int _alloc_outputs(_copy *c)
     c->outputs = PyMem_Calloc(nl, sizeof *c->outputs);
     c->chunk_t = PyMem_Calloc(nc, sizeof *c->chunk_t);
     c->chunk_base = PyMem_Calloc(nc, sizeof *c->chunk_base);
-    c->chunk_skip = PyMem_Calloc(nc, sizeof *c->chunk_skip);
-    if (!c->outputs || !c->chunk_t || !c->chunk_base || !c->chunk_skip) {
+    if (!c->outputs || !c->chunk_t || !c->chunk_base) {
         PyErr_NoMemory();
         return -1;
     }
@@ -390,7 +388,7 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
 {
     int64_t t0 = mtc_now_ns();
     mtc_nvtx_push(MTC_NVTX_VIEWS);
-    int rc = mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, c->chunk_skip, c->outputs) ||
+    int rc = mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs) ||
              !(h->result = mtc_rebuild(c->st, c->t, c->outputs));
     mtc_nvtx_pop();
     if (rc) return -1;

@@ -14,7 +14,9 @@ static PyObject *_s_spec; /* interned "_spec", guarded by the GIL */
 static int _warned;       /* the fallback warning was given in this process (a forked child inherits it) */
 
 /* Warns once per process when reads take the pread path without being asked
- * to. 0, or -1 when the warning was turned into an exception. */
+ * to (file_configure, a test hook, does not re-arm it: a program meets it
+ * once, and a test suite can expect it once). 0, or -1 when the warning was
+ * turned into an exception. */
 static int _warn_fallback_once(void)
 {
     if (_warned) return 0;
@@ -146,8 +148,13 @@ PyObject *mtc_files_reader(PyObject *module, PyObject *unused)
     Py_BEGIN_ALLOW_THREADS
     mode = mtc_uring_mode(&why, &forced);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("(szO)", mode == MTC_URING_MODE_URING ? "io_uring" : "pread", why,
-                         forced ? Py_True : Py_False);
+#ifdef MTC_HAVE_LIBURING
+    PyObject *built = Py_True;
+#else
+    PyObject *built = Py_False;
+#endif
+    return Py_BuildValue("(szOO)", mode == MTC_URING_MODE_URING ? "io_uring" : "pread", why,
+                         forced ? Py_True : Py_False, built);
 }
 
 PyObject *mtc_files_configure(PyObject *module, PyObject *args)
@@ -164,6 +171,5 @@ PyObject *mtc_files_configure(PyObject *module, PyObject *args)
     mtc_uring_configure(depth, max_io, direct, mode);
     if (async >= 0) mtc_uring_configure_async(async);
     Py_END_ALLOW_THREADS
-    _warned = 0;
     Py_RETURN_NONE;
 }

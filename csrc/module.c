@@ -341,7 +341,7 @@ static PyMethodDef engine_methods[] = {
     {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
     {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
     {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
-    {"file_reader", mtc_files_reader, METH_NOARGS, "file_reader() -> (mode, reason or None, forced)"},
+    {"file_reader", mtc_files_reader, METH_NOARGS, "file_reader() -> (mode, reason or None, forced, built with liburing)"},
     {"file_configure", mtc_files_configure, METH_VARARGS,
      "file_configure(depth, max_io, direct, mode): the file reader's settings (tests)"},
     {NULL, NULL, 0, NULL},

@@ -191,14 +191,15 @@ out:
 }
 
 /* Creates the output views of every segment of plan p over the chunk
- * tensors (uint8; the chunk's aligned base is chunk_skip[c] bytes in) and
- * stores them (new references) in outputs[]. 0 or -1 with an exception. */
+ * tensors (uint8; chunk c starts chunk_skip[c] bytes in, or at 0 when
+ * chunk_skip is NULL) and stores them (new references) in outputs[]. 0 or -1
+ * with an exception. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                        const Py_ssize_t *chunk_skip, PyObject **outputs)
 {
     for (uint32_t s = 0; s < p->nsegs; s++) {
         const mtc_seg *sg = &p->segs[s];
-        Py_ssize_t off = chunk_skip[sg->chunk] + (Py_ssize_t)sg->offset;
+        Py_ssize_t off = (chunk_skip ? chunk_skip[sg->chunk] : 0) + (Py_ssize_t)sg->offset;
         PyObject *lo = PyLong_FromSsize_t(off), *hi = PyLong_FromSsize_t(off + (Py_ssize_t)sg->bytes);
         PyObject *slice = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
         Py_XDECREF(lo);

@@ -24,7 +24,8 @@ PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObjec
 int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 
 /* Creates the output views of every segment of plan p over the chunk tensors
- * chunk_t (uint8; chunk c's aligned base is chunk_skip[c] bytes in) and
+ * chunk_t (uint8; chunk c starts chunk_skip[c] bytes in, at 0 when chunk_skip
+ * is NULL: start_copy and unpack put every chunk at 0, see copy.c) and
  * stores them (new references) in outputs[]. 0 or -1. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                   const Py_ssize_t *chunk_skip, PyObject **outputs);

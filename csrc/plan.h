@@ -13,8 +13,10 @@
  * SPLIT segment (the segment viewed as (rows, *trailing), cut with one
  * split_with_sizes; members start on rows whose byte offset is aligned, and
  * the rows between them are padding). Every member's byte offset from the
- * chunk's aligned base is a multiple of round_up(max(min alignment, element size),
- * element size), the reference implementation's rule.
+ * chunk's base is a multiple of round_up(max(min alignment, element size),
+ * element size), the reference implementation's rule. The binding layer puts
+ * each chunk at offset 0 of its own storage, so that this is also the offset
+ * a user observes (data_ptr() - untyped_storage().data_ptr()).
  *
  * Names starting with `_` are internal to plan.c. Functions return 0 or a
  * negative errno.
@@ -74,7 +76,7 @@ typedef struct mtc_leaf {
 typedef struct mtc_seg {
     int32_t chunk;
     int32_t kind;       /* MTC_SEG_SPLIT or MTC_SEG_UNIFORM */
-    int64_t offset;     /* byte offset of the segment from the chunk's aligned base */
+    int64_t offset;     /* byte offset of the segment from the chunk's base */
     int64_t bytes;      /* bytes spanned by the segment */
     int64_t rows;       /* SPLIT: rows spanned (members and padding); UNIFORM: member count */
     int64_t row_bytes;  /* SPLIT: bytes per row; UNIFORM: bytes between members (the slot) */
@@ -84,8 +86,8 @@ typedef struct mtc_seg {
 } mtc_seg;
 
 typedef struct mtc_chunk {
-    int64_t payload;    /* bytes from the aligned base to the end of the last segment */
-    int64_t align;      /* the base must be aligned to this (lcm of its members' alignments) */
+    int64_t payload;    /* bytes from the base to the end of the last segment */
+    int64_t align;      /* lcm of its members' alignments: a base aligned to it aligns every member's address */
 } mtc_chunk;
 
 typedef struct mtc_plan_opts {
@@ -139,7 +141,7 @@ int64_t mtc_plan_leaf_align(const mtc_plan_opts *o, uint32_t elsize);
 int mtc_plan_valid(const mtc_plan *p, const mtc_leaf *leaves, uint32_t n, const int64_t *shape,
                    const mtc_plan_opts *opts);
 
-/* Byte offset of packed leaf `i` from its chunk's aligned base. */
+/* Byte offset of packed leaf `i` from its chunk's base. */
 int64_t mtc_plan_leaf_offset(const mtc_plan *p, const mtc_leaf *leaf);
 
 #endif /* MTC_PLAN_H */

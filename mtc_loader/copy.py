@@ -72,12 +72,16 @@ def start_copy(
             most ``max_packed_chunk_bytes`` and issue one H2D copy per chunk instead of one per
             tensor; for CUDA → CPU with pinned staging, small GPU tensors are likewise copied
             into one pinned chunk.
-        min_packed_alignment_bytes: Minimum byte alignment of each packed tensor's start. The
-            effective alignment is ``round_up(max(min_packed_alignment_bytes, element_size),
-            element_size)`` (the reference implementation's rule): ``max(...)`` for powers of
-            two; 8 for 6 and float32, 16 for 6 and complex128, 6 for 6 and uint8.
+        min_packed_alignment_bytes: Minimum byte alignment of each packed tensor's start
+            within its chunk, which is the start of its storage: ``t.data_ptr() -
+            t.untyped_storage().data_ptr()`` is a multiple of ``round_up(max(
+            min_packed_alignment_bytes, element_size), element_size)`` (the reference
+            implementation's rule): ``max(...)`` for powers of two; 8 for 6 and float32, 16 for
+            6 and complex128, 6 for 6 and uint8. The address ``t.data_ptr()`` is a multiple of
+            that alignment too where the allocator's alignment is (64 bytes on the CPU, 512 on
+            a GPU, with torch's allocators), and of the element size always.
         max_packed_chunk_bytes: Maximum payload of each packed chunk (data plus alignment
-            padding; the allocation may be slightly larger to align the chunk's start).
+            padding); the chunk's allocation is its payload.
         use_background_thread: Run the copy (staging, allocation of pinned memory, copy
             submission) on the engine's per-device transfer thread, so that this function
             returns before the copies complete. When ``False``, the same work runs on the

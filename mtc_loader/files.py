@@ -327,7 +327,9 @@ _register_default_collate()
 
 def file_reader() -> dict[str, Any]:
     """How this process reads FileTensors: ``{"mode": "io_uring" | "pread", "reason": str | None,
-    "forced": bool}``. ``MTC_FILE_READER=pread`` forces the pread path; otherwise pread runs only
-    where io_uring cannot be set up (``reason`` says why) or liburing was absent at build time."""
-    mode, reason, forced = _engine.file_reader()
-    return {"mode": mode, "reason": reason, "forced": forced}
+    "forced": bool, "liburing": bool}``. ``MTC_FILE_READER=pread`` forces the pread path;
+    otherwise pread runs only where io_uring cannot be set up (``reason`` says why) or liburing
+    was absent at build time (``liburing`` is False: the package was built without it; install
+    liburing's development files, e.g. ``apt-get install liburing-dev``, and reinstall)."""
+    mode, reason, forced, liburing = _engine.file_reader()
+    return {"mode": mode, "reason": reason, "forced": forced, "liburing": liburing}

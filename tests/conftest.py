@@ -17,6 +17,27 @@ if os.environ.get("MTC_TEST_INSTALLED"):
     if "site-packages" not in mtc_loader.__file__:
         raise RuntimeError(f"mtc_loader: MTC_TEST_INSTALLED is set but mtc_loader comes from {mtc_loader.__file__}")
 
+@pytest.fixture(scope="session", autouse=True)
+def _pread_fallback_warning(tmp_path_factory):
+    """Where FileTensor reads fall back to pread without being asked to (a build without
+    liburing, or io_uring that cannot be set up here), the process's first read warns once
+    (a RuntimeWarning that says why, docs/api.md). The session expects that warning here, from
+    one read, so that it is asserted once rather than failing whichever test reads a file first.
+    Every other warning stays an error. (tests/test_files.py checks the warning's text, and that
+    io_uring and MTC_FILE_READER=pread give none, in fresh processes.)"""
+    import mtc_loader
+    from mtc_loader import FileTensor, _engine
+
+    mode, _why, forced, _liburing = _engine.file_reader()
+    if mode == "pread" and not forced:
+        path = tmp_path_factory.mktemp("reader") / "probe.bin"
+        np.arange(16, dtype=np.uint8).tofile(path)
+        with pytest.warns(RuntimeWarning, match="read with pread on helper threads, not io_uring"):
+            out = mtc_loader.start_copy([FileTensor(path, torch.uint8)], "cpu").get()
+        assert torch.equal(out[0], torch.arange(16, dtype=torch.uint8))
+    yield
+
+
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the GPU machine)")
 requires_2gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs two CUDA GPUs")
 

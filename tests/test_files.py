@@ -57,7 +57,7 @@ def _uring_works() -> bool:
         _engine.file_configure(*DEFAULT_READER)
 
 
-BUILT_WITH_LIBURING = "liburing was absent" not in (_engine.file_reader()[1] or "")
+BUILT_WITH_LIBURING = mtc_loader.file_reader()["liburing"]
 
 
 @pytest.fixture(autouse=True)
@@ -569,6 +569,26 @@ def test_fallback_warns_once_with_reason(tmp_path):
     assert (mode, uring, pread, nwarn) == ("pread", "0", "3", "1")
     assert lines[1].startswith("WARNING RuntimeWarning mtc_loader: file-backed tensors are read with pread")
     assert "io_uring_queue_init(0) failed: Invalid argument" in lines[1]
+
+
+def test_fallback_warning_once_per_process_whatever_the_settings(tmp_path):
+    # the reader's settings changed between reads (file_configure) do not warn a second time
+    code = """
+        import warnings, numpy as np, torch, mtc_loader
+        from mtc_loader import _engine
+        np.arange(10, dtype=np.int16).tofile({path!r})
+        ft = mtc_loader.FileTensor({path!r}, torch.int16)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for max_io in (0, 3000, 0):  # a ring of depth 0 cannot be set up: pread each time
+                _engine.file_configure(0, max_io, 1, 0)
+                out = mtc_loader.start_copy([ft], "cpu").get()
+                assert torch.equal(out[0], torch.arange(10, dtype=torch.int16))
+        print(mtc_loader.file_reader()["mode"], len(w))
+    """
+    r = _run(code.format(path=str(tmp_path / "g.bin")), MTC_URING_DEPTH="", MTC_FILE_READER="")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["pread", "1"], r.stdout
 
 
 def test_uring_path_runs_here_when_available(tmp_path):

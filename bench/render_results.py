@@ -1,0 +1,369 @@
+"""Render the tables of docs/benchmarks.md from the benchmark JSON in bench/results/release/.
+
+Usage::
+
+    python3 bench/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
+    python3 bench/render_results.py --check   # exit 1 when the page differs from a fresh render
+
+``bash bench/gpu_checks.sh release`` (on the GPU machine) writes one folder per benchmark
+process under ``$OUT/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loader.json``,
+``train/N/bench_train.json`` and ``files/N/bench_files.json`` (with their PNGs). Copy that
+``release`` folder to ``bench/results/release`` (tracked by git, so the page's figures stay next to
+the page) and run this script: it replaces what stands between the page's markers
+``<!-- BEGIN render:NAME -->`` and ``<!-- END render:NAME -->`` with the table rendered from
+every JSON of that benchmark (the median over processes, and their spread), its commit, machine
+and command, and copies the first process's plot next to the page (``docs/bench_NAME.png``;
+bench_files.py draws none: this script draws it from the JSON, with matplotlib).
+A benchmark without JSON renders as a marked placeholder.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+from typing import Any, Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results", "release")
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+
+COPY_LABELS = {
+    "to": "`.to()`",
+    "to_nb": "`.to(non_blocking)` + sync",
+    "pin_to_nb": "`pin_memory().to(nb)`",
+    "pytree_nb": "pytree `.to(nb)`",
+    "mtc": "**start_copy**",
+    "mtc_no_pack": "no packing",
+    "mtc_no_pinned": "no pinned staging",
+    "mtc_no_thread": "no background thread",
+}
+LOADER_LABELS = {
+    "plain_to": "DataLoader(list) + `.to()`",
+    "plain_pin_nb": "DataLoader(list, pin_memory) + `.to(nb)`",
+    "plain_start_copy": "DataLoader(list) + `start_copy`",
+    "packed_prefetch": "**PackedCollate(list) + PrefetchLoader**",
+}
+TRAIN_LABELS = {
+    "ideal": "preloaded on the GPU (the ideal)",
+    "plain": "DataLoader(pin_memory) + `.to(nb)`",
+    "sidestream": "side-stream prefetcher (apex/timm)",
+    "start_copy": "DataLoader + `start_copy().get()`",
+    "prefetch_plain": "PrefetchLoader(DataLoader)",
+    "packed": "**PackedCollate + PrefetchLoader**",
+    "packed_gil5ms": "same, GIL switch interval left at 5 ms",
+}
+FILES_LABELS = {
+    "numpy_plain": "np.load in the dataset, DataLoader + `.to()`",
+    "numpy_packed": "np.load in the dataset, PackedCollate + PrefetchLoader",
+    "files_packed": "**FileTensor, PackedCollate + PrefetchLoader**",
+    "files_packed_direct": "FileTensor, 4 KiB alignment (O_DIRECT for cold data)",
+    "files_packed_async": "FileTensor, `MTC_URING_ASYNC=1`",
+}
+TRAIN_CONFIGS = {"launch": "launch-bound loop", "gpu": "GPU-bound loop"}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def load(results: str, name: str) -> list[dict[str, Any]]:
+    """Every bench_NAME.json under results (one per process), in folder order."""
+    paths = sorted(glob.glob(os.path.join(results, "**", f"bench_{name}.json"), recursive=True))
+    out = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["_path"] = p
+        out.append(d)
+    return out
+
+
+def spread(values: list[float], fmt: Callable[[float], str]) -> str:
+    """median [min-max] of values (one per process or round); the median alone for one value."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    med = fmt(statistics.median(values))
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt(min(values))}–{fmt(max(values))})"
+
+
+def ms(v: float) -> str:
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 10 else f"{v:.1f}"
+
+
+def ratio(v: float) -> str:
+    return f"{v:.1f}x" if v >= 10 else f"{v:.2f}x"
+
+
+def pct(v: float) -> str:
+    return f"{v * 100:.1f}%"
+
+
+def gbps(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def _command(cmd: str) -> str:
+    """The command as a user would type it: without the output and data folders."""
+    return re.sub(r"\s--(out|dir)\s+\S+", "", cmd)
+
+
+def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
+    """Commit, machine, command and date of a table's runs."""
+    provs = [r.get("provenance") or {} for r in runs]
+    commits = sorted({p.get("commit", "unknown") for p in provs})
+    machines = sorted({p.get("machine", "unknown machine") for p in provs})
+    commands = sorted({_command(p.get("command", "?")) for p in provs})
+    times = sorted(p.get("time", "") for p in provs if p.get("time"))
+    n = len(runs)
+    procs = f"{n} processes" if n > 1 else "one process"
+    when = f", {times[0][:10]}" if times else ""
+    return (f"Commit `{', '.join(commits)}`; {'; '.join(machines)}{when}; {procs} of "
+            + ", ".join(f"`{c}`" for c in commands) + f". {what}")
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table; a first cell equal to the row above's is left blank (a group's rows)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    prev = None
+    for r in rows:
+        first = "" if r[0] == prev else r[0]
+        prev = r[0]
+        out.append("| " + " | ".join([first, *r[1:]]) + " |")
+    return out
+
+
+def placeholder(name: str) -> list[str]:
+    return [f"!!! warning \"Not measured at this release yet\"",
+            f"    No `bench_{name}.json` in `bench/results/release/`: run `bash bench/gpu_checks.sh release` on",
+            "    the GPU machine, copy its `release` folder to `bench/results/release/`, then",
+            "    `python3 bench/render_results.py`."]
+
+
+PLOTS: list[tuple[str, str]] = []  # (PNG of a run, where the page shows it), copied by main()
+DRAW = [True]  # plots this script draws itself are drawn (not under --check)
+
+
+def plot(runs: list[dict[str, Any]], name: str, docs: str, alt: str) -> list[str]:
+    """The markdown that shows the first process's PNG next to the page (copied there by main)."""
+    png = os.path.join(os.path.dirname(runs[0]["_path"]), f"bench_{name}.png")
+    if not os.path.exists(png):
+        return []
+    PLOTS.append((png, os.path.join(docs, f"bench_{name}.png")))
+    return [f"![{alt}](bench_{name}.png)", ""]
+
+
+# ----------------------------------------------------------------------------------- sections
+
+def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
+    names: list[str] = []
+    methods: list[str] = []
+    for r in runs:
+        for w, res in r["workloads"].items():
+            if w not in names:
+                names.append(w)
+            for m in res["methods"]:
+                if m not in methods:
+                    methods.append(m)
+    header = ["workload", "tensors, bytes", "`.to()` ms"] + [COPY_LABELS.get(m, m) for m in methods if m != "to"]
+    rows = []
+    for w in names:
+        res = [r["workloads"][w] for r in runs if w in r["workloads"]]
+        first = res[0]
+        kb = first["bytes"] / 1e3
+        size = f"{first['tensors']}, {kb / 1e3:.0f} MB" if kb >= 1000 else f"{first['tensors']}, {kb:.0f} KB"
+        row = [f"{w} ({first['direction']})", size,
+               spread([x["methods"]["to"]["median_ms"] for x in res if "to" in x["methods"]], ms)]
+        for m in methods:
+            if m == "to":
+                continue
+            vals = [x["methods"][m].get("ratio_vs_to") for x in res if m in x["methods"]]
+            row.append(spread(vals, ratio) if vals else "—")
+        rows.append(row)
+    out = plot(runs, "copy", docs, "start_copy against .to() per workload")
+    out += table(header, rows)
+    bw = [r["workloads"][w]["bandwidth"] for r in runs for w in r["workloads"] if "bandwidth" in r["workloads"][w]]
+    big = [(w, r["workloads"][w]) for r in runs for w in r["workloads"] if r["workloads"][w].get("bandwidth")]
+    if big:
+        w = big[0][0]
+        mtc = [x["methods"]["mtc"]["gbps"] for _, x in big if "mtc" in x["methods"] and x["methods"]["mtc"].get("gbps")]
+        pinned = [b.get("h2d_pinned_nb_gbps") for b in bw if isinstance(b, dict)]
+        out += ["", f"{w}: start_copy moves {spread(mtc, gbps)} GB/s; one pinned 256 MB `.to(non_blocking=True)` "
+                f"in the same process: {spread(pinned, gbps)} GB/s."]
+    out += ["", provenance_line(runs, "Cells: the ratio `median(.to()) / median(method)` within a process "
+            "(above 1: faster than `.to()`), the median over processes, and in parentheses the lowest "
+            "and highest process.")]
+    return out
+
+
+def render_loader(runs: list[dict[str, Any]], docs: str) -> list[str]:
+    rows = []
+    workers = sorted({int(w) for r in runs for w in r["results"]})
+    for w in workers:
+        res = [r["results"][str(w)] for r in runs if str(w) in r["results"]]
+        methods = [m for m in LOADER_LABELS if any(m in x for x in res)]
+        methods += [m for x in res for m in x if m not in methods]
+        for m in methods:
+            xs = [x[m] for x in res if m in x]
+            rows.append([str(w), LOADER_LABELS.get(m, m),
+                         spread([v for x in xs for v in x["wall_ms"]], ms),
+                         spread([v for x in xs for v in x["main_steady_ms_rounds"]], ms),
+                         spread([v for x in xs for v in x["main_cpu_steady_ms_rounds"]], ms),
+                         spread([v for x in xs for v in x["main_ms_rounds"]], ms),
+                         spread([x.get("ratio_wall_vs_plain_to") for x in xs], ratio)])
+    header = ["workers", "method", "wall ms/batch", "**training thread ms/batch** (steady)",
+              "its CPU ms (steady)", "training thread ms/batch (whole epoch)", "wall vs `.to()`"]
+    cfg = runs[0]["config"]
+    step = f", a {cfg['step_ms']:g} ms GPU step per batch" if cfg.get("step_ms") else ""
+    out = plot(runs, "loader", docs, "the DataLoader path: ms per batch")
+    out += table(header, rows)
+    out += ["", provenance_line(runs, f"Batches of {cfg['batch_size']} seed samples "
+            f"({runs[0]['tensors_per_batch']} tensors){step}. The training thread's time is its time in "
+            "`__next__` plus the copy call per batch; \"steady\" leaves out each epoch's first batch. "
+            "Cells: the median over epochs (all processes), in parentheses the lowest and highest epoch.")]
+    return out
+
+
+def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
+    rows = []
+    for cfg, label in TRAIN_CONFIGS.items():
+        res = [r["results"][cfg] for r in runs if cfg in r.get("results", {})]
+        if not res:
+            continue
+        ideal = [x["ideal"] for x in res if "ideal" in x]
+        step = statistics.median(i["step_ms"] for i in ideal) if ideal else None
+        shape = runs[0].get("shapes", {}).get(cfg, {})
+        title = f"{label} ({shape.get('height')}x{shape.get('width')}, {step:.1f} ms step)" if step else label
+        methods = [m for m in TRAIN_LABELS if any(m in x for x in res)]
+        for m in methods:
+            xs = [x[m] for x in res if m in x]
+            sps = spread([e["samples_per_s"] for x in xs for e in x["epochs"]], lambda v: f"{v:.1f}")
+            if m == "ideal":
+                rows.append([title, TRAIN_LABELS[m], sps, "100%", "100%", spread([x["next_ms"] for x in xs], ms)])
+                continue
+            rows.append([title, TRAIN_LABELS.get(m, m), sps,
+                         spread([f for x in xs for f in x.get("round_fractions", [])], pct),
+                         spread([x["steady_fraction_of_ideal"] for x in xs], pct),
+                         spread([x["next_steady_ms"] for x in xs], ms)])
+    header = ["loop", "method", "samples/s", "**of the ideal** (whole epoch)", "of the ideal (steady)",
+              "`__next__` ms (steady)"]
+    cfg = runs[0]["config"]
+    out = plot(runs, "train", docs, "training loop: fraction of preloaded data")
+    out += table(header, rows)
+    out += ["", provenance_line(runs, f"A conv model over 6 camera images per sample plus the seed "
+            f"meta-data, batch {cfg['batch_size']}, {cfg['workers']} workers, {cfg['batches']} batches per "
+            "epoch. \"Of the ideal\": samples/s over the same loop fed one batch preloaded on the GPU, "
+            "epoch by epoch within a round; \"steady\" counts from the first batch in hand. Cells: the "
+            "median over epochs (all processes), in parentheses the lowest and highest.")]
+    return out
+
+
+def plot_files(runs: list[dict[str, Any]], methods: list[str]) -> Optional[str]:
+    """bench_files.py draws no plot: a bar chart of GB/s per method, warm and cold, with the raw
+    reads, next to the first run's JSON (bench_files.png). Its path, or None without matplotlib."""
+    path = os.path.join(os.path.dirname(runs[0]["_path"]), "bench_files.png")
+    if not DRAW[0]:
+        return path if os.path.exists(path) else None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    b = runs[0]["bytes_per_batch"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, (state, raw) in enumerate((("warm", "buffered_warm"), ("cold", "direct_cold"))):
+        vals = [b / statistics.median([t for r in runs for t in r["epoch_s_per_batch"][m][state]]) / 1e9
+                for m in methods]
+        ax.bar([i + k * 0.4 for i in range(len(methods))], vals, width=0.4, label=f"{state} page cache")
+        ax.axhline(statistics.median(v for r in runs for v in r["raw_read_gbps"][raw]), linestyle="--",
+                   color=f"C{k}", linewidth=1, label=f"raw read ({'buffered, warm' if k == 0 else 'O_DIRECT, cold'})")
+    ax.set_xticks([i + 0.2 for i in range(len(methods))], methods, rotation=15, fontsize=8)
+    ax.set_ylabel("GB/s of files per batch")
+    ax.set_title(f"file-backed samples, batch of {b / 1e6:.0f} MB, {runs[0]['config']['workers']} workers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
+    rows = []
+    methods = [m for m in FILES_LABELS if any(m in r["median_ms"] for r in runs)]
+    for m in methods:
+        warm = [t * 1e3 for r in runs if m in r["epoch_s_per_batch"] for t in r["epoch_s_per_batch"][m]["warm"]]
+        cold = [t * 1e3 for r in runs if m in r["epoch_s_per_batch"] for t in r["epoch_s_per_batch"][m]["cold"]]
+        b = runs[0]["bytes_per_batch"]
+        rows.append([FILES_LABELS.get(m, m), spread(warm, ms), gbps(b / statistics.median(warm) / 1e6),
+                     spread(cold, ms), gbps(b / statistics.median(cold) / 1e6)])
+    raw_cold = [v for r in runs for v in r["raw_read_gbps"]["direct_cold"]]
+    raw_warm = [v for r in runs for v in r["raw_read_gbps"]["buffered_warm"]]
+    cfg = runs[0]["config"]
+    reader = runs[0].get("reader", {}).get("mode", "?")
+    header = ["method", "warm cache ms/batch", "warm GB/s", "cold cache ms/batch", "cold GB/s"]
+    out = plot(runs, "files", docs, "file-backed samples: GB/s per method") if plot_files(runs, methods) else []
+    out += table(header, rows)
+    out += ["", f"Raw read of the same files, same run: `O_DIRECT` from a cold cache {spread(raw_cold, gbps)} "
+            f"GB/s (one thread), buffered from a warm cache {spread(raw_warm, gbps)} GB/s.", "",
+            provenance_line(runs, f"Batch {cfg['batch_size']} ({runs[0]['bytes_per_batch'] / 1e6:.1f} MB of "
+                            f"files), {cfg['workers']} workers, FileTensor reads via {reader}. Cells: the median "
+                            "epoch's ms per batch, in parentheses the lowest and highest epoch.")]
+    return out
+
+
+SECTIONS: dict[str, Callable[[list[dict[str, Any]], str], list[str]]] = {
+    "copy": render_copy, "loader": render_loader, "train": render_train, "files": render_files,
+}
+
+
+def render(page: str, results: str) -> str:
+    docs = os.path.dirname(os.path.abspath(page))
+    PLOTS.clear()
+    with open(page) as f:
+        text = f.read()
+    for name, fn in SECTIONS.items():
+        begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
+        if begin not in text or end not in text:
+            raise SystemExit(f"{page}: the markers {begin} ... {end} are missing")
+        runs = load(results, name)
+        try:
+            body = fn(runs, docs) if runs else placeholder(name)
+        except (KeyError, TypeError, ValueError, statistics.StatisticsError) as exc:
+            raise SystemExit(f"bench_{name}.json in {results}: not in the form this renderer reads "
+                             f"({type(exc).__name__}: {exc})")
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + begin + "\n" + "\n".join(body) + "\n" + end + tail
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=RESULTS, help="folder of the JSON (default bench/results/release)")
+    p.add_argument("--page", default=PAGE, help="the page to render into (default docs/benchmarks.md)")
+    p.add_argument("--check", action="store_true", help="exit 1 when the page is not up to date")
+    args = p.parse_args(argv)
+    DRAW[0] = not args.check
+    text = render(args.page, args.results)
+    with open(args.page) as f:
+        old = f.read()
+    if args.check:
+        print("up to date" if text == old else f"{args.page} differs from a fresh render")
+        return 0 if text == old else 1
+    if text != old:
+        with open(args.page, "w") as f:
+            f.write(text)
+    for src, dst in PLOTS:
+        shutil.copyfile(src, dst)
+    print(f"rendered {args.page} from {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

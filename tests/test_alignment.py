@@ -1,0 +1,164 @@
+"""Alignment of packed outputs, checked the way the reference implementation's own test checks it.
+
+A user sees a packed output's alignment as its byte offset from the start of its storage,
+``t.data_ptr() - t.untyped_storage().data_ptr()``: outputs are grouped by
+``untyped_storage().data_ptr()`` (one group per packed chunk), and every member's offset must be
+a multiple of ``round_up(max(min_packed_alignment_bytes, element_size), element_size)``.
+Checked for ``start_copy`` (CPU -> GPU packed chunks with pinned staging on and off, GPU -> CPU
+packed chunks, CPU -> CPU) and for ``PackedBatch`` unpacking to the CPU and to a GPU, across
+dtypes of every element size (1, 2, 4, 8 and 16 bytes). The CPU cases run everywhere; the CUDA
+ones on the GPU machine.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import mtc_loader
+from mtc_loader import start_copy
+from conftest import assert_tree_bitwise, random_tensor, requires_cuda, tree_to
+
+ALIGNS = [1, 6, 16, 24, 100]
+# PackedCollate takes powers of two up to 4096 (the arena's layout); above 64 a chunk's storage
+# from torch's CPU allocator (64-byte aligned) need not start on the alignment
+ARENA_ALIGNS = [1, 2, 16, 128, 4096]
+DTYPES = [torch.bool, torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int32,
+          torch.float64, torch.int64, torch.complex64, torch.complex128]
+ARENA = 64 << 20
+
+
+def rule(align: int, elsize: int) -> int:
+    """The reference's effective alignment: round_up(max(align, elsize), elsize)."""
+    return -(-max(align, elsize) // elsize) * elsize
+
+
+def leaves(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from leaves(v)
+
+
+def reference_case(device: str = "cpu") -> list:
+    """The reference test's structure: [f32 (8,4), [i64 (17,), (f16 (11,), [c64 (9,), c128 (5,),
+    a non-contiguous f32])]]."""
+    g = torch.Generator().manual_seed(20)
+    data = [random_tensor(torch.float32, (8, 4), g),
+            [random_tensor(torch.int64, (17,), g),
+             (random_tensor(torch.float16, (11,), g),
+              [random_tensor(torch.complex64, (9,), g), random_tensor(torch.complex128, (5,), g),
+               random_tensor(torch.float32, (6, 8), g)[:, ::3]])]]
+    return tree_to(data, device) if device != "cpu" else data
+
+
+def every_size_case(device: str = "cpu", seed: int = 21) -> list:
+    """Tensors of every element size and of lengths 1..13, interleaved, so that segments of
+    every alignment follow one another in a chunk (and a 1-byte tensor ends on an odd offset)."""
+    g = torch.Generator().manual_seed(seed)
+    data = [random_tensor(dt, (n,), g) for n in range(1, 14) for dt in DTYPES]
+    data += [random_tensor(dt, (3, 5), g) for dt in DTYPES]  # UNIFORM segments of 2-d members
+    return tree_to(data, device) if device != "cpu" else data
+
+
+def check_offsets(out: Any, data: Any, align: int, packed: bool) -> None:
+    """Every output's offset from its storage's start is a multiple of the rule; with packing,
+    some storage holds several outputs (the check is not vacuous)."""
+    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    for o, r in zip(leaves(out), leaves(data)):
+        groups[o.untyped_storage().data_ptr()].append((o, r))
+    for members in groups.values():
+        for o, r in members:
+            e = o.element_size()
+            off = o.data_ptr() - o.untyped_storage().data_ptr()
+            req = rule(align, e)
+            assert off % req == 0, (
+                f"{o.dtype} {tuple(o.shape)}: storage offset {off} is not a multiple of {req} "
+                f"(min_packed_alignment_bytes={align})")
+            # the absolute address is always a multiple of the element size
+            assert o.data_ptr() % e == 0, (o.dtype, o.data_ptr())
+    if packed:
+        assert max(len(m) for m in groups.values()) > 1, "nothing was packed: the check is vacuous"
+
+
+# ------------------------------------------------------------------------------- CPU targets
+
+@pytest.mark.parametrize("staging", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("align", ALIGNS)
+def test_start_copy_cpu_to_cpu(align, staging):
+    # CPU -> CPU packs nothing: each tensor is returned as is, and each array that needs a copy
+    # gets a tensor of its own (offset 0)
+    data = every_size_case() + [np.arange(7, dtype=np.int16)[::-2], np.arange(5, dtype=np.float64)[::2]]
+    out = start_copy(data, "cpu", min_packed_alignment_bytes=align, use_pinned_staging=staging).get()
+    check_offsets(out, data, align, packed=False)
+
+
+@pytest.mark.parametrize("align", ARENA_ALIGNS)
+@pytest.mark.parametrize("case", ["reference", "every_size"])
+def test_packed_batch_unpack_cpu(case, align):
+    samples = reference_case() if case == "reference" else every_size_case()
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)
+    for rnd in range(4):  # several chunks, so that several allocator offsets are met
+        out = pc(samples).unpack("cpu")
+        assert_tree_bitwise(out, samples)
+        check_offsets(out, samples, align, packed=True)
+
+
+@pytest.mark.parametrize("align", [6, 24, 100])
+def test_packed_collate_takes_powers_of_two(align):
+    with pytest.raises(ValueError, match="power of two"):
+        mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)
+
+
+# ------------------------------------------------------------------------------ CUDA targets
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+@pytest.mark.parametrize("staging", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("case", ["reference", "every_size"])
+def test_start_copy_h2d(case, align, staging, background):
+    data = reference_case() if case == "reference" else every_size_case()
+    before = mtc_loader.stats()["tensors_packed"]
+    out = start_copy(data, "cuda:0", min_packed_alignment_bytes=align, use_pinned_staging=staging,
+                     use_background_thread=background).get()
+    torch.cuda.synchronize()
+    assert mtc_loader.stats()["tensors_packed"] > before
+    assert_tree_bitwise(out, tree_to(data, "cuda:0"))
+    check_offsets(out, data, align, packed=True)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("staging", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("case", ["reference", "every_size"])
+def test_start_copy_d2h(case, align, staging):
+    # GPU -> CPU packs contiguous tensors into one pinned chunk when staging is on; with it off,
+    # every output is a tensor of its own
+    data = reference_case("cuda:0") if case == "reference" else every_size_case("cuda:0")
+    out = start_copy(data, "cpu", min_packed_alignment_bytes=align, use_pinned_staging=staging).get()
+    assert_tree_bitwise(out, tree_to(data, "cpu"))
+    check_offsets(out, data, align, packed=staging)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("align", ARENA_ALIGNS)
+@pytest.mark.parametrize("case", ["reference", "every_size"])
+def test_packed_batch_unpack_cuda(case, align):
+    samples = reference_case() if case == "reference" else every_size_case()
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)
+    for rnd in range(4):
+        out = pc(samples).to("cuda:0")
+        torch.cuda.synchronize()
+        assert_tree_bitwise(out, tree_to(samples, "cuda:0"))
+        check_offsets(out, samples, align, packed=True)

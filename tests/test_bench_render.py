@@ -1,0 +1,57 @@
+"""bench/render_results.py: docs/benchmarks.md is what its committed JSON renders to, and the
+renderer reads what the benchmarks write (bench_copy.py's CPU mode, run here)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import render_results  # noqa: E402
+
+
+def test_page_is_rendered_from_the_committed_results():
+    assert render_results.main(["--check"]) == 0, (
+        "docs/benchmarks.md differs from its tables rendered from bench/results/release: run "
+        "python3 bench/render_results.py")
+
+
+def _page(tmp_path: pathlib.Path) -> pathlib.Path:
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "benchmarks.md"
+    shutil.copyfile(ROOT / "docs" / "benchmarks.md", page)
+    return page
+
+
+def test_placeholders_without_results(tmp_path):
+    page = _page(tmp_path)
+    assert render_results.main(["--results", str(tmp_path / "none"), "--page", str(page)]) == 0
+    text = page.read_text()
+    for name in render_results.SECTIONS:
+        assert f"No `bench_{name}.json` in `bench/results/release/`" in text
+
+
+def test_renders_what_bench_copy_writes(tmp_path):
+    results = tmp_path / "release"
+    env = dict(os.environ, MTC_BENCH_COMMIT="abc1234")  # mtc_loader: the one this run tests
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_copy.py"), "--device", "cpu", "--quick",
+                            "--only", "seed4_np", "--out", str(results / "copy" / str(n))],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((results / "copy" / "1" / "bench_copy.json").read_text())
+    assert report["provenance"]["commit"] == "abc1234"
+    assert report["provenance"]["command"].startswith("python3 bench/bench_copy.py --device cpu")
+    page = _page(tmp_path)
+    assert render_results.main(["--results", str(results), "--page", str(page)]) == 0
+    text = page.read_text()
+    copy = text.split("<!-- BEGIN render:copy -->")[1].split("<!-- END render:copy -->")[0]
+    assert "| seed4_np (np2cpu) | 132, 35 KB |" in copy
+    assert "Commit `abc1234`" in copy and "2 processes of `python3 bench/bench_copy.py --device cpu --quick" in copy
+    assert "--out" not in copy
+    assert "Not measured" not in copy and "Not measured" in text  # the other three stay placeholders
