@@ -21,7 +21,7 @@ from torch.utils.data import default_collate, get_worker_info
 from . import _engine
 from ._device import target_index
 from ._options import positive_int, seconds
-from ._stack import stacking_into_scratch
+from ._stack import RETIRED, stacking_into_scratch
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -275,8 +275,11 @@ class PackedCollate:
     inside a collate function of yours that calls it) are written into memory that this worker
     keeps from one batch to the next, instead of a new shared-memory segment per batch: after
     the first batch, stacking costs no page faults. Those stacked tensors are views of that memory and valid until the batch is
-    packed: a ``collate_fn`` must not keep them beyond its call (the next batch reuses the
-    memory). The worker keeps as much of it as one batch's stacked tensors take.
+    packed. A stacked tensor that outlives the batch (inside an object the packer does not open,
+    such as a class of yours around a ``default_collate`` result, or kept by ``collate_fn``) keeps
+    that memory for itself, and the next batch stacks into fresh memory: correct, but the slow path
+    this avoids, counted in :meth:`stats` (``scratch_retired``) and warned about once. The worker
+    keeps as much of it as one batch's stacked tensors take.
 
     Args:
         collate_fn: The collate function to wrap.
@@ -313,5 +316,8 @@ class PackedCollate:
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)
 
     def stats(self) -> dict[str, int]:
-        """The arena's counters."""
-        return self.arena.stats()
+        """The arena's counters, and ``scratch_retired``: the stacking buffers this process left
+        to tensors that outlived their batch (see the class's docstring; 0 on the fast path)."""
+        out = self.arena.stats()
+        out["scratch_retired"] = RETIRED[0]
+        return out
