@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from typing import Any, Optional, Sequence, Union
 
@@ -87,10 +88,33 @@ _NPY_FAST = re.compile(rb"\{'descr': '([<>|=][a-zA-Z][0-9]*)', 'fortran_order': 
 _NPY_DTYPES: dict[bytes, np.dtype] = {}
 
 
+def _open_data(path: Union[str, bytes]) -> tuple[int, int]:
+    """(descriptor, size in bytes) of a FileTensor's file, opened for reading without blocking:
+    only a regular file or a block device is read at offsets (a FIFO's open would wait for a
+    writer; a FIFO, socket or character device has no offsets), as the engine checks its opens
+    (csrc/uring.c: _open_data)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            size = st.st_size
+        elif stat.S_ISBLK(st.st_mode):
+            size = os.lseek(fd, 0, os.SEEK_END)
+        else:
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file or block device"
+            raise OSError(f"mtc_loader: {os.fsdecode(path)!r} is {kind}; a FileTensor reads a regular "
+                          "file or a block device at offsets")
+        os.set_blocking(fd, True)
+        return fd, size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...], bool, np.dtype, int]]:
     """(shape, fortran_order, dtype, data offset) of a .npy file whose header has np.save's
     canonical form (versions 1.0 and 2.0), or None (numpy's reader decides)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd, _ = _open_data(path)
     try:
         head = os.read(fd, 4096)
     finally:
@@ -121,7 +145,8 @@ def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...],
 
 def _npy_header(path: Union[str, bytes]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, fortran_order, dtype, data offset) of a .npy file, by numpy's reader."""
-    with open(path, "rb") as f:
+    fd, _ = _open_data(path)
+    with os.fdopen(fd, "rb") as f:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
@@ -167,7 +192,9 @@ class FileTensor:
         offset = int(offset)
         size = dt.itemsize
         if shape is None or (isinstance(shape, (tuple, list)) and -1 in shape):
-            rest = os.stat(path).st_size - offset
+            fd, file_size = _open_data(path)
+            os.close(fd)
+            rest = file_size - offset
             if rest < 0 or rest % size:
                 raise ValueError(f"mtc_loader: {where!r} has {max(rest, 0)} bytes after offset {offset}, "
                                  f"not a whole number of {dt} elements ({size} bytes each)")

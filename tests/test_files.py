@@ -510,6 +510,69 @@ def test_directory_and_eio(tmp_path, reader):
     assert _arena_idle(pc)
 
 
+def _bounded(fn, fifo, seconds: float = 10.0):
+    """fn() on a daemon thread; a call still blocked after `seconds` (an open of the FIFO waiting
+    for a writer) is released by opening the FIFO for writing, and the test fails."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waits: the open succeeds
+        t.join(seconds)
+        pytest.fail(f"blocked for more than {seconds} s on a FIFO")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_fifo_and_character_device_refused_without_blocking(tmp_path, reader):
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    # explicit shape: the file is opened when it is read
+    ft = FileTensor(fifo, torch.uint8, (8,))
+    for read in (ft.load, lambda: start_copy(ft, "cpu").get(),
+                 lambda: PackedCollate(list, arena_bytes=ARENA)([{"x": ft}])):
+        with pytest.raises(OSError, match=r"mtc_loader: cannot read .* from '.*pipe'.*"
+                                          "not a regular file or block device"):
+            _bounded(read, fifo)
+    # shape=None and .npy look at the file at construction
+    for make in (lambda: FileTensor(fifo, torch.uint8), lambda: FileTensor(fifo, torch.uint8, (-1, 2)),
+                 lambda: FileTensor.npy(fifo)):
+        with pytest.raises(OSError, match=r"mtc_loader: '.*pipe' is not a regular file or block device"):
+            _bounded(make, fifo)
+    with pytest.raises(OSError, match="not a regular file or block device"):
+        FileTensor("/dev/zero", torch.uint8, (4,)).load()
+
+
+class _FifoSamples(torch.utils.data.Dataset):
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return FileTensor(self.path, torch.uint8, (8,))
+
+
+def test_fifo_in_a_worker_ends_the_epoch(tmp_path):
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    dl = DataLoader(_FifoSamples(fifo), batch_size=2, num_workers=1, multiprocessing_context="fork",
+                    collate_fn=PackedCollate(arena_bytes=ARENA), timeout=20)
+    with pytest.raises(OSError, match="not a regular file or block device"):
+        _bounded(lambda: list(dl), fifo, 30.0)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
 def test_permission_denied(tmp_path, reader):
     np.zeros(4, np.int8).tofile(tmp_path / "p.bin")
