@@ -348,11 +348,11 @@ class _Service:
         with self.cond:
             self.cond.notify_all()
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: float) -> None:
         """Stops the thread after the batch it is on and drops the finished batches; waits at
-        most ``timeout`` seconds (None: until it ends) for the thread to end. A thread still
-        inside ``next()`` of the iterable (a stalled batch) ends by itself once that returns:
-        it then drops the batch and the iterator (a DataLoader's workers shut down)."""
+        most ``timeout`` seconds for the thread to end. A thread still inside ``next()`` of the
+        iterable (a stalled batch) ends by itself once that returns: it then drops the batch and
+        the iterator (a DataLoader's workers shut down)."""
         with self.cond:
             self.stopping = True
             self.items.clear()
