@@ -215,6 +215,28 @@ def test_shape_none_and_minus_one(tmp_path, reader):
         FileTensor(tmp_path / "s.bin", torch.float32, (-1, 4), offset=8)
 
 
+def test_offsets_and_sizes_beyond_int64_refused_at_construction(tmp_path):
+    """A file offset is an off_t: an offset or a size past 2**63 - 1 is refused when the
+    FileTensor is made, naming the file and the offset or shape (not later, as a malformed
+    _spec, nor as a struct.error or a bare OverflowError)."""
+    path = str(tmp_path / "x.bin")
+    for offset in (2**63 - 8, 2**63, 2**64, 2**70):
+        with pytest.raises(ValueError, match=rf"mtc_loader: FileTensor '.*x\.bin': offset {offset} \+ 16 bytes"):
+            FileTensor(path, torch.float32, (4,), offset)
+    FileTensor(path, torch.float32, (4,), 2**63 - 17)  # ends at the last addressable byte
+    for shape in [(2**32, 2**32), (2**61,), (2**62, 2), (2**40, 2**40, 2**40)]:
+        with pytest.raises(ValueError, match=r"mtc_loader: FileTensor '.*x\.bin': shape .* of torch.float32 is "
+                                             r"\d+ bytes, more than a file can hold"):
+            FileTensor(path, torch.float32, shape)
+    with pytest.raises(ValueError, match=r"mtc_loader: FileTensor shape \(1180591620717411303424,\) has a "
+                                         r"dimension beyond 2\*\*63 - 1"):
+        FileTensor(path, torch.float32, (2**70,))
+    big = FileTensor(path, torch.uint8, (2**62,))
+    assert big.numel() == 2**62 and big.nbytes == 2**62
+    with pytest.raises(ValueError, match="3 stacked FileTensors of 4611686018427387904 bytes each"):
+        FileTensor.stack([big, big, big])
+
+
 def test_npy_files(tmp_path, reader):
     arrays = {
         "u8": np.random.default_rng(0).integers(0, 255, (3, 256, 448), dtype=np.uint8),
@@ -255,22 +277,42 @@ def test_npy_header_fast_path_matches_numpy(tmp_path, version):
                 with open(p, "wb") as f:
                     np.lib.format.write_array(f, np.asfortranarray(a) if fortran else a, version=version)
                 fast = F._npy_header_fast(str(p))
-                if version != (3, 0):
-                    assert fast is not None, (dt, shape)
-                if fast is not None:
-                    answered += 1
-                    assert fast == F._npy_header(str(p)), (dt, shape, fortran)
-    assert answered or version == (3, 0)
-    # a valid header in another spelling: numpy's reader takes it
+                assert fast is not None, (dt, shape)
+                answered += 1
+                assert fast == F._npy_header(str(p)), (dt, shape, fortran)
+                if not fortran and dt[0] != ">":
+                    ft = FileTensor.npy(p)
+                    assert torch.equal(ft.load(), torch.from_numpy(np.load(p)))
+    assert answered
+    # a valid header in another spelling: numpy's public readers take it (every version)
     hdr = b"{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}"
-    hdr += b" " * (127 - 10 - len(hdr)) + b"\n"  # data at 128
+    size = 2 if version == (1, 0) else 4
+    hdr += b" " * (127 - 8 - size - len(hdr)) + b"\n"  # data at 128
     with open(p, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+        f.write(b"\x93NUMPY" + bytes(version) + len(hdr).to_bytes(size, "little") + hdr)
         f.write(np.arange(6, dtype="<f4").tobytes())
     assert F._npy_header_fast(str(p)) is None
     ft = FileTensor.npy(p)
     assert (ft.dtype, tuple(ft.shape), ft.offset) == (torch.float32, (2, 3), 128)
     assert torch.equal(ft.load(), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert torch.equal(ft.load(), torch.from_numpy(np.load(p)))
+
+
+@pytest.mark.parametrize("version", [b"\x09\x00", b"\x01\x05", b"\x00\x00"])
+def test_npy_corrupt_version_is_a_value_error_naming_the_file(tmp_path, version):
+    p = tmp_path / "bad.npy"
+    np.save(p, np.arange(6, dtype=np.float32))
+    data = bytearray(p.read_bytes())
+    data[6:8] = version
+    p.write_bytes(bytes(data))
+    with pytest.raises(ValueError):
+        np.load(p)  # what numpy says too
+    with pytest.raises(ValueError, match=r"mtc_loader: '.*bad\.npy' has \.npy format version \d\.\d, which is "
+                                         r"none of 1\.0, 2\.0, 3\.0"):
+        FileTensor.npy(p)
+    p.write_bytes(b"\x93NUMPX\x01\x00" + bytes(data[8:]))
+    with pytest.raises(ValueError, match=r"mtc_loader: '.*bad\.npy' is not a \.npy file"):
+        FileTensor.npy(p)
 
 
 def test_npy_refusals(tmp_path):
