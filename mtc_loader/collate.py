@@ -180,9 +180,14 @@ class PackedBatch:
         self._state = "consumed"
         return self._arena._a
 
-    def start_copy(self, device: Any, *, use_background_thread: bool = True, **_ignored: Any) -> AsyncCopyHandle:
+    def start_copy(self, device: Any, *, use_background_thread: bool = True, use_pinned_staging: bool = True,
+                   pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
+                   max_packed_chunk_bytes: int = 33554432) -> AsyncCopyHandle:
         """Start the copy of the batch to ``device``: one DMA from the arena for a CUDA target (no
-        host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle."""
+        host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle.
+
+        Takes :func:`~mtc_loader.start_copy`'s keywords; only ``use_background_thread`` applies
+        (the batch is packed, in pinned memory, already), and any other keyword is a TypeError."""
         target = target_index(device)
         a = self._take()
         h = _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
@@ -222,7 +227,8 @@ class PackedBatch:
             RuntimeError: When the batch was consumed by :meth:`unpack` or :meth:`start_copy`,
                 or lives in another process (see :meth:`unpack`).
         """
-        if ignored.get("dtype") is not None or isinstance(non_blocking, torch.dtype):
+        if ignored.get("dtype") is not None or isinstance(device, torch.dtype) \
+                or isinstance(non_blocking, torch.dtype):
             raise TypeError("mtc_loader: PackedBatch.to moves a batch to a device and keeps its "
                             "dtypes; convert the tensors after the move")
         index = target_index(device)

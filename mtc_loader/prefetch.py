@@ -14,6 +14,7 @@ loop.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
@@ -480,7 +481,8 @@ class PrefetchLoader:
             switch each time it needs the GIL back, 5 ms by default. ``None`` leaves the
             interval alone.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
-            ``use_background_thread``).
+            ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
+            here, whatever the batches are.
     """
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
@@ -492,6 +494,7 @@ class PrefetchLoader:
             raise ValueError("mtc_loader: gil_switch_interval must be None or a number of seconds in "
                              f"(0, 1], got {gil_switch_interval!r}")
         target_index(device)  # fail early on a bad device
+        _check_options(start_copy_options)
         self.iterable = iterable
         self.device = device
         self.depth = depth
@@ -551,6 +554,16 @@ class PrefetchLoader:
             # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
             # the caller now; that thread ends by itself (stop's docstring)
             service.stop(_STOP_JOIN_S)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuses a keyword that start_copy does not take, whatever the batches will be (a packed
+    batch uses only use_background_thread, so a misspelled one would otherwise pass unseen)."""
+    known = [p.name for p in inspect.signature(start_copy).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"mtc_loader: PrefetchLoader got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"besides depth and gil_switch_interval it takes start_copy's: {', '.join(known)}")
 
 
 class _HandOut:

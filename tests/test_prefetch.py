@@ -341,3 +341,19 @@ def test_two_epochs_at_once_over_persistent_workers_are_refused(packed):
     dl = DataLoader(Numbers(), batch_size=2, num_workers=1, collate_fn=collate)
     for x, y in zip(mtc_loader.PrefetchLoader(dl, "cpu"), mtc_loader.PrefetchLoader(dl, "cpu")):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_misspelled_option_refused_at_construction(packed):
+    collate = mtc_loader.PackedCollate(arena_bytes=ARENA) if packed else None
+    dl = DataLoader(Numbers(), batch_size=2, collate_fn=collate)
+    with pytest.raises(TypeError, match="mtc_loader: PrefetchLoader got unexpected keyword argument.*depht.*"
+                                        "use_background_thread"):
+        mtc_loader.PrefetchLoader(dl, "cpu", depht=3)
+    pl = mtc_loader.PrefetchLoader(dl, "cpu", use_background_thread=False, pack_cpu_tensors=True)
+    assert len(list(pl)) == 6
+    if packed:  # the packed batch's own start_copy takes start_copy's keywords, and no other
+        with pytest.raises(TypeError, match="depht"):
+            collate([torch.ones(2)]).start_copy("cpu", depht=3)
+        out = collate([torch.ones(2)]).start_copy("cpu", max_packed_chunk_bytes=1 << 20).get()
+        assert torch.equal(out, torch.ones(1, 2))
