@@ -515,6 +515,22 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
     return queued;
 }
 
+/* The bytes of a request that its file holds, when unit u found the end of
+ * the file: where the unit stands, or less when the file ends before it (a
+ * tail unit read in parallel with the middle finds the end at its own start,
+ * and the units before it stop once an error is seen). */
+static uint64_t _win_got(const _win *w, const _unit *u)
+{
+    uint64_t got = u->base + u->done;
+    const mtc_uring_req *r = &w->reqs[w->first + u->req];
+    struct stat sb;
+    if (fstat(w->fd[u->req], &sb) == 0 && S_ISREG(sb.st_mode)) {
+        uint64_t size = (uint64_t)sb.st_size, has = size > r->offset ? size - r->offset : 0;
+        if (has < got) got = has;
+    }
+    return got;
+}
+
 /* Handles one completion: done, resubmitted for its remainder, or an error.
  * Returns 0 or the error (with *err filled). */
 static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
@@ -526,7 +542,7 @@ static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
     }
     if (res < 0 || res == 0) {
         err->index = w->first + u->req;
-        err->got = u->base + u->done;
+        err->got = res < 0 ? u->base + u->done : _win_got(w, u);
         return res < 0 ? res : -ENODATA; /* 0: the file ended before the request's end */
     }
     u->done += (uint64_t)res;

@@ -538,6 +538,25 @@ def test_short_file(tmp_path, reader):
         start_copy(st, "cpu").get()
 
 
+def test_short_file_message_counts_the_bytes_the_file_has(tmp_path, reader):
+    """A file that ends inside a read's aligned middle (O_DIRECT where the reader uses it, with a
+    buffered tail read in parallel): the message counts the bytes the file has, not where the
+    tail's read started."""
+    n, size = 3154825, 3149825
+    ref = random_bytes(n, 4)
+    write_raw(tmp_path / "d.bin", ref)
+    ft = FileTensor(tmp_path / "d.bin", torch.uint8, (n,))
+    os.truncate(tmp_path / "d.bin", size)
+    _drop_cache(tmp_path / "d.bin")  # cold: the default reader goes O_DIRECT where it can
+    pc = PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=4096)
+    for read in (lambda: pc([ft]), ft.load):
+        with pytest.raises(EOFError) as ei:
+            read()
+        msg = str(ei.value)
+        assert f"the file is {size} bytes long" in msg and f"ended after {size} of its {n} bytes" in msg, msg
+    assert _arena_idle(pc)
+
+
 def test_directory_and_eio(tmp_path, reader):
     os.mkdir(tmp_path / "d")
     ft = FileTensor.stack([FileTensor(tmp_path / "d", torch.uint8, (8,))])
