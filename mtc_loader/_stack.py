@@ -55,11 +55,19 @@ RETIRED = [0]
 _WARNED = [False]
 
 
-def _referenced_elsewhere(buf: torch.Tensor) -> bool:
-    """Whether anything but ``buf`` itself holds ``buf``'s storage (a view made by a stack)."""
+def _storage_uses(t: torch.Tensor) -> int:
     assert _use_count is not None  # (_register)
-    # 2: buf's own reference, and the Python storage object made here to ask
-    return _use_count(buf.untyped_storage()._cdata) > 2
+    return _use_count(t.untyped_storage()._cdata)
+
+
+# what a tensor that nothing else refers to counts (itself, and the storage object made to ask)
+_UNSHARED = _storage_uses(torch.empty(1, dtype=torch.uint8)) if _use_count is not None else 0
+
+
+def _referenced_elsewhere(buf: torch.Tensor) -> bool:
+    """Whether anything but ``buf`` itself holds ``buf``'s storage (a view made by a stack, or a
+    numpy array over one)."""
+    return _storage_uses(buf) > _UNSHARED
 
 
 class _Scratch:

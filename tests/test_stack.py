@@ -319,3 +319,12 @@ def test_failed_call_retires_without_warning():
         pc([torch.ones(4), torch.ones(4)])
     assert pc.stats()["scratch_retired"] == before + 1  # the traceback holds the frame
     del ei
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_numpy_view_of_a_stacked_tensor_keeps_its_values():
+    """A numpy array over a stacked tensor, inside an unopened object: it holds the storage too."""
+    pc = mtc_loader.PackedCollate(lambda s: Boxed(default_collate(s).numpy()), arena_bytes=ARENA)
+    got = [pc([torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]).to("cpu") for k in range(4)]
+    for k, b in enumerate(got):
+        assert np.array_equal(b.images, _expected(k).numpy()), k
