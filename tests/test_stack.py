@@ -328,3 +328,19 @@ def test_numpy_view_of_a_stacked_tensor_keeps_its_values():
     got = [pc([torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]).to("cpu") for k in range(4)]
     for k, b in enumerate(got):
         assert np.array_equal(b.images, _expected(k).numpy()), k
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_unopened_object_through_prefetch_to_cuda():
+    """The escaped tensor stays in its (unopened) object on the CPU; the packed one reaches the
+    GPU; both right for every batch of the epoch, kept to its end."""
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    dl = DataLoader(Full(), batch_size=4, num_workers=2, collate_fn=pc, multiprocessing_context="fork")
+    got = list(mtc_loader.PrefetchLoader(dl, "cuda:0"))
+    torch.cuda.synchronize()
+    assert len(got) == 4
+    for k, b in enumerate(got):
+        assert b["plain"].is_cuda and torch.equal(b["plain"].cpu(), _expected(k))
+        assert torch.equal(b["boxed"].images, _expected(k)), k
