@@ -120,15 +120,27 @@ class _Scratch:
 def _retired(n: int, warn: bool) -> None:
     RETIRED[0] += n
     if warn and not _WARNED[0]:
-        _WARNED[0] = True
-        warnings.warn(
-            "mtc_loader: a tensor that default_collate stacked inside a PackedCollate call is still "
-            "referenced after the batch was packed: inside an object PackedCollate does not open (a "
-            "class of yours around a default_collate result; it travels pickled in the batch's "
-            "skeleton, not through the arena), or kept by the collate_fn. It keeps its own memory, "
-            "and this process stacks the next batch into fresh memory (slower: see "
-            "PackedCollate.stats()['scratch_retired']). Return such data in lists, tuples, dicts or "
-            "dataclasses to keep the fast path.", RuntimeWarning, stacklevel=5)
+        _TLS.warn = True  # said by warn_escaped(), once the caller's batch is safe
+
+
+def warn_escaped() -> None:
+    """Emits the once-per-process warning about a retired buffer, if one is due on this thread.
+    Called by PackedCollate after its batch is packed and accounted for, so that a warning turned
+    into an error (``-W error``) leaks nothing."""
+    if not getattr(_TLS, "warn", False):
+        return
+    _TLS.warn = False
+    if _WARNED[0]:
+        return
+    _WARNED[0] = True
+    warnings.warn(
+        "mtc_loader: a tensor that default_collate stacked inside a PackedCollate call is still "
+        "referenced after the batch was packed: inside an object PackedCollate does not open (a "
+        "class of yours around a default_collate result; it travels pickled in the batch's "
+        "skeleton, not through the arena), or kept by the collate_fn. It keeps its own memory, "
+        "and this process stacks the next batch into fresh memory (slower: see "
+        "PackedCollate.stats()['scratch_retired']). Return such data in lists, tuples, dicts or "
+        "dataclasses to keep the fast path.", RuntimeWarning, stacklevel=3)
 
 
 _TLS = threading.local()

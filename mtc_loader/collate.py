@@ -21,7 +21,7 @@ from torch.utils.data import default_collate, get_worker_info
 from . import _engine
 from ._device import target_index
 from ._options import positive_int, seconds
-from ._stack import RETIRED, stacking_into_scratch
+from ._stack import RETIRED, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -318,6 +318,11 @@ class PackedCollate:
             off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
             del batch
         me = os.getpid()
+        try:
+            warn_escaped()
+        except BaseException:  # the warning made an error (-W error): the region goes with it
+            self.arena._a.release(off, me)
+            raise
         state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)
 

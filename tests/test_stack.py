@@ -344,3 +344,16 @@ def test_unopened_object_through_prefetch_to_cuda():
     for k, b in enumerate(got):
         assert b["plain"].is_cuda and torch.equal(b["plain"].cpu(), _expected(k))
         assert torch.equal(b["boxed"].images, _expected(k)), k
+
+
+def test_escape_warning_as_an_error_leaks_no_region(monkeypatch):
+    import warnings
+    monkeypatch.setattr(_stack, "_WARNED", [False])
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    in_use = pc.stats()["slots_in_use"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="still referenced"):
+            pc([torch.full((3, 8, 8), i) for i in range(4)])
+    assert pc.stats()["slots_in_use"] == in_use
+    assert getattr(_stack._TLS, "active", None) is None
