@@ -101,9 +101,11 @@ PyObject *mtc_files_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int e
         if (e == ENOENT || e == ENOTDIR) type = PyExc_FileNotFoundError;
         else if (e == EACCES || e == EPERM) type = PyExc_PermissionError;
         else if (e == EISDIR) type = PyExc_IsADirectoryError;
+        /* _open_data's refusal of a FIFO, socket or character device */
+        const char *why = e == ESPIPE ? "not a regular file or block device (a FileTensor is read at offsets)"
+                                      : strerror(e);
         msg = PyUnicode_FromFormat("mtc_loader: cannot read %U from %R (bytes [%llu, %llu)): %s", where, pypath,
-                                   (unsigned long long)p.offset, (unsigned long long)(p.offset + p.nbytes),
-                                   strerror(e));
+                                   (unsigned long long)p.offset, (unsigned long long)(p.offset + p.nbytes), why);
     }
     if (!msg) goto error;
     if (!(exc = PyObject_CallOneArg(type, msg))) goto error;

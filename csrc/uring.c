@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -234,16 +235,40 @@ void mtc_uring_spec_part(const mtc_file_spec *s, uint32_t k, mtc_file_part *part
     *path = s->paths + part->path;
 }
 
+/* Opens a FileTensor's file for reading: a descriptor, or -errno. Only a
+ * regular file or a block device is read at offsets: a FIFO's open would wait
+ * for a writer (forever, in a worker) and a FIFO, socket or character device
+ * has no offsets, so they are refused (-ESPIPE, what pread says of a pipe)
+ * without blocking: opened O_NONBLOCK, checked, then made blocking again
+ * (io_uring would return -EAGAIN for a non-blocking descriptor's reads
+ * rather than wait for the device). A directory is -EISDIR. */
+static int _open_data(const char *path, int flags)
+{
+    int fd = open(path, flags | O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return -errno;
+    struct stat sb;
+    int rc = 0;
+    if (fstat(fd, &sb)) rc = -errno;
+    else if (S_ISDIR(sb.st_mode)) rc = -EISDIR;
+    else if (!S_ISREG(sb.st_mode) && !S_ISBLK(sb.st_mode)) rc = -ESPIPE;
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)) rc = -errno;
+    if (rc) {
+        close(fd);
+        return rc;
+    }
+    return fd;
+}
+
 /* Reads len bytes of path at off into dst with pread, completing short
  * reads. 0, or -errno / -ENODATA with *got = the bytes that arrived. */
 static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, uint64_t max_io, uint64_t *got)
 {
     uint64_t done = 0;
     int rc = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = _open_data(path, 0);
     if (fd < 0) {
         *got = 0;
-        return -errno;
+        return fd;
     }
     while (done < len) {
         uint64_t want = len - done;
@@ -429,8 +454,8 @@ static int _cached(int fd, uint64_t off, uint64_t len)
 static int _win_add(_win *w, uint32_t i, int direct)
 {
     const mtc_uring_req *r = &w->reqs[w->first + i];
-    int fd = open(r->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -errno;
+    int fd = _open_data(r->path, 0);
+    if (fd < 0) return fd;
     w->fd[i] = fd;
     uint64_t a = r->offset, e = r->offset + r->nbytes;
     uint64_t mid_a = _round_up(a, _DIRECT_ALIGN), mid_e = e / _DIRECT_ALIGN * _DIRECT_ALIGN;
@@ -445,7 +470,7 @@ static int _win_add(_win *w, uint32_t i, int direct)
         if (direct != MTC_URING_DIRECT_ALWAYS && _cached(fd, mid_a, mid_e - mid_a)) {
             _COUNT(direct_cached, 1);
         } else {
-            int dfd = open(r->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+            int dfd = _open_data(r->path, O_DIRECT);
             /* EINVAL: a filesystem without O_DIRECT (tmpfs): buffered it is */
             if (dfd >= 0) w->dfd[i] = dfd;
         }
@@ -490,6 +515,22 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
     return queued;
 }
 
+/* The bytes of a request that its file holds, when unit u found the end of
+ * the file: where the unit stands, or less when the file ends before it (a
+ * tail unit read in parallel with the middle finds the end at its own start,
+ * and the units before it stop once an error is seen). */
+static uint64_t _win_got(const _win *w, const _unit *u)
+{
+    uint64_t got = u->base + u->done;
+    const mtc_uring_req *r = &w->reqs[w->first + u->req];
+    struct stat sb;
+    if (fstat(w->fd[u->req], &sb) == 0 && S_ISREG(sb.st_mode)) {
+        uint64_t size = (uint64_t)sb.st_size, has = size > r->offset ? size - r->offset : 0;
+        if (has < got) got = has;
+    }
+    return got;
+}
+
 /* Handles one completion: done, resubmitted for its remainder, or an error.
  * Returns 0 or the error (with *err filled). */
 static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
@@ -501,7 +542,7 @@ static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
     }
     if (res < 0 || res == 0) {
         err->index = w->first + u->req;
-        err->got = u->base + u->done;
+        err->got = res < 0 ? u->base + u->done : _win_got(w, u);
         return res < 0 ? res : -ENODATA; /* 0: the file ended before the request's end */
     }
     u->done += (uint64_t)res;

@@ -14,7 +14,17 @@ collate function that goes through ``default_collate_fn_map``, as a user's funct
 :class:`_Scratch` instead: a few CPU buffers kept from one batch to the next, bump-allocated
 per call, so after the first batch their pages are warm. The stacked tensors are views of that
 memory: they are valid until the batch is packed, which is all ``PackedCollate`` needs, and the
-memory is reused by the next call on the same thread. Outside a ``PackedCollate`` call (or for
+memory is reused by the next call on the same thread.
+
+A stacked tensor can outlive its batch: inside an object the packer does not open (a user's class
+around a ``default_collate`` result travels in the batch's skeleton, pickled whole, and pickling
+a CPU tensor moves its storage into shared memory in place), or kept by the ``collate_fn`` (a
+cache, a global). So when a call ends, each buffer's storage is checked for references other than
+the scratch's own; a buffer still referenced is **retired**: the scratch drops it (whoever holds
+the views keeps that memory) and the next call stacks into a fresh buffer. Nothing a user holds
+ever aliases memory that is reused. A retirement is the slow path (fresh pages on the next call,
+and the pickling of the whole buffer): it is counted (``PackedCollate.stats()["scratch_retired"]``)
+and warned about once per process. Outside a ``PackedCollate`` call (or for
 tensors it cannot stack that way: mixed dtypes, which ``torch.stack`` promotes; tensors that
 require grad; nested, sparse, quantized, non-contiguous or non-CPU tensors; subclasses) the
 original function runs unchanged.
@@ -26,6 +36,7 @@ only: a program that put its own function there keeps it, inside PackedCollate t
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,6 +45,29 @@ __all__: list[str] = []
 
 _ALIGN = 64  # every stacked tensor starts on a cache line
 _MIN_BUFFER = 1 << 20
+
+# torch's count of the references to a storage (c10's intrusive use count); where this torch lacks
+# it, nothing is stacked into scratch (_register)
+_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
+
+# buffers retired in this process (still referenced after their call), and whether it was said
+RETIRED = [0]
+_WARNED = [False]
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    assert _use_count is not None  # (_register)
+    return _use_count(t.untyped_storage()._cdata)
+
+
+# what a tensor that nothing else refers to counts (itself, and the storage object made to ask)
+_UNSHARED = _storage_uses(torch.empty(1, dtype=torch.uint8)) if _use_count is not None else 0
+
+
+def _referenced_elsewhere(buf: torch.Tensor) -> bool:
+    """Whether anything but ``buf`` itself holds ``buf``'s storage (a view made by a stack, or a
+    numpy array over one)."""
+    return _storage_uses(buf) > _UNSHARED
 
 
 class _Scratch:
@@ -53,8 +87,18 @@ class _Scratch:
             self.buffers = [torch.empty(self.peak, dtype=torch.uint8)]
         self.index = self.offset = self.taken = 0
 
-    def end(self) -> None:
+    def end(self, failed: bool = False) -> None:
+        """Ends a call: retires the buffers that something outside still references (their
+        views escaped the batch), so that the next call never writes into memory a user holds.
+        ``failed``: the call raised (its traceback's frames may hold stacked tensors): counted,
+        not warned about."""
         self.peak = max(self.peak, self.taken)
+        kept = [buf for buf in self.buffers if not _referenced_elsewhere(buf)]
+        retired = len(self.buffers) - len(kept)
+        if retired:
+            self.buffers = kept
+            self.index = len(kept)  # (nothing takes before the next begin())
+            _retired(retired, warn=not failed)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 view of ``nbytes`` bytes, aligned to a cache line."""
@@ -71,6 +115,32 @@ class _Scratch:
         self.buffers.append(buf)
         self.index, self.offset = len(self.buffers) - 1, size
         return buf[:nbytes]
+
+
+def _retired(n: int, warn: bool) -> None:
+    RETIRED[0] += n
+    if warn and not _WARNED[0]:
+        _TLS.warn = True  # said by warn_escaped(), once the caller's batch is safe
+
+
+def warn_escaped() -> None:
+    """Emits the once-per-process warning about a retired buffer, if one is due on this thread.
+    Called by PackedCollate after its batch is packed and accounted for, so that a warning turned
+    into an error (``-W error``) leaks nothing."""
+    if not getattr(_TLS, "warn", False):
+        return
+    _TLS.warn = False
+    if _WARNED[0]:
+        return
+    _WARNED[0] = True
+    warnings.warn(
+        "mtc_loader: a tensor that default_collate stacked inside a PackedCollate call is still "
+        "referenced after the batch was packed: inside an object PackedCollate does not open (a "
+        "class of yours around a default_collate result; it travels pickled in the batch's "
+        "skeleton, not through the arena), or kept by the collate_fn. It keeps its own memory, "
+        "and this process stacks the next batch into fresh memory (slower: see "
+        "PackedCollate.stats()['scratch_retired']). Return such data in lists, tuples, dicts or "
+        "dataclasses to keep the fast path.", RuntimeWarning, stacklevel=3)
 
 
 _TLS = threading.local()
@@ -92,10 +162,10 @@ class stacking_into_scratch:
         scratch.begin()
         _TLS.active = scratch
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self.outer is None:
-            _TLS.active.end()
-            _TLS.active = None
+            scratch, _TLS.active = _TLS.active, None
+            scratch.end(failed=exc_type is not None)
 
 
 def _stackable(batch: Any) -> bool:
@@ -131,6 +201,8 @@ def _register() -> None:
     try:
         from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
     except ImportError:  # older torch: no registry; default_collate stacks as it always has
+        return
+    if _use_count is None:  # no way to tell whether a stacked tensor outlived its batch
         return
     if default_collate_fn_map.get(torch.Tensor) is collate_tensor_fn:
         default_collate_fn_map[torch.Tensor] = _wrap(collate_tensor_fn)

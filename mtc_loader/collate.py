@@ -21,7 +21,7 @@ from torch.utils.data import default_collate, get_worker_info
 from . import _engine
 from ._device import target_index
 from ._options import positive_int, seconds
-from ._stack import stacking_into_scratch
+from ._stack import RETIRED, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -180,9 +180,14 @@ class PackedBatch:
         self._state = "consumed"
         return self._arena._a
 
-    def start_copy(self, device: Any, *, use_background_thread: bool = True, **_ignored: Any) -> AsyncCopyHandle:
+    def start_copy(self, device: Any, *, use_background_thread: bool = True, use_pinned_staging: bool = True,
+                   pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
+                   max_packed_chunk_bytes: int = 33554432) -> AsyncCopyHandle:
         """Start the copy of the batch to ``device``: one DMA from the arena for a CUDA target (no
-        host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle."""
+        host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle.
+
+        Takes :func:`~mtc_loader.start_copy`'s keywords; only ``use_background_thread`` applies
+        (the batch is packed, in pinned memory, already), and any other keyword is a TypeError."""
         target = target_index(device)
         a = self._take()
         h = _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
@@ -222,7 +227,8 @@ class PackedBatch:
             RuntimeError: When the batch was consumed by :meth:`unpack` or :meth:`start_copy`,
                 or lives in another process (see :meth:`unpack`).
         """
-        if ignored.get("dtype") is not None or isinstance(non_blocking, torch.dtype):
+        if ignored.get("dtype") is not None or isinstance(device, torch.dtype) \
+                or isinstance(non_blocking, torch.dtype):
             raise TypeError("mtc_loader: PackedBatch.to moves a batch to a device and keeps its "
                             "dtypes; convert the tensors after the move")
         index = target_index(device)
@@ -275,8 +281,11 @@ class PackedCollate:
     inside a collate function of yours that calls it) are written into memory that this worker
     keeps from one batch to the next, instead of a new shared-memory segment per batch: after
     the first batch, stacking costs no page faults. Those stacked tensors are views of that memory and valid until the batch is
-    packed: a ``collate_fn`` must not keep them beyond its call (the next batch reuses the
-    memory). The worker keeps as much of it as one batch's stacked tensors take.
+    packed. A stacked tensor that outlives the batch (inside an object the packer does not open,
+    such as a class of yours around a ``default_collate`` result, or kept by ``collate_fn``) keeps
+    that memory for itself, and the next batch stacks into fresh memory: correct, but the slow path
+    this avoids, counted in :meth:`stats` (``scratch_retired``) and warned about once. The worker
+    keeps as much of it as one batch's stacked tensors take.
 
     Args:
         collate_fn: The collate function to wrap.
@@ -309,9 +318,17 @@ class PackedCollate:
             off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
             del batch
         me = os.getpid()
+        try:
+            warn_escaped()
+        except BaseException:  # the warning made an error (-W error): the region goes with it
+            self.arena._a.release(off, me)
+            raise
         state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)
 
     def stats(self) -> dict[str, int]:
-        """The arena's counters."""
-        return self.arena.stats()
+        """The arena's counters, and ``scratch_retired``: the stacking buffers this process left
+        to tensors that outlived their batch (see the class's docstring; 0 on the fast path)."""
+        out = self.arena.stats()
+        out["scratch_retired"] = RETIRED[0]
+        return out

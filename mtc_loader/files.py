@@ -14,8 +14,10 @@ FileTensors into one FileTensor with one part per file (registered in torch's
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+import stat
 import struct
 from typing import Any, Optional, Sequence, Union
 
@@ -87,10 +89,33 @@ _NPY_FAST = re.compile(rb"\{'descr': '([<>|=][a-zA-Z][0-9]*)', 'fortran_order': 
 _NPY_DTYPES: dict[bytes, np.dtype] = {}
 
 
+def _open_data(path: Union[str, bytes]) -> tuple[int, int]:
+    """(descriptor, size in bytes) of a FileTensor's file, opened for reading without blocking:
+    only a regular file or a block device is read at offsets (a FIFO's open would wait for a
+    writer; a FIFO, socket or character device has no offsets), as the engine checks its opens
+    (csrc/uring.c: _open_data)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            size = st.st_size
+        elif stat.S_ISBLK(st.st_mode):
+            size = os.lseek(fd, 0, os.SEEK_END)
+        else:
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file or block device"
+            raise OSError(f"mtc_loader: {os.fsdecode(path)!r} is {kind}; a FileTensor reads a regular "
+                          "file or a block device at offsets")
+        os.set_blocking(fd, True)
+        return fd, size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...], bool, np.dtype, int]]:
     """(shape, fortran_order, dtype, data offset) of a .npy file whose header has np.save's
-    canonical form (versions 1.0 and 2.0), or None (numpy's reader decides)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    canonical form (versions 1.0, 2.0 and 3.0), or None (numpy's reader decides)."""
+    fd, _ = _open_data(path)
     try:
         head = os.read(fd, 4096)
     finally:
@@ -100,7 +125,7 @@ def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...],
     if head[6:8] == b"\x01\x00":
         start = 10
         hlen = head[8] | head[9] << 8
-    elif head[6:8] == b"\x02\x00":
+    elif head[6:8] in (b"\x02\x00", b"\x03\x00"):  # 3.0: 2.0's layout, header in UTF-8
         start = 12
         hlen = int.from_bytes(head[8:12], "little")
     else:
@@ -120,15 +145,22 @@ def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...],
 
 
 def _npy_header(path: Union[str, bytes]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """(shape, fortran_order, dtype, data offset) of a .npy file, by numpy's reader."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
+    """(shape, fortran_order, dtype, data offset) of a .npy file, by numpy's public readers."""
+    fd, _ = _open_data(path)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+        except ValueError as e:
+            raise ValueError(f"mtc_loader: {os.fsdecode(path)!r} is not a .npy file: {e}") from None
         if version == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
+        elif version in ((2, 0), (3, 0)):
+            # 3.0 differs from 2.0 only in the header's encoding (UTF-8 rather than latin-1), which
+            # only a structured dtype's field names use: FileTensor refuses those dtypes anyway
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:  # 3.0 (utf-8 field names): numpy's private reader, as np.load uses it
-            shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
+        else:
+            raise ValueError(f"mtc_loader: {os.fsdecode(path)!r} has .npy format version "
+                             f"{version[0]}.{version[1]}, which is none of 1.0, 2.0, 3.0 (a corrupt file?)")
         return shape, fortran, dtype, f.tell()
 
 
@@ -167,14 +199,22 @@ class FileTensor:
         offset = int(offset)
         size = dt.itemsize
         if shape is None or (isinstance(shape, (tuple, list)) and -1 in shape):
-            rest = os.stat(path).st_size - offset
+            fd, file_size = _open_data(path)
+            os.close(fd)
+            rest = file_size - offset
             if rest < 0 or rest % size:
                 raise ValueError(f"mtc_loader: {where!r} has {max(rest, 0)} bytes after offset {offset}, "
                                  f"not a whole number of {dt} elements ({size} bytes each)")
             shape = (rest // size,) if shape is None else _fill_minus_one(where, tuple(shape), rest // size)
         dims = _check_shape(shape)
-        numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
-        self._init(dt, dims, ((path, offset, numel * size),))
+        nbytes = math.prod(dims) * size
+        if nbytes > _MAX_OFFSET:
+            raise ValueError(f"mtc_loader: FileTensor {where!r}: shape {dims} of {dt} is {nbytes} bytes, more "
+                             f"than a file can hold (at most 2**63 - 1 bytes)")
+        if offset + nbytes > _MAX_OFFSET:
+            raise ValueError(f"mtc_loader: FileTensor {where!r}: offset {offset} + {nbytes} bytes ends beyond "
+                             "the largest file offset (2**63 - 1)")
+        self._init(dt, dims, ((path, offset, nbytes),))
 
     def _init(self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...]) -> None:
         object.__setattr__(self, "dtype", dtype)
@@ -235,7 +275,7 @@ class FileTensor:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     def load(self) -> torch.Tensor:
         """The tensor, read now into ordinary (pageable) CPU memory by the engine."""
@@ -272,6 +312,10 @@ class FileTensor:
                     f"{tuple(first.shape)} {first.dtype}, element {i} is {tuple(it.shape)} {it.dtype}; "
                     "return them in a list (collate_fn=list, or a custom collate) to keep them apart")
         parts = tuple(p for it in items for p in it.parts)
+        total = sum(n for _, _, n in parts)
+        if total > _MAX_OFFSET:
+            raise ValueError(f"mtc_loader: {len(items)} stacked FileTensors of {first.nbytes} bytes each are "
+                             f"{total} bytes, more than one tensor can hold (at most 2**63 - 1 bytes)")
         return _rebuild(first.dtype, (len(items), *first.shape), parts)
 
 
@@ -285,6 +329,8 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         ok = False
     if not ok or any(d < 0 for d in dims):
         raise ValueError(f"mtc_loader: FileTensor shape must be a sequence of non-negative ints, got {shape!r}")
+    if any(d > _MAX_OFFSET for d in dims):
+        raise ValueError(f"mtc_loader: FileTensor shape {shape!r} has a dimension beyond 2**63 - 1")
     if len(dims) > _MAX_NDIM:
         raise ValueError(f"mtc_loader: FileTensor shape has {len(dims)} dimensions; mtc_loader copies "
                          f"tensors of at most {_MAX_NDIM}")
@@ -292,12 +338,13 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 
 _MAX_NDIM = 1024  # MTC_MAX_NDIM in csrc/plan.h
+_MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t), and the engine's bound on a part's end
 
 
 def _fill_minus_one(path: str, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
     if shape.count(-1) != 1:
         raise ValueError(f"mtc_loader: FileTensor shape {shape} may hold one -1 at most")
-    known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+    known = math.prod(d for d in shape if d != -1)
     if known == 0 or numel % known:
         raise ValueError(f"mtc_loader: {path!r} holds {numel} elements, which shape {shape} cannot cover")
     return tuple(numel // known if d == -1 else d for d in shape)

@@ -14,12 +14,14 @@ loop.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator as _AnIterator
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -236,6 +238,9 @@ class _Service:
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"]) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        # an iterable whose iterations share one iterator: the service of its last epoch, which
+        # this one waits for (a stopped epoch's thread may still be inside next() on it)
+        self.key, self.previous = _claim(iterable, self)
         # the stream the caller is expected to consume on (the one current at the epoch's first
         # next(), then the one of the last hand-out whose prediction missed)
         self.consumer = consumer
@@ -251,6 +256,9 @@ class _Service:
     def _run(self) -> None:
         it = None
         try:
+            self._wait_for_previous()
+            if self.stopping:
+                return
             if self.index >= 0:
                 torch.cuda.set_device(self.index)
                 # this thread's current stream: every copy it starts is issued on it
@@ -260,6 +268,7 @@ class _Service:
                 t0 = time.thread_time()
                 side, error, end = self._one_batch(it)
                 if error is not None:  # handed to the caller after the batches before it
+                    _forget_iterator(error, it)
                     self._put((None, error))
                     return
                 if end:
@@ -268,12 +277,21 @@ class _Service:
                 self.stats["service_batches"] += 1
                 self._put((side, None))
         except BaseException as e:  # iter() failed, or CUDA setup did
+            _forget_iterator(e, it)
             self._put((None, e))
             return
         finally:
             del it  # a DataLoader iterator shuts its workers down
             _reclaim_dead()
+            _release(self)
         self._put((_END, None))
+
+    def _wait_for_previous(self) -> None:
+        """Waits until the thread of the iterable's previous epoch has left its shared iterator
+        (it stops after the batch it is on), unless this epoch is stopped meanwhile."""
+        previous, self.previous = self.previous, None
+        while previous is not None and previous.thread.is_alive() and not self.stopping:
+            previous.thread.join(0.1)
 
     def _one_batch(self, it: Iterator[Any]) -> tuple[Optional[SideCopy], Optional[BaseException], bool]:
         """The next batch from the iterable, its copy started on the copy stream and finished:
@@ -331,8 +349,11 @@ class _Service:
         with self.cond:
             self.cond.notify_all()
 
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Stops the thread after the batch it is on, drops the finished batches, joins."""
+    def stop(self, timeout: float) -> None:
+        """Stops the thread after the batch it is on and drops the finished batches; waits at
+        most ``timeout`` seconds for the thread to end. A thread still inside ``next()`` of the
+        iterable (a stalled batch) ends by itself once that returns: it then drops the batch and
+        the iterator (a DataLoader's workers shut down)."""
         with self.cond:
             self.stopping = True
             self.items.clear()
@@ -341,10 +362,82 @@ class _Service:
             self.thread.join(timeout)
         with self.cond:
             self.items.clear()  # what it finished while stopping
-        _SERVICES.discard(self)
+        if not self.thread.is_alive():
+            _SERVICES.discard(self)
 
 
 _SERVICES: "weakref.WeakSet[_Service]" = weakref.WeakSet()
+
+# The caller's thread waits at most this long for a stopped service's thread to end: long enough
+# for one that was waiting for room or had finished its batch, and not for one inside a stalled
+# next() (an interrupt must reach the caller promptly; that thread ends by itself).
+_STOP_JOIN_S = 0.5
+
+# Iterables whose iterations share one iterator (a DataLoader with persistent workers, an
+# iterator): id -> the service of the epoch that iterates it (which holds the iterable).
+_BUSY: dict[int, _Service] = {}
+_BUSY_LOCK = threading.Lock()
+
+
+def _shares_iterator(iterable: Any) -> bool:
+    if isinstance(iterable, _AnIterator):
+        return True  # iter() returns the iterator itself
+    return (isinstance(iterable, torch.utils.data.DataLoader) and bool(iterable.persistent_workers)
+            and iterable.num_workers > 0)
+
+
+def _claim(iterable: Any, service: _Service) -> tuple[Optional[int], Optional[_Service]]:
+    """Registers ``service`` as the one iterating ``iterable`` when its iterations share one
+    iterator; returns (key, the stopped service of its previous epoch or None). Raises
+    RuntimeError while another epoch iterates it."""
+    if not _shares_iterator(iterable):
+        return None, None
+    key = id(iterable)
+    with _BUSY_LOCK:
+        previous = _BUSY.get(key)
+        if previous is not None and previous.thread.is_alive() and not previous.stopping:
+            what = ("DataLoader with persistent_workers=True (all its iterations share one "
+                    "iterator and its workers)" if not isinstance(iterable, _AnIterator) else "iterator")
+            raise RuntimeError(
+                f"mtc_loader: this {what} is already being iterated by a PrefetchLoader epoch that has "
+                "not ended; two at once would take batches from each other. Finish or break that loop "
+                "first, or give each PrefetchLoader its own DataLoader (or one without persistent_workers)")
+        _BUSY[key] = service
+    return key, previous
+
+
+def _release(service: _Service) -> None:
+    if service.key is not None:
+        with _BUSY_LOCK:
+            if _BUSY.get(service.key) is service:
+                del _BUSY[service.key]
+
+
+def _forget_iterator(error: BaseException, it: Any) -> None:
+    """Clears the locals of the frames of ``error``'s traceback (and of the exceptions chained to
+    it) that have returned: those of ``next()`` on the iterator ``it`` (this module's, the
+    DataLoader's own, whose ``self`` it is, and the iterable's). A caller who keeps the
+    exception (``e = err``, a logger, ``sys.last_value``) then keeps no DataLoader iterator, and
+    so no workers and no arena regions, alive; the traceback itself (files, lines, the message)
+    stays. The frames are cleared whole, without reading their locals first (reading
+    ``f_locals`` would keep a copy of them on the frame)."""
+    if it is None:
+        return
+    seen: set[int] = set()
+    pending: list[Optional[BaseException]] = [error]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still executing (this thread's _run): not one of next()'s
+                pass
+            tb = tb.tb_next
+        pending += [exc.__context__, exc.__cause__]
 
 
 def _stop_all_services() -> None:
@@ -388,7 +481,8 @@ class PrefetchLoader:
             switch each time it needs the GIL back, 5 ms by default. ``None`` leaves the
             interval alone.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
-            ``use_background_thread``).
+            ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
+            here, whatever the batches are.
     """
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
@@ -400,6 +494,7 @@ class PrefetchLoader:
             raise ValueError("mtc_loader: gil_switch_interval must be None or a number of seconds in "
                              f"(0, 1], got {gil_switch_interval!r}")
         target_index(device)  # fail early on a bad device
+        _check_options(start_copy_options)
         self.iterable = iterable
         self.device = device
         self.depth = depth
@@ -434,8 +529,8 @@ class PrefetchLoader:
         }
 
     def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats`."""
-        self._stats = _new_stats()
+        """Zero the counters of :meth:`stats` (in place: an epoch under way counts on from zero)."""
+        self._stats.update(_new_stats())
 
     def __iter__(self) -> Iterator[Any]:
         _reclaim_dead()  # regions left by workers of an earlier epoch that have exited since
@@ -456,7 +551,19 @@ class PrefetchLoader:
                 except _EpochEnd:
                     return
         finally:
-            service.stop()
+            # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
+            # the caller now; that thread ends by itself (stop's docstring)
+            service.stop(_STOP_JOIN_S)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuses a keyword that start_copy does not take, whatever the batches will be (a packed
+    batch uses only use_background_thread, so a misspelled one would otherwise pass unseen)."""
+    known = [p.name for p in inspect.signature(start_copy).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"mtc_loader: PrefetchLoader got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"besides depth and gil_switch_interval it takes start_copy's: {', '.join(known)}")
 
 
 class _HandOut:

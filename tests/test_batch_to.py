@@ -47,6 +47,8 @@ def test_to_dtype_refused(packer):
         batch.to("cpu", dtype=torch.float16)
     with pytest.raises(TypeError, match="mtc_loader: PackedBatch.to moves"):
         batch.to("cpu", torch.float16)
+    with pytest.raises(TypeError, match="mtc_loader: PackedBatch.to moves"):
+        batch.to(torch.float16)  # a dtype in the device's place, as Tensor.to(dtype) takes it
     with pytest.raises(ValueError, match="mtc_loader: invalid device"):
         batch.to("nonsense")
     assert_tree_bitwise(batch.to("cpu"), ref)  # the refusals consumed nothing

@@ -235,7 +235,7 @@ def test_worker_exception_bad_leaf_names_path_and_nothing_leaks():
         for b in PrefetchLoader(dl, "cpu"):
             got.append(b)
     assert "['cams_gt'][3]['depths']" in str(ei.value)
-    del ei  # its traceback holds the DataLoader iterator, and so the workers, alive
+    del ei
     assert len(got) == 3  # batches 0..2 come before the failing batch 3 (indices 12..15)
     for k, b in enumerate(got):
         assert_tree_bitwise(b, expected(4 * k, 4))
@@ -246,6 +246,30 @@ def test_worker_exception_bad_leaf_names_path_and_nothing_leaks():
     pc.arena.reclaim_dead()
     assert_clean(pc)
     follow_up()
+
+
+def test_kept_exception_does_not_keep_the_workers_or_regions():
+    """A caller that keeps a worker's exception (``e = err``, a logger, sys.last_value): its
+    traceback must not hold the DataLoader iterator, whose workers then shut down and whose
+    batches packed ahead are freed."""
+    import multiprocessing
+    pc = PackedCollate(list, arena_bytes=32 << 20)
+    dl = DataLoader(Samples(32, bad_index=13), batch_size=4, num_workers=2, collate_fn=pc)
+    kept = None
+    try:
+        for b in PrefetchLoader(dl, "cpu"):
+            pass
+    except TypeError as err:
+        kept = err
+    assert kept is not None and "sparse" in str(kept)
+    del dl, b
+    deadline = time.monotonic() + 30
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert not multiprocessing.active_children(), "the kept exception keeps the workers alive"
+    assert_clean(pc)
+    assert kept.__traceback__ is not None  # the caller's frames are still there to read
 
 
 # ----------------------------------------------------------------------- corrupt descriptors

@@ -215,6 +215,28 @@ def test_shape_none_and_minus_one(tmp_path, reader):
         FileTensor(tmp_path / "s.bin", torch.float32, (-1, 4), offset=8)
 
 
+def test_offsets_and_sizes_beyond_int64_refused_at_construction(tmp_path):
+    """A file offset is an off_t: an offset or a size past 2**63 - 1 is refused when the
+    FileTensor is made, naming the file and the offset or shape (not later, as a malformed
+    _spec, nor as a struct.error or a bare OverflowError)."""
+    path = str(tmp_path / "x.bin")
+    for offset in (2**63 - 8, 2**63, 2**64, 2**70):
+        with pytest.raises(ValueError, match=rf"mtc_loader: FileTensor '.*x\.bin': offset {offset} \+ 16 bytes"):
+            FileTensor(path, torch.float32, (4,), offset)
+    FileTensor(path, torch.float32, (4,), 2**63 - 17)  # ends at the last addressable byte
+    for shape in [(2**32, 2**32), (2**61,), (2**62, 2), (2**40, 2**40, 2**40)]:
+        with pytest.raises(ValueError, match=r"mtc_loader: FileTensor '.*x\.bin': shape .* of torch.float32 is "
+                                             r"\d+ bytes, more than a file can hold"):
+            FileTensor(path, torch.float32, shape)
+    with pytest.raises(ValueError, match=r"mtc_loader: FileTensor shape \(1180591620717411303424,\) has a "
+                                         r"dimension beyond 2\*\*63 - 1"):
+        FileTensor(path, torch.float32, (2**70,))
+    big = FileTensor(path, torch.uint8, (2**62,))
+    assert big.numel() == 2**62 and big.nbytes == 2**62
+    with pytest.raises(ValueError, match="3 stacked FileTensors of 4611686018427387904 bytes each"):
+        FileTensor.stack([big, big, big])
+
+
 def test_npy_files(tmp_path, reader):
     arrays = {
         "u8": np.random.default_rng(0).integers(0, 255, (3, 256, 448), dtype=np.uint8),
@@ -255,22 +277,42 @@ def test_npy_header_fast_path_matches_numpy(tmp_path, version):
                 with open(p, "wb") as f:
                     np.lib.format.write_array(f, np.asfortranarray(a) if fortran else a, version=version)
                 fast = F._npy_header_fast(str(p))
-                if version != (3, 0):
-                    assert fast is not None, (dt, shape)
-                if fast is not None:
-                    answered += 1
-                    assert fast == F._npy_header(str(p)), (dt, shape, fortran)
-    assert answered or version == (3, 0)
-    # a valid header in another spelling: numpy's reader takes it
+                assert fast is not None, (dt, shape)
+                answered += 1
+                assert fast == F._npy_header(str(p)), (dt, shape, fortran)
+                if not fortran and dt[0] != ">":
+                    ft = FileTensor.npy(p)
+                    assert torch.equal(ft.load(), torch.from_numpy(np.load(p)))
+    assert answered
+    # a valid header in another spelling: numpy's public readers take it (every version)
     hdr = b"{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}"
-    hdr += b" " * (127 - 10 - len(hdr)) + b"\n"  # data at 128
+    size = 2 if version == (1, 0) else 4
+    hdr += b" " * (127 - 8 - size - len(hdr)) + b"\n"  # data at 128
     with open(p, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr)
+        f.write(b"\x93NUMPY" + bytes(version) + len(hdr).to_bytes(size, "little") + hdr)
         f.write(np.arange(6, dtype="<f4").tobytes())
     assert F._npy_header_fast(str(p)) is None
     ft = FileTensor.npy(p)
     assert (ft.dtype, tuple(ft.shape), ft.offset) == (torch.float32, (2, 3), 128)
     assert torch.equal(ft.load(), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert torch.equal(ft.load(), torch.from_numpy(np.load(p)))
+
+
+@pytest.mark.parametrize("version", [b"\x09\x00", b"\x01\x05", b"\x00\x00"])
+def test_npy_corrupt_version_is_a_value_error_naming_the_file(tmp_path, version):
+    p = tmp_path / "bad.npy"
+    np.save(p, np.arange(6, dtype=np.float32))
+    data = bytearray(p.read_bytes())
+    data[6:8] = version
+    p.write_bytes(bytes(data))
+    with pytest.raises(ValueError):
+        np.load(p)  # what numpy says too
+    with pytest.raises(ValueError, match=r"mtc_loader: '.*bad\.npy' has \.npy format version \d\.\d, which is "
+                                         r"none of 1\.0, 2\.0, 3\.0"):
+        FileTensor.npy(p)
+    p.write_bytes(b"\x93NUMPX\x01\x00" + bytes(data[8:]))
+    with pytest.raises(ValueError, match=r"mtc_loader: '.*bad\.npy' is not a \.npy file"):
+        FileTensor.npy(p)
 
 
 def test_npy_refusals(tmp_path):
@@ -496,6 +538,25 @@ def test_short_file(tmp_path, reader):
         start_copy(st, "cpu").get()
 
 
+def test_short_file_message_counts_the_bytes_the_file_has(tmp_path, reader):
+    """A file that ends inside a read's aligned middle (O_DIRECT where the reader uses it, with a
+    buffered tail read in parallel): the message counts the bytes the file has, not where the
+    tail's read started."""
+    n, size = 3154825, 3149825
+    ref = random_bytes(n, 4)
+    write_raw(tmp_path / "d.bin", ref)
+    ft = FileTensor(tmp_path / "d.bin", torch.uint8, (n,))
+    os.truncate(tmp_path / "d.bin", size)
+    _drop_cache(tmp_path / "d.bin")  # cold: the default reader goes O_DIRECT where it can
+    pc = PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=4096)
+    for read in (lambda: pc([ft]), ft.load):
+        with pytest.raises(EOFError) as ei:
+            read()
+        msg = str(ei.value)
+        assert f"the file is {size} bytes long" in msg and f"ended after {size} of its {n} bytes" in msg, msg
+    assert _arena_idle(pc)
+
+
 def test_directory_and_eio(tmp_path, reader):
     os.mkdir(tmp_path / "d")
     ft = FileTensor.stack([FileTensor(tmp_path / "d", torch.uint8, (8,))])
@@ -508,6 +569,69 @@ def test_directory_and_eio(tmp_path, reader):
                                       r"Input/output error"):
         pc([{"m": mem}])
     assert _arena_idle(pc)
+
+
+def _bounded(fn, fifo, seconds: float = 10.0):
+    """fn() on a daemon thread; a call still blocked after `seconds` (an open of the FIFO waiting
+    for a writer) is released by opening the FIFO for writing, and the test fails."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waits: the open succeeds
+        t.join(seconds)
+        pytest.fail(f"blocked for more than {seconds} s on a FIFO")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_fifo_and_character_device_refused_without_blocking(tmp_path, reader):
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    # explicit shape: the file is opened when it is read
+    ft = FileTensor(fifo, torch.uint8, (8,))
+    for read in (ft.load, lambda: start_copy(ft, "cpu").get(),
+                 lambda: PackedCollate(list, arena_bytes=ARENA)([{"x": ft}])):
+        with pytest.raises(OSError, match=r"mtc_loader: cannot read .* from '.*pipe'.*"
+                                          "not a regular file or block device"):
+            _bounded(read, fifo)
+    # shape=None and .npy look at the file at construction
+    for make in (lambda: FileTensor(fifo, torch.uint8), lambda: FileTensor(fifo, torch.uint8, (-1, 2)),
+                 lambda: FileTensor.npy(fifo)):
+        with pytest.raises(OSError, match=r"mtc_loader: '.*pipe' is not a regular file or block device"):
+            _bounded(make, fifo)
+    with pytest.raises(OSError, match="not a regular file or block device"):
+        FileTensor("/dev/zero", torch.uint8, (4,)).load()
+
+
+class _FifoSamples(torch.utils.data.Dataset):
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return FileTensor(self.path, torch.uint8, (8,))
+
+
+def test_fifo_in_a_worker_ends_the_epoch(tmp_path):
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    dl = DataLoader(_FifoSamples(fifo), batch_size=2, num_workers=1, multiprocessing_context="fork",
+                    collate_fn=PackedCollate(arena_bytes=ARENA), timeout=20)
+    with pytest.raises(OSError, match="not a regular file or block device"):
+        _bounded(lambda: list(dl), fifo, 30.0)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")

@@ -235,3 +235,129 @@ def test_stream_wait_event_without_a_driver_says_why():
         pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
     with pytest.raises(RuntimeError, match="wait for a batch's event failed: libcuda"):
         mtc_loader._engine.stream_wait_event(0, 0, 8)
+
+
+_INTERRUPT_CHILD = """
+import multiprocessing, os, sys, threading, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+import mtc_loader
+
+class Stall(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        if i == 1:
+            time.sleep({stall})
+        return torch.full((4,), i)
+
+pc = mtc_loader.PackedCollate(arena_bytes=8 << 20)
+dl = DataLoader(Stall(), batch_size=1, num_workers=1, collate_fn=pc, multiprocessing_context="fork")
+try:
+    for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cpu")):
+        print("batch", k, flush=True)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic(), flush=True)
+del dl
+# the service thread ends by itself once the stalled batch arrives, and shuts the worker down
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    threads = [t for t in threading.enumerate() if t.name == "mtc_loader-prefetch"]
+    if not threads and not multiprocessing.active_children():
+        break
+    time.sleep(0.05)
+pc.arena.reclaim_dead()
+print("cleaned", len(threads), len(multiprocessing.active_children()), pc.stats()["slots_in_use"], flush=True)
+"""
+
+
+def test_ctrl_c_while_a_batch_stalls_reaches_the_caller_promptly():
+    """SIGINT while the loop waits for a batch the worker takes 8 s to make: KeyboardInterrupt
+    reaches the loop at once (a bare DataLoader's behaviour), and the service thread and the
+    worker end by themselves after (the stalled batch is dropped)."""
+    import os
+    import signal
+    stall = 8.0
+    p = subprocess.Popen([sys.executable, "-c", _INTERRUPT_CHILD.format(stall=stall)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=":".join(sys.path)))
+    watchdog = threading.Timer(120, p.kill)  # bounds the readline below too
+    watchdog.start()
+    try:
+        assert p.stdout.readline().split() == ["batch", "0"]  # the loop now waits for batch 1
+        time.sleep(0.3)
+        sent = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        p.kill()
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert "interrupted" in lines, (out, err[-2000:])
+    # at once (the caller waits half a second at most for the service), not after the stall
+    assert float(lines["interrupted"]) - sent < 3.0, "the interrupt waited for the stalled batch"
+    assert lines["cleaned"].split() == ["0", "0", "0"], (out, err[-2000:])  # threads, workers, regions
+    assert p.returncode == 0, err[-2000:]
+
+
+def test_reset_stats_mid_epoch_counts_the_rest_of_the_epoch():
+    pl = mtc_loader.PrefetchLoader(Recorder(8), "cpu")
+    for k, _ in enumerate(pl):
+        if k == 2:
+            pl.reset_stats()
+            assert pl.stats()["batches"] == 0
+    assert pl.stats()["batches"] == 5  # batches 3..7
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_two_epochs_at_once_over_persistent_workers_are_refused(packed):
+    """zip(PrefetchLoader(dl, ...), PrefetchLoader(dl, ...)) over a DataLoader with persistent
+    workers: both would share its one iterator. The second is refused; one after the other,
+    and after a break, each epoch gets every batch once, in order."""
+    collate = mtc_loader.PackedCollate(arena_bytes=ARENA) if packed else None
+    dl = DataLoader(Numbers(), batch_size=2, num_workers=2, persistent_workers=True, collate_fn=collate)
+    want = [torch.tensor([[2 * k], [2 * k + 1]]) for k in range(6)]
+    a, b = mtc_loader.PrefetchLoader(dl, "cpu"), mtc_loader.PrefetchLoader(dl, "cpu")
+    with pytest.raises(RuntimeError, match="persistent_workers=True.*already being iterated"):
+        for _ in zip(a, b):
+            pass
+    for pl in (a, b, a):
+        got = list(pl)
+        assert len(got) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    for k, _ in enumerate(a):
+        if k == 1:
+            break
+    got = list(b)  # waits for a's thread to leave the shared iterator
+    assert len(got) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    # an iterator, too
+    it = iter(range(4))
+    with pytest.raises(RuntimeError, match="this iterator is already being iterated"):
+        list(zip(mtc_loader.PrefetchLoader(it, "cpu"), mtc_loader.PrefetchLoader(it, "cpu")))
+    # a DataLoader without persistent workers makes an iterator per epoch: both run
+    dl = DataLoader(Numbers(), batch_size=2, num_workers=1, collate_fn=collate)
+    for x, y in zip(mtc_loader.PrefetchLoader(dl, "cpu"), mtc_loader.PrefetchLoader(dl, "cpu")):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_misspelled_option_refused_at_construction(packed):
+    collate = mtc_loader.PackedCollate(arena_bytes=ARENA) if packed else None
+    dl = DataLoader(Numbers(), batch_size=2, collate_fn=collate)
+    with pytest.raises(TypeError, match="mtc_loader: PrefetchLoader got unexpected keyword argument.*depht.*"
+                                        "use_background_thread"):
+        mtc_loader.PrefetchLoader(dl, "cpu", depht=3)
+    pl = mtc_loader.PrefetchLoader(dl, "cpu", use_background_thread=False, pack_cpu_tensors=True)
+    assert len(list(pl)) == 6
+    if packed:  # the packed batch's own start_copy takes start_copy's keywords, and no other
+        with pytest.raises(TypeError, match="depht"):
+            collate([torch.ones(2)]).start_copy("cpu", depht=3)
+        out = collate([torch.ones(2)]).start_copy("cpu", max_packed_chunk_bytes=1 << 20).get()
+        assert torch.equal(out, torch.ones(1, 2))

@@ -107,6 +107,7 @@ def test_registered_once_and_delegates(monkeypatch):
     assert default_collate(x).dtype == torch.float32
 
 
+@pytest.mark.filterwarnings("ignore:mtc_loader. a tensor that default_collate stacked:RuntimeWarning")
 def test_unstackable_tensors_take_the_original_path():
     """Mixed shapes raise torch's own error; tensors that require grad, subclasses, channels_last
     tensors and numpy inputs give what default_collate gives without the scratch."""
@@ -149,6 +150,7 @@ def test_scratch_grows_then_is_one_buffer():
     b = s.take(3 << 20)  # larger than the first buffer: a second one
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and a.numel() == 100
     assert len(s.buffers) == 2
+    del a, b  # (views still held at the end of a call would retire their buffers)
     s.end()
     s.begin()  # one buffer that holds everything the last call took
     assert len(s.buffers) == 1 and s.buffers[0].numel() >= 64 + (3 << 20)
@@ -207,3 +209,151 @@ def test_prefetch_to_cuda_bitwise():
         assert_tree_bitwise(without_flags(b), {k2: (v.to("cuda:0") if isinstance(v, torch.Tensor) else
                                                     [t.to("cuda:0") for t in v])
                                                for k2, v in without_flags(r).items()}, f"batch {k}")
+
+
+# ------------------------------------------------------------------ stacked tensors that escape
+
+class Full(Dataset):
+    """Sample i is an image full of i: a batch shows at a glance which samples it holds."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        return torch.full((3, 8, 8), i)
+
+
+class Boxed:
+    """A user's class around a default_collate result: PackedCollate does not open it, so the
+    stacked tensor inside travels in the skeleton (pickled), not through the arena."""
+
+    def __init__(self, images: torch.Tensor):
+        self.images = images
+
+
+def collate_boxed(samples):
+    return {"boxed": Boxed(default_collate(samples)), "plain": default_collate(samples)}
+
+
+_KEPT: list = []
+
+
+def collate_keeping(samples):
+    """Keeps every stacked batch in a global (a cache, a logger): what it keeps must stay right."""
+    out = default_collate(samples)
+    _KEPT.append(out[1:])  # a view of the stacked tensor, not the tensor itself
+    return out
+
+
+def _expected(k: int) -> torch.Tensor:
+    return torch.stack([torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)])
+
+
+ESCAPE_WARNING = "ignore:mtc_loader. a tensor that default_collate stacked:RuntimeWarning"
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+@pytest.mark.parametrize("ctx,workers", [(None, 0), ("fork", 2), ("spawn", 2)])
+def test_stacked_tensor_inside_an_unopened_object_keeps_its_values(ctx, workers):
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    dl = DataLoader(Full(), batch_size=4, num_workers=workers, collate_fn=pc, multiprocessing_context=ctx)
+    for epoch in range(2):
+        got = [b.to("cpu") for b in dl]  # every batch kept until the end of the epoch
+        assert len(got) == 4
+        for k, b in enumerate(got):
+            assert isinstance(b["boxed"], Boxed)
+            assert torch.equal(b["boxed"].images, _expected(k)), (epoch, k, b["boxed"].images[:, 0, 0, 0])
+            assert torch.equal(b["plain"], _expected(k))
+    if workers == 0:  # each batch left its scratch memory to the Boxed that holds it
+        assert pc.stats()["scratch_retired"] >= 8
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_stacked_tensor_kept_by_the_collate_fn_keeps_its_values():
+    _KEPT.clear()
+    pc = mtc_loader.PackedCollate(collate_keeping, arena_bytes=ARENA)
+    got = [b.to("cpu") for b in DataLoader(Full(), batch_size=4, collate_fn=pc)]
+    assert len(_KEPT) == 4
+    for k, (b, kept) in enumerate(zip(got, _KEPT)):
+        assert torch.equal(b, _expected(k))
+        assert torch.equal(kept, _expected(k)[1:]), k
+    _KEPT.clear()
+
+
+def test_scratch_reused_when_nothing_escapes():
+    """The fast path stays: a batch whose stacked tensors are all packed leaves the scratch
+    memory to the next batch (the same buffer, no retirement)."""
+    pc = mtc_loader.PackedCollate(arena_bytes=ARENA)
+    before = pc.stats()["scratch_retired"]
+    for k in range(6):
+        samples = [torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]
+        assert torch.equal(pc(samples).to("cpu"), torch.stack(samples))
+        if k == 1:
+            base = _stack._TLS.scratch.buffers[0].data_ptr()
+    assert _stack._TLS.scratch.buffers[0].data_ptr() == base
+    assert pc.stats()["scratch_retired"] == before
+
+
+def test_escape_is_warned_once_and_counted(monkeypatch):
+    monkeypatch.setattr(_stack, "_WARNED", [False])
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    before = pc.stats()["scratch_retired"]
+    samples = [torch.full((3, 8, 8), i) for i in range(4)]
+    with pytest.warns(RuntimeWarning, match="stacked inside a PackedCollate call is still referenced"):
+        first = pc(samples).to("cpu")
+    second = pc(samples[::-1]).to("cpu")  # once per process
+    assert pc.stats()["scratch_retired"] == before + 2
+    assert torch.equal(first["boxed"].images, torch.stack(samples))
+    assert torch.equal(second["boxed"].images, torch.stack(samples[::-1]))
+
+
+def test_failed_call_retires_without_warning():
+    """A collate_fn that raises with a stacked tensor in its frame (kept by the traceback)."""
+    def bad(samples):
+        stacked = default_collate(samples)
+        raise KeyError(stacked.shape)
+
+    pc = mtc_loader.PackedCollate(bad, arena_bytes=ARENA)
+    before = pc.stats()["scratch_retired"]
+    with pytest.raises(KeyError) as ei:
+        pc([torch.ones(4), torch.ones(4)])
+    assert pc.stats()["scratch_retired"] == before + 1  # the traceback holds the frame
+    del ei
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_numpy_view_of_a_stacked_tensor_keeps_its_values():
+    """A numpy array over a stacked tensor, inside an unopened object: it holds the storage too."""
+    pc = mtc_loader.PackedCollate(lambda s: Boxed(default_collate(s).numpy()), arena_bytes=ARENA)
+    got = [pc([torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]).to("cpu") for k in range(4)]
+    for k, b in enumerate(got):
+        assert np.array_equal(b.images, _expected(k).numpy()), k
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_unopened_object_through_prefetch_to_cuda():
+    """The escaped tensor stays in its (unopened) object on the CPU; the packed one reaches the
+    GPU; both right for every batch of the epoch, kept to its end."""
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    dl = DataLoader(Full(), batch_size=4, num_workers=2, collate_fn=pc, multiprocessing_context="fork")
+    got = list(mtc_loader.PrefetchLoader(dl, "cuda:0"))
+    torch.cuda.synchronize()
+    assert len(got) == 4
+    for k, b in enumerate(got):
+        assert b["plain"].is_cuda and torch.equal(b["plain"].cpu(), _expected(k))
+        assert torch.equal(b["boxed"].images, _expected(k)), k
+
+
+def test_escape_warning_as_an_error_leaks_no_region(monkeypatch):
+    import warnings
+    monkeypatch.setattr(_stack, "_WARNED", [False])
+    pc = mtc_loader.PackedCollate(collate_boxed, arena_bytes=ARENA)
+    in_use = pc.stats()["slots_in_use"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="still referenced"):
+            pc([torch.full((3, 8, 8), i) for i in range(4)])
+    assert pc.stats()["slots_in_use"] == in_use
+    assert getattr(_stack._TLS, "active", None) is None

@@ -72,6 +72,8 @@ static void remove_files(void)
     rmdir(p);
     snprintf(p, sizeof p, "%s/short.bin", g_dir);
     unlink(p);
+    snprintf(p, sizeof p, "%s/fifo", g_dir);
+    unlink(p);
     rmdir(g_dir);
 }
 
@@ -229,8 +231,10 @@ static void test_errors(int mode)
     CHECK_EQ(mtc_uring_mode(NULL, NULL), mode); /* the ring's descriptor exists before we count */
     uint8_t *dst = aligned_alloc(A, 16 << 20);
     CHECK(dst != NULL);
-    char missing[128], sub[128], shortp[128];
+    char missing[128], sub[128], shortp[128], fifo[128];
     snprintf(missing, sizeof missing, "%s/none.bin", g_dir);
+    snprintf(fifo, sizeof fifo, "%s/fifo", g_dir);
+    if (access(fifo, F_OK)) CHECK(mkfifo(fifo, 0600) == 0);
     snprintf(sub, sizeof sub, "%s/sub", g_dir);
     snprintf(shortp, sizeof shortp, "%s/short.bin", g_dir);
     mkdir(sub, 0700);
@@ -238,7 +242,7 @@ static void test_errors(int mode)
     mtc_uring_req reqs[12];
     /* 10 good requests, then the bad one at index 10, then a good one; a depth
      * of 3 puts the failure in a later window */
-    for (int kind = 0; kind < 4; kind++) {
+    for (int kind = 0; kind < 6; kind++) {
         for (int k = 0; k < 12; k++)
             reqs[k] = (mtc_uring_req){.path = g_path[8], .offset = 0, .nbytes = g_size[8],
                                       .dst = dst + (size_t)k * (g_size[8] + A), .tag = k};
@@ -256,7 +260,13 @@ static void test_errors(int mode)
             reqs[10].nbytes = 5000 + 3 * A + 17;
             want = -ENODATA;
             want_got = 5000;
-        } else { /* a file that is truncated below its offset: nothing arrives */
+        } else if (kind == 4) { /* a FIFO: refused without waiting for a writer */
+            reqs[10].path = fifo;
+            want = -ESPIPE;
+        } else if (kind == 5) { /* a character device has no offsets either */
+            reqs[10].path = "/dev/zero";
+            want = -ESPIPE;
+        } else if (kind == 3) { /* a file that is truncated below its offset: nothing arrives */
             FILE *f = fopen(shortp, "wb");
             CHECK(f != NULL);
             fwrite(g_data[9], 1, 100, f);
@@ -281,6 +291,31 @@ static void test_errors(int mode)
     mtc_uring_err e;
     CHECK_EQ(mtc_uring_read(reqs, 12, &e), 0);
     check_requests(reqs, 12);
+    free(dst);
+}
+
+/* A file that ends inside a request's O_DIRECT middle, whose buffered tail is
+ * read in parallel: the tail finds the end first, at its own start, yet the
+ * bytes reported are those the file has. */
+static void test_short_direct(int mode)
+{
+    mtc_uring_configure(3, 0, MTC_URING_DIRECT_ALWAYS, mode);
+    char path[128];
+    snprintf(path, sizeof path, "%s/short.bin", g_dir);
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL);
+    CHECK_EQ(fwrite(g_data[9], 1, 5 * A + 100, f), (size_t)(5 * A + 100));
+    fclose(f);
+    uint8_t *dst = aligned_alloc(A, 16 * A);
+    CHECK(dst != NULL);
+    for (int round = 0; round < 20; round++) {
+        mtc_uring_req r = {.path = path, .offset = 0, .nbytes = 8 * A + 17, .dst = dst, .tag = 0};
+        mtc_uring_err e = {99, 99};
+        CHECK_EQ(mtc_uring_read(&r, 1, &e), -ENODATA);
+        CHECK_EQ(e.index, 0);
+        CHECK_EQ(e.got, (uint64_t)(5 * A + 100));
+    }
+    unlink(path);
     free(dst);
 }
 
@@ -436,6 +471,7 @@ int main(void)
 {
     const char *e = getenv("MTC_TEST_SEED");
     g_seed = e ? strtoull(e, NULL, 10) : (unsigned long long)time(NULL);
+    alarm(600); /* a read that blocks (an open of a FIFO waits for a writer) fails the test */
     make_files();
     mtc_uring_configure(64, 0, 1, 0);
     const char *why;
@@ -460,6 +496,7 @@ int main(void)
         run_random(mode, 16, 5000, U, rounds / 2, 1);
         mtc_uring_configure_async(0);
         test_errors(mode);
+        test_short_direct(mode);
         test_threads(mode);
     }
     if (g_have_uring) test_fork();
