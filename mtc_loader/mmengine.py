@@ -107,7 +107,8 @@ def _unflatten_element(values: list[Any], context: tuple[Any, ...]) -> BaseDataE
 
 
 def _element_names(context: tuple[Any, ...]) -> Sequence[str]:
-    return context[2]
+    names: tuple[str, ...] = context[2]
+    return names
 
 
 register_container(BaseDataElement, _flatten_element, _unflatten_element, names=_element_names)
@@ -210,7 +211,7 @@ class _CastData:
 
 
 @MODELS.register_module()
-class MTCDataPreprocessor(BaseDataPreprocessor):
+class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     """Wraps a model's data preprocessor: a :class:`~mtc_loader.PackedBatch` (from
     ``mtc_packed_collate``) is moved to the preprocessor's device with one DMA from the arena, a
     batch that :class:`MTCEpochBasedTrainLoop` prefetched is on the device already; then the
@@ -242,7 +243,7 @@ class MTCDataPreprocessor(BaseDataPreprocessor):
         self.preprocessor = preprocessor
         self._on_device = False
         # an instance attribute: the wrapped preprocessor's self.cast_data(...) calls find it first
-        preprocessor.cast_data = _CastData(self)  # type: ignore[method-assign]
+        preprocessor.cast_data = _CastData(self)
         packed_collate.arm(arena_bytes)
 
     def _move(self, data: Any) -> tuple[Any, bool]:
@@ -283,7 +284,8 @@ def _device_of(runner: Any) -> torch.device:
     if isinstance(dev, torch.device):
         return dev
     for p in model.parameters():
-        return p.device
+        found: torch.device = p.device
+        return found
     return torch.device("cpu")
 
 
@@ -310,7 +312,7 @@ class _Prefetching:
 
 
 @LOOPS.register_module()
-class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):
+class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``EpochBasedTrainLoop`` with the batches prefetched on the model's device by
     :class:`~mtc_loader.PrefetchLoader` (batch k+1 copied on the copy stream while step k
     trains). Hooks and the model receive each batch on the device. Works with packed batches
@@ -339,7 +341,7 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):
 
 
 @LOOPS.register_module()
-class MTCIterBasedTrainLoop(IterBasedTrainLoop):
+class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``IterBasedTrainLoop`` with the batches prefetched on the model's device by
     :class:`~mtc_loader.PrefetchLoader` (see :class:`MTCEpochBasedTrainLoop`).
 
@@ -352,10 +354,11 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):
         self.prefetch_depth = prefetch_depth
 
     def run(self) -> Any:
-        endless = self.dataloader_iterator
-        self.dataloader_iterator = _Prefetching(endless, _device_of(self.runner), self.prefetch_depth)
+        endless: Any = self.dataloader_iterator  # type: ignore[has-type]
+        prefetching = _Prefetching(endless, _device_of(self.runner), self.prefetch_depth)
+        self.dataloader_iterator = prefetching
         try:
             return super().run()
         finally:
-            self.dataloader_iterator.close()
+            prefetching.close()
             self.dataloader_iterator = endless
