@@ -25,6 +25,7 @@ import torch.utils._pytree as _pytree
 import numpy as np
 import torch
 
+from . import _engine
 from ._dtypes import supported_dtype
 from .files import FileTensor
 
@@ -121,8 +122,6 @@ def element_kind(tp: type) -> int:
 
 def _forget() -> None:
     """Every type is classified anew: after a registration changed."""
-    from . import _engine  # imported late: _engine's set-up imports this module
-
     _RESOLVED.clear()
     _KINDS.clear()
     _engine._forget_types()
