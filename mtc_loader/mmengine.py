@@ -246,6 +246,23 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
         preprocessor.cast_data = _CastData(self)
         packed_collate.arm(arena_bytes)
 
+    # BaseDataPreprocessor keeps its device in _device, set by its own to() / cuda() / cpu(),
+    # which nn.Module.to does not call on submodules: the wrapped one follows here
+    def to(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().to(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
+    def cuda(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().cuda(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
+    def cpu(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().cpu(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
     def _move(self, data: Any) -> tuple[Any, bool]:
         """``(data on the device, True)`` for a packed or prefetched batch, else ``(data, False)``."""
         if isinstance(data, PackedBatch):

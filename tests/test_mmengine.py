@@ -228,6 +228,7 @@ def test_iteration_loop_and_spawn_workers(tmp_path, device):
 def test_preprocessor_unpacks_a_packed_batch_with_the_inner_pipeline(device):
     batch = [make_sample(i) for i in range(5)]
     pre = mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor")).to(device)
+    assert pre.device == pre.preprocessor.device == torch.device(device)
     ref = BaseDataPreprocessor().to(device)(pseudo_collate(batch))
     packed = FUNCTIONS.get("mtc_packed_collate")(batch)
     assert isinstance(packed, mtc_loader.PackedBatch)
