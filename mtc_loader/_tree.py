@@ -20,10 +20,9 @@ import os
 import pickle
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-import torch.utils._pytree as _pytree
-
 import numpy as np
 import torch
+import torch.utils._pytree as _pytree
 
 from . import _engine
 from ._dtypes import supported_dtype
