@@ -194,7 +194,10 @@ def _train(tmp_path, switch, pre, loader, train_cfg):
 def test_runner_train_gets_the_same_data(tmp_path, device, workers):
     ref = train(tmp_path, device, workers, switch=False)
     allocs = mm.packed_collate.arena.stats()["allocs"] if mm.packed_collate.arena is not None else 0
-    got = train(tmp_path, device, workers, switch=True)
+    with mock.patch.object(BaseDataPreprocessor, "cast_data", autospec=True,
+                           side_effect=BaseDataPreprocessor.cast_data) as cast:
+        got = train(tmp_path, device, workers, switch=True)
+    assert cast.call_count == 0  # prefetched on the device: no per-tensor .to() on the training thread
     assert len(ref) == len(got) == 3
     assert mm.packed_collate.arena.stats()["allocs"] == allocs + 3  # every batch was packed
     assert_same(got, ref)
@@ -236,6 +239,32 @@ def test_preprocessor_unpacks_a_packed_batch_with_the_inner_pipeline(device):
     assert_same(snapshot(out), snapshot(ref))
     # not packed: the wrapped preprocessor's own cast_data
     assert_same(snapshot(pre(pseudo_collate(batch))), snapshot(ref))
+
+
+@MODELS.register_module(force=True)
+class PeekingPreprocessor(BaseDataPreprocessor):
+    """Reads the batch before its cast_data (as Det3DDataPreprocessor does), then transforms."""
+
+    def forward(self, data, training=False):
+        n = len(data["inputs"]["points"])
+        data = self.cast_data(data)
+        return {"inputs": {"points": [p * 2 for p in data["inputs"]["points"]], "n": n},
+                "data_samples": data["data_samples"]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrapped_preprocessor_runs_on_the_unpacked_batch_with_cast_data_a_no_op(device):
+    batch = [make_sample(i) for i in range(3)]
+    ref = PeekingPreprocessor().to(device)(pseudo_collate(batch))
+    pre = mm.MTCDataPreprocessor(dict(type="PeekingPreprocessor")).to(device)
+    with mock.patch.object(BaseDataPreprocessor, "cast_data", autospec=True,
+                           side_effect=BaseDataPreprocessor.cast_data) as cast:
+        out = pre(mm.packed_collate(batch), True)
+        assert cast.call_count == 0  # the batch was on the device: nothing moved twice
+        plain = pre(pseudo_collate(batch), True)
+        assert cast.call_count > 0  # a batch that is not packed: the wrapped cast_data as usual
+    assert_same(snapshot(out), snapshot(ref))
+    assert_same(snapshot(plain), snapshot(ref))
 
 
 class WithExtras(InstanceData):
