@@ -173,7 +173,7 @@ mmengine)
     fi
     export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
     python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-    python3 -W ignore -c "import torch, mmengine, cv2, mtc_loader.mmengine; print('torch', torch.__version__, '| mmengine',
+    python3 -W ignore -c "import torch, mmengine, cv2, matplotlib, mtc_loader.mmengine; print('torch', torch.__version__, '| mmengine',
         mmengine.__version__, '| cv2', cv2.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/mmengine_versions.log"
     timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_mmengine.py tests/test_containers.py \
         > "$out/mmengine_tests.log" 2>&1
