@@ -34,6 +34,11 @@
 #                                      # (default 420) caps the benchmarks' time, each run under its own
 #                                      # share of what is left; a dry run without a GPU:
 #                                      # RELEASE_DEVICE=cpu RELEASE_QUICK=1 NO_INSTALL=1
+#   bash bench/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
+#                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
+#                                      # pseudo_collate + cast_data against the config switch); the
+#                                      # carried wheels (.whl, bench/fetch_wheels.sh) that are missing
+#                                      # here go to /tmp/site as in the frameworks mode
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -206,4 +211,20 @@ PY
     else
         echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
     fi ;;
+mmengine)
+    site=/tmp/site
+    if [ -d .whl ]; then
+        whl=$(python3 bench/missing_wheels.py .whl)
+        [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" $whl 2>&1 | grep -v "root user"
+    fi
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    python3 -W ignore -c "import torch, mmengine, cv2, matplotlib, mtc_loader.mmengine; print('torch', torch.__version__, '| mmengine',
+        mmengine.__version__, '| cv2', cv2.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/mmengine_versions.log"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_mmengine.py tests/test_containers.py \
+        > "$out/mmengine_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/mmengine_tests.log" | tail -15
+    python3 bench/bench_mmengine.py --device cuda:0 --workers 2 4 --out "$out" > "$out/bench_mmengine.log" 2>&1
+    echo "bench_mmengine rc=$?"; grep -vE "^wrote" "$out/bench_mmengine.log" | tail -14 ;;
 esac

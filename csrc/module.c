@@ -110,6 +110,17 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
     Py_RETURN_NONE;
 }
 
+/* _forget_types(): empties the per-type classification cache, so that a
+ * container registered after its type was first met takes effect (the
+ * traversal asks _tree.classify again). Traversals hold the GIL between a
+ * cache lookup and the use of its answer, so none sees a half-cleared cache. */
+static PyObject *engine_forget_types(PyObject *module, PyObject *unused)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (st->type_cache) PyDict_Clear(st->type_cache);
+    Py_RETURN_NONE;
+}
+
 /* ----------------------------------------------------------------- stats */
 
 static int _put(PyObject *d, const char *k, unsigned long long v)
@@ -321,6 +332,7 @@ static PyObject *engine_nvtx_info(PyObject *module, PyObject *unused)
 
 static PyMethodDef engine_methods[] = {
     {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
+    {"_forget_types", engine_forget_types, METH_NOARGS, "Classify every type anew (a container was registered)."},
     {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
      "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},
     {"stats", engine_stats, METH_NOARGS, "Engine counters as a dict."},

@@ -639,7 +639,7 @@ container:;
     } else if (nkind == MTC_NODE_GENERIC) {
         /* flatten(obj) -> (children list, (context, [path segments])) */
         PyObject *r = PyObject_CallOneArg(st->flatten, obj);
-        if (!r) return -1;
+        if (!r) return _diagnose(st, t, n, obj); /* raises, naming the container's path */
         if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyList_Check(PyTuple_GET_ITEM(r, 0)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(r, 1)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(r, 1)) != 2) {
             Py_DECREF(r);

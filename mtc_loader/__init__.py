@@ -6,6 +6,8 @@ Three ways in, one C engine:
 - :class:`PackedCollate`: a DataLoader ``collate_fn`` that packs each batch into a shared arena.
 - :class:`PrefetchLoader`: a daemon thread copies the next batches on the device's copy stream.
 - :func:`start_side_copy` / :func:`copy_stream`: one copy on the copy stream, for a custom loop.
+- :func:`register_container`: teach the traversal a container type of your own (mmengine's data
+  elements: :mod:`mtc_loader.mmengine`).
 - :class:`FileTensor`: a leaf naming bytes in a file, read by io_uring straight into the batch's
   pinned memory when it is packed or copied (:func:`file_reader` says how reads run here).
 - :func:`stats`, :func:`configure`, :func:`trim`: the engine's counters and settings.
@@ -19,6 +21,7 @@ import torch  # noqa: F401  (the engine reaches torch through objects _setup han
 
 from . import _engine, _setup  # noqa: F401  (_setup configures the engine on import)
 from ._options import positive_int
+from ._tree import register_container, unregister_container
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
 from .files import FileTensor, file_reader
@@ -26,7 +29,7 @@ from .prefetch import PrefetchLoader, SideCopy, copy_stream, start_side_copy
 
 __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
            "SideCopy", "copy_stream", "start_side_copy", "FileTensor", "file_reader", "stats", "configure",
-           "trim"]
+           "trim", "register_container", "unregister_container"]
 __version__ = "0.1.0"
 
 

@@ -1,27 +1,36 @@
 """Containers the C traversal does not handle itself, and diagnosis of bad leaves.
 
 The engine walks exact ``list``, ``tuple`` and ``dict`` in C. For any other type it asks
-:func:`classify` once (the answer is cached per type), and for the containers among them it
+:func:`classify` once (the answer is cached per type in C), and for the containers among them it
 calls :func:`flatten` and, to rebuild, :func:`unflatten`. A leaf that fails the engine's fast
-checks is handed to :func:`diagnose`, which raises an exception naming its path, or returns
-a resolved replacement (lazily conjugated or negated tensors). :data:`LEAF` marks a tensor's place
-in the skeleton of a packed batch.
+checks, and a container whose flatten raised, is handed to :func:`diagnose`, which raises an
+exception naming its path, or returns a resolved replacement (lazily conjugated or negated
+tensors). :data:`LEAF` marks a tensor's place in the skeleton of a packed batch.
+
+Containers of other types are taught with :func:`register_container` (looked up along the
+type's MRO, so a registered base class covers its subclasses); types registered with
+``torch.utils._pytree`` are containers too. Both are resolved once per type, in
+:func:`classify`: the per-instance cost is one dict lookup in :func:`flatten`.
 """
 from __future__ import annotations
 
 import copy as _copy
 import dataclasses
-from typing import Any
+import os
+import pickle
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.utils._pytree as _pytree
 
+from . import _engine
 from ._dtypes import supported_dtype
 from .files import FileTensor
 
 LEAF_KIND, TENSOR, NDARRAY, GENERIC, FILE = 0, 1, 2, 3, 4
 
-_NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS, _STRUCTSEQ, _SAME = range(7)
+_NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS, _STRUCTSEQ, _SAME, _REGISTERED, _TORCH = range(9)
 
 _DISALLOW_INSTANTIATION = 1 << 7  # Py_TPFLAGS_DISALLOW_INSTANTIATION
 
@@ -41,6 +50,40 @@ class _LeafSlot:
 LEAF = _LeafSlot()
 
 
+class _Registration(NamedTuple):
+    cls: type
+    flatten: Callable[[Any], Any]
+    unflatten: Callable[[list[Any], Any], Any]
+    names: Optional[Callable[[Any], Sequence[str]]]
+    source: int  # _REGISTERED (register_container) or _TORCH (torch.utils._pytree)
+
+
+# register_container's registrations by class, and the registration each type met so far
+# resolved to (along its MRO; torch's pytree for an exact type): both read under the GIL
+_REGISTRY: dict[type, _Registration] = {}
+_RESOLVED: dict[type, _Registration] = {}
+# the engine's kind of each type met by element_kind (the mmengine registrations ask it)
+_KINDS: dict[type, int] = {}
+
+# handled by the C traversal before it asks classify: a registration would never be consulted
+_NATIVE = (list, tuple, dict, str, bytes, int, float, bool, type(None))
+
+
+def _resolve(tp: type) -> Optional[_Registration]:
+    for base in tp.__mro__:
+        reg = _REGISTRY.get(base)
+        if reg is not None:
+            return reg
+    return None
+
+
+def _torch_node(tp: type) -> Optional[_Registration]:
+    node = _pytree.SUPPORTED_NODES.get(tp)
+    if node is None:
+        return None
+    return _Registration(tp, node.flatten_fn, node.unflatten_fn, None, _TORCH)
+
+
 def classify(tp: type) -> int:
     """How the traversal treats instances of ``tp`` (a type that is not exactly list/tuple/dict)."""
     if issubclass(tp, torch.Tensor):
@@ -49,11 +92,212 @@ def classify(tp: type) -> int:
         return NDARRAY
     if issubclass(tp, FileTensor):
         return FILE
+    reg = _resolve(tp)
+    if reg is not None:
+        _RESOLVED[tp] = reg
+        return GENERIC
     if issubclass(tp, (list, tuple, dict)):
         return GENERIC
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return GENERIC
+    reg = _torch_node(tp)
+    if reg is not None:
+        _RESOLVED[tp] = reg
+        return GENERIC
     return LEAF_KIND
+
+
+def element_kind(tp: type) -> int:
+    """:func:`classify`'s answer for ``tp``, cached here until the registrations change."""
+    k = _KINDS.get(tp)
+    if k is None:
+        if tp in _NATIVE:
+            k = GENERIC if tp in (list, tuple, dict) else LEAF_KIND
+        else:
+            k = classify(tp)
+        _KINDS[tp] = k
+    return k
+
+
+def _forget() -> None:
+    """Every type is classified anew: after a registration changed."""
+    _RESOLVED.clear()
+    _KINDS.clear()
+    _engine._forget_types()
+
+
+def _qualname(tp: type) -> str:
+    return f"{tp.__module__}.{tp.__qualname__}"
+
+
+def register_container(cls: type, flatten: Callable[[Any], tuple[Sequence[Any], Any]],
+                       unflatten: Callable[[list[Any], Any], Any], *,
+                       names: Optional[Callable[[Any], Sequence[str]]] = None) -> None:
+    """Teach mtc_loader a container type: its instances (and those of its subclasses) are
+    walked like lists and dicts by :func:`~mtc_loader.start_copy`,
+    :class:`~mtc_loader.PackedCollate`, :class:`~mtc_loader.PrefetchLoader` and
+    :meth:`~mtc_loader.PackedBatch.to`: the tensors they hold are copied, and each one comes
+    back as the object ``unflatten`` builds (same class, its other fields as they were).
+
+    The convention is ``torch.utils._pytree.register_pytree_node``'s: ``flatten(obj)`` returns
+    ``(children, context)``, a list of the values to walk (tensors, arrays, nested containers;
+    anything else is passed through) and whatever rebuilding needs; ``unflatten(values,
+    context)`` returns the object holding ``values`` in the children's places. ``unflatten``
+    must store the values without checking them (build with ``cls.__new__`` and set the
+    attributes; do not run validating constructors): to describe a packed batch, mtc_loader calls
+    it, and ``flatten`` again on its result, with a placeholder in each tensor's place. The
+    children's order must survive that round trip and pickling (fixed field names, or a dict's
+    insertion order; not a set's iteration order). The context of a packed batch's container
+    travels to the main process pickled inside the object ``unflatten`` built.
+
+    Types registered with ``torch.utils._pytree.register_pytree_node`` (exact types) are
+    containers too, with no call to this function. Registrations are resolved once per type, the
+    first time mtc_loader meets the type; a registration made later takes effect at once (the
+    resolved answers are dropped). A DataLoader worker started by spawn or forkserver receives
+    the registrations whose functions pickle by reference with the
+    :class:`~mtc_loader.PackedCollate` it runs; register at import of the module that defines
+    the class so that every process has them.
+
+    Args:
+        cls: The container class. Not ``list``, ``tuple``, ``dict`` or a scalar type (the
+            traversal handles those itself), nor a tensor, numpy array or ``FileTensor`` type
+            (leaves). Subclasses of ``list``, ``tuple`` and ``dict`` and dataclasses may be
+            registered: the registration replaces their built-in handling.
+        flatten: ``flatten(obj) -> (children, context)``.
+        unflatten: ``unflatten(values, context) -> obj``.
+        names: Optional ``names(context) -> sequence of str``: the children's attribute names,
+            used only to name a leaf's path in error messages (``data[2].boxes``); without it,
+            children are named by position (``data[2][0]``).
+
+    Raises:
+        TypeError: For an argument of the wrong kind or a type that cannot be registered.
+        ValueError: When ``cls`` is registered already (:func:`unregister_container` first).
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"mtc_loader.register_container: cls must be a class, got {cls!r} "
+                        f"({type(cls).__name__})")
+    what = _qualname(cls)
+    for arg, fn in (("flatten", flatten), ("unflatten", unflatten), ("names", names)):
+        if fn is None and arg == "names":
+            continue
+        if not callable(fn):
+            raise TypeError(f"mtc_loader.register_container({what}): {arg} must be callable, got "
+                            f"{fn!r} ({type(fn).__name__})")
+    if cls in _NATIVE:
+        raise TypeError(f"mtc_loader.register_container: {what} is walked by mtc_loader itself "
+                        "(list, tuple and dict are containers, scalars and strings pass through); "
+                        "register a subclass of it instead")
+    for leaf, kind in ((torch.Tensor, "a tensor type"), (np.ndarray, "a numpy array type"),
+                       (FileTensor, "a FileTensor type")):
+        if issubclass(cls, leaf):
+            raise TypeError(f"mtc_loader.register_container: {what} is {kind}, a leaf that is "
+                            "copied as a whole; only containers that hold tensors can be registered "
+                            "(wrap the tensor in a class of your own)")
+    if cls in _REGISTRY:
+        raise ValueError(f"mtc_loader.register_container: {what} is registered already; call "
+                         f"mtc_loader.unregister_container({cls.__qualname__}) first to replace it")
+    _REGISTRY[cls] = _Registration(cls, flatten, unflatten, names, _REGISTERED)
+    _forget()
+
+
+def unregister_container(cls: type) -> None:
+    """Undo :func:`register_container` for ``cls`` (KeyError if it is not registered)."""
+    if cls not in _REGISTRY:
+        raise KeyError(f"mtc_loader.unregister_container: {cls!r} is not registered")
+    del _REGISTRY[cls]
+    _forget()
+
+
+def _install(regs: tuple[tuple[Any, ...], ...]) -> "_CarriedRegistrations":
+    """In a process started by spawn or forkserver: the registrations its parent carried, unless
+    this process registered the class itself (at import of the module that defines it)."""
+    for cls, flatten, unflatten, names in regs:
+        if cls not in _REGISTRY:
+            register_container(cls, flatten, unflatten, names=names)
+    return CARRIED
+
+
+class _CarriedRegistrations:
+    """Pickles as this process's registrations (those whose functions pickle): a
+    :class:`~mtc_loader.PackedCollate` holds one, so that a DataLoader worker started by spawn or
+    forkserver walks the same containers as the process that started it."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        regs = []
+        for r in _REGISTRY.values():
+            for entry in ((r.cls, r.flatten, r.unflatten, r.names), (r.cls, r.flatten, r.unflatten, None)):
+                try:
+                    pickle.dumps(entry)
+                except Exception:  # a lambda or a local function: the worker must register itself
+                    continue
+                regs.append(entry)  # (without its names where only they do not pickle)
+                break
+        return (_install, (tuple(regs),))
+
+
+CARRIED = _CarriedRegistrations()
+
+
+class _Names:
+    """The path segments of a registered container's children, computed only when an error
+    message needs one."""
+
+    __slots__ = ("reg", "context", "n", "_names")
+
+    def __init__(self, reg: _Registration, context: Any, n: int) -> None:
+        self.reg, self.context, self.n = reg, context, n
+        self._names: Optional[Sequence[str]] = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> str:
+        if self.reg.names is None:
+            return f"[{i}]"
+        if self._names is None:
+            self._names = self.reg.names(self.context)
+        return f".{self._names[i]}"
+
+
+def _same_kind(exc: BaseException, msg: str) -> BaseException:
+    """An exception of ``exc``'s class with ``msg`` (a RuntimeError where that class cannot be
+    built from a message)."""
+    try:
+        new = type(exc)(msg)
+        if str(new) == msg:
+            return new
+    except Exception:
+        pass
+    return RuntimeError(msg)
+
+
+def _flatten_registered(reg: _Registration, obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    out = reg.flatten(obj)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (list, tuple))):
+        hint = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
+                else f"a {type(out).__name__}")
+        raise TypeError(f"the flatten registered for {_qualname(reg.cls)} returned {hint}; it must "
+                        "return (children, context): a list of the values to walk and what "
+                        "unflatten needs to rebuild the object")
+    children = list(out[0])
+    return children, ((reg.source, reg.cls, out[1]), _Names(reg, out[1], len(children)))
+
+
+def _unflatten_registered(kind: int, cls: type, context: Any, values: list[Any]) -> Any:
+    reg = _REGISTRY.get(cls) if kind == _REGISTERED else _torch_node(cls)
+    if reg is None:
+        raise TypeError(f"mtc_loader: {_qualname(cls)} is not a registered container in this process "
+                        f"(pid {os.getpid()}): register it at import of the module that defines it, "
+                        "so that every process has the registration")
+    try:
+        return reg.unflatten(values, context)
+    except Exception as e:
+        raise _same_kind(e, f"mtc_loader: the unflatten registered for {_qualname(cls)} raised "
+                            f"{type(e).__name__}: {e} (unflatten must store the values without "
+                            "checking them: mtc_loader also passes placeholders in the tensors' "
+                            "places to describe a packed batch)") from e
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -69,6 +313,9 @@ def _is_structseq(obj: Any) -> bool:
 
 def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """Children of a container, and ``(context, path segments)`` to rebuild it and name them."""
+    reg = _RESOLVED.get(type(obj))
+    if reg is not None:
+        return _flatten_registered(reg, obj)
     if _is_structseq(obj):
         if type(obj).__flags__ & _DISALLOW_INSTANTIATION:
             # sys.version_info, sys.flags: cannot be rebuilt, hold no tensors: the same object
@@ -89,6 +336,13 @@ def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     if isinstance(obj, dict):
         keys = list(obj.keys())
         return [obj[k] for k in keys], ((_DICT, obj, keys), [f"[{k!r}]" for k in keys])
+    if not dataclasses.is_dataclass(obj):
+        # its registration went away after the engine classified the type: resolve it anew
+        reg = _resolve(type(obj)) or _torch_node(type(obj))
+        if reg is None:
+            raise TypeError(f"{_qualname(type(obj))} is no longer a registered container")
+        _RESOLVED[type(obj)] = reg
+        return _flatten_registered(reg, obj)
     names = [f.name for f in dataclasses.fields(obj)]
     return [getattr(obj, n) for n in names], ((_DATACLASS, obj, names), [f".{n}" for n in names])
 
@@ -96,6 +350,8 @@ def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
 def unflatten(context: tuple[Any, ...], values: list[Any]) -> Any:
     """The container of ``context`` (same type, same attributes) holding ``values``."""
     kind = context[0]
+    if kind == _REGISTERED or kind == _TORCH:
+        return _unflatten_registered(kind, context[1], context[2], values)
     if kind == _STRUCTSEQ:
         n = context[2]
         return context[1](values[:n], dict(zip(context[3], values[n:])))
@@ -168,4 +424,15 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
                 f"mtc_loader: {path} has dtype {leaf.dtype}, which mtc_loader cannot copy "
                 "bytewise; convert it (e.g. .to(torch.uint8)) first")
         raise RuntimeError(f"mtc_loader: cannot read the tensor at {path}: {exc}") from exc
+    if exc is not None:  # a container whose flatten raised
+        reg = _RESOLVED.get(type(leaf))
+        if reg is None:
+            who = "flattening it"
+        elif reg.source == _REGISTERED:
+            who = "the flatten registered with mtc_loader.register_container"
+        else:
+            who = "the flatten registered with torch.utils._pytree"
+        detail = str(exc) if isinstance(exc, TypeError) and str(exc).startswith("the flatten") \
+            else f"{who} raised {type(exc).__name__}: {exc}"
+        raise _same_kind(exc, f"mtc_loader: {path} (a {_qualname(type(leaf))}): {detail}") from exc
     raise TypeError(f"mtc_loader: cannot copy {path} of type {type(leaf).__name__}")

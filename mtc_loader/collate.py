@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from . import _engine
+from . import _engine, _tree
 from ._device import target_index
 from ._options import positive_int, seconds
 from ._stack import RETIRED, stacking_into_scratch, warn_escaped
@@ -309,6 +309,8 @@ class PackedCollate:
         self.timeout = seconds("timeout", timeout)
         self.arena = arena if arena is not None else Arena(arena_bytes)
         self.align = align
+        # pickles as the registered containers: a worker started by spawn walks the same types
+        self.containers = _tree.CARRIED
 
     def __call__(self, samples: list[Any]) -> PackedBatch:
         # the tensors default_collate stacks go to this thread's warm scratch memory rather than

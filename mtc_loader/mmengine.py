@@ -1,0 +1,381 @@
+"""OpenMMLab's mmengine: data samples packed, one DMA per batch, and the prefetch service, with a
+config change.
+
+Importing this module (it needs ``mmengine``; ``import mtc_loader`` never imports it):
+
+- registers mmengine's ``BaseDataElement`` and every subclass (``InstanceData``, ``PixelData``,
+  ``Det3DDataSample``, your own) as containers (:func:`mtc_loader.register_container`): their
+  data fields holding tensors or other data elements are copied, their metainfo and their other
+  data fields (numpy arrays, lists, strings) are kept as they are, which is what
+  ``BaseDataElement.to`` does;
+- registers ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``: ``pseudo_collate`` (or the
+  collate function you name) in the DataLoader worker, its output packed into a shared arena
+  (:class:`~mtc_loader.PackedCollate`);
+- registers :class:`MTCDataPreprocessor` in ``MODELS``: wraps the model's data preprocessor (any
+  ``BaseDataPreprocessor``, e.g. mmdet3d's ``Det3DDataPreprocessor``); a packed batch is moved
+  with one DMA before the wrapped preprocessor runs, whose own ``cast_data`` then has nothing
+  left to do;
+- registers :class:`MTCEpochBasedTrainLoop` and :class:`MTCIterBasedTrainLoop` in ``LOOPS``:
+  mmengine's loops with the batches prefetched by :class:`~mtc_loader.PrefetchLoader` (batch k+1
+  copied on the copy stream while step k trains).
+
+In a config (see the docs' mmengine recipe)::
+
+    custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
+    train_dataloader = dict(..., collate_fn=dict(type="mtc_packed_collate"))
+    model = dict(..., data_preprocessor=dict(type="MTCDataPreprocessor",
+                                             preprocessor=dict(type="Det3DDataPreprocessor", ...)))
+    train_cfg = dict(type="MTCEpochBasedTrainLoop", max_epochs=24)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, Sequence, Union
+
+try:
+    from mmengine.dataset import pseudo_collate
+    from mmengine.model import BaseDataPreprocessor
+    from mmengine.registry import FUNCTIONS, LOOPS, MODELS
+    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
+    from mmengine.structures import BaseDataElement
+except ImportError as e:
+    raise ImportError(f"mtc_loader: mtc_loader.mmengine needs mmengine (pip install mmengine): {e}") from None
+
+import torch
+from torch.utils.data import get_worker_info
+
+from . import _tree
+from ._tree import LEAF, register_container
+from .collate import Arena, PackedBatch, PackedCollate
+from .prefetch import PrefetchLoader
+
+__all__ = ["MTCDataPreprocessor", "MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "PackedPseudoCollate",
+           "packed_collate"]
+
+_TENSOR = torch.Tensor
+_MOVED_KINDS = (_tree.TENSOR, _tree.FILE)
+_BOOKKEEPING = ("_metainfo_fields", "_data_fields")
+
+
+# ------------------------------------------------------------------------- BaseDataElement
+
+def _is_child(value: Any, key: str, obj: Any) -> bool:
+    """Whether a data field is walked: what ``BaseDataElement.to`` moves (values with a ``to``:
+    tensors, data elements, registered containers such as box classes). Placeholders of a packed
+    batch's skeleton stand for tensors."""
+    if type(value) is _TENSOR or value is LEAF:
+        return True
+    if not hasattr(value, "to"):
+        return False  # numpy arrays, lists, strings: BaseDataElement.to keeps them as they are
+    kind = _tree.element_kind(type(value))
+    if kind in _MOVED_KINDS or kind == _tree.GENERIC:
+        return True
+    raise TypeError(
+        f"data field {key!r} of a {type(obj).__qualname__} holds a {type(value).__module__}."
+        f"{type(value).__qualname__}, which BaseDataElement.to moves with its own .to() but "
+        "mtc_loader does not know: register it with mtc_loader.register_container (see the "
+        "mmengine recipe: a box class that wraps a tensor)")
+
+
+def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
+    """Children: the data fields that ``.to`` would move, in the order of the instance's
+    ``__dict__`` (which pickling and :func:`_unflatten_element` keep). Context: the class, the
+    instance's other attributes as they are (metainfo, kept data fields, the field sets), and
+    the children's names."""
+    state = obj.__dict__.copy()
+    data_fields = state.get("_data_fields", ())
+    keys = [k for k, v in state.items() if k in data_fields and _is_child(v, k, obj)]
+    children = [state[k] for k in keys]
+    for k in keys:
+        state[k] = None  # the context holds no tensor
+    return children, (type(obj), state, tuple(keys))
+
+
+def _unflatten_element(values: list[Any], context: tuple[Any, ...]) -> BaseDataElement:
+    """A new instance of the same class, no ``__init__`` or ``__setattr__`` run (the values may be
+    placeholders, which ``InstanceData``'s length checks would refuse)."""
+    cls, state, keys = context
+    new = cls.__new__(cls)
+    d = state.copy()
+    for k in _BOOKKEEPING:
+        if k in d:
+            d[k] = set(d[k])  # its own sets: a field popped from the result stays in the source
+    for k, v in zip(keys, values):
+        d[k] = v
+    new.__dict__.update(d)
+    return new
+
+
+def _element_names(context: tuple[Any, ...]) -> Sequence[str]:
+    names: tuple[str, ...] = context[2]
+    return names
+
+
+register_container(BaseDataElement, _flatten_element, _unflatten_element, names=_element_names)
+
+
+# ------------------------------------------------------------------------- collate
+
+class PackedPseudoCollate:
+    """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
+    ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
+    region of a shared arena; the DataLoader yields :class:`~mtc_loader.PackedBatch` objects,
+    which :class:`MTCDataPreprocessor` (or :class:`MTCEpochBasedTrainLoop`) moves to the device.
+
+    One instance per process, shared by every DataLoader whose config names it; its arena is
+    created in the process that trains (by :class:`MTCDataPreprocessor` when the model is built,
+    or on first use), before the DataLoader starts its workers, which receive it.
+
+    Config: ``collate_fn=dict(type="mtc_packed_collate")``, or
+    ``dict(type="mtc_packed_collate", collate_fn="default_collate")`` to pack what another
+    function of ``FUNCTIONS`` (a name) or any callable makes.
+    """
+
+    def __init__(self) -> None:
+        self.arena: Optional[Arena] = None
+        self.arena_bytes = 256 << 20
+        self._packers: dict[Any, PackedCollate] = {}
+        self._lock = threading.Lock()
+
+    def arm(self, arena_bytes: Optional[int] = None) -> Arena:
+        """Creates the arena (``arena_bytes``, default 256 MiB) unless it exists; returns it. The
+        first call sizes it. Call it in the process that trains, before the DataLoader starts."""
+        with self._lock:
+            if self.arena is None:
+                if get_worker_info() is not None:
+                    raise RuntimeError(
+                        "mtc_loader: mtc_packed_collate runs in a DataLoader worker that received no arena: "
+                        "its arena must be created in the training process before the DataLoader starts "
+                        "its workers. Use data_preprocessor=dict(type='MTCDataPreprocessor', ...) in the "
+                        "model's config (it creates the arena when the model is built), or call "
+                        "mtc_loader.mmengine.packed_collate.arm() before training")
+                if arena_bytes is not None:
+                    self.arena_bytes = int(arena_bytes)
+                self.arena = Arena(self.arena_bytes)
+            return self.arena
+
+    def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None]) -> PackedCollate:
+        p = self._packers.get(collate_fn)
+        if p is None:
+            fn = pseudo_collate if collate_fn is None else (
+                FUNCTIONS.get(collate_fn) if isinstance(collate_fn, str) else collate_fn)
+            if not callable(fn):
+                raise ValueError(f"mtc_loader: mtc_packed_collate's collate_fn {collate_fn!r} is not a "
+                                 "function registered in mmengine's FUNCTIONS nor a callable")
+            p = self._packers[collate_fn] = PackedCollate(fn, arena=self.arm())
+        return p
+
+    def __call__(self, data_batch: Sequence[Any],
+                 collate_fn: Union[str, Callable[[list[Any]], Any], None] = None) -> PackedBatch:
+        return self._packer(collate_fn)(list(data_batch))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a worker started by spawn or forkserver receives the arena: created here if need be
+        if get_worker_info() is None:
+            self.arm()
+        return {"arena": self.arena, "arena_bytes": self.arena_bytes, "containers": _tree.CARRIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.arena, self.arena_bytes = state["arena"], state["arena_bytes"]
+
+
+packed_collate = PackedPseudoCollate()
+FUNCTIONS.register_module(name="mtc_packed_collate", module=packed_collate)
+
+
+# ------------------------------------------------------------------------- data preprocessor
+
+class _Moved(threading.local):
+    """The batch the prefetching train loop handed out last on this thread: already on the
+    device, so the preprocessor does not move it again."""
+
+    batch: Any = None
+
+
+_MOVED = _Moved()
+
+
+class _CastData:
+    """Stands in for the wrapped preprocessor's ``cast_data``: nothing to do for a batch that is
+    on the device already, the preprocessor's own ``cast_data`` otherwise."""
+
+    def __init__(self, owner: "MTCDataPreprocessor") -> None:
+        self.owner = owner
+
+    def __call__(self, data: Any) -> Any:
+        if self.owner._on_device:
+            return data
+        inner = self.owner.preprocessor
+        return type(inner).cast_data(inner, data)
+
+
+@MODELS.register_module()
+class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
+    """Wraps a model's data preprocessor: a :class:`~mtc_loader.PackedBatch` (from
+    ``mtc_packed_collate``) is moved to the preprocessor's device with one DMA from the arena, a
+    batch that :class:`MTCEpochBasedTrainLoop` prefetched is on the device already; then the
+    wrapped preprocessor runs as usual (normalisation, padding, voxelisation, ...) with its
+    ``cast_data`` a no-op. Any other batch goes through the wrapped preprocessor unchanged.
+
+    Config: ``data_preprocessor=dict(type="MTCDataPreprocessor", preprocessor=<the model's
+    data_preprocessor config>)``.
+
+    Args:
+        preprocessor: The wrapped preprocessor, a config dict or a module (default: mmengine's
+            ``BaseDataPreprocessor``, which only moves the data).
+        arena_bytes: Size of ``mtc_packed_collate``'s shared arena, created here (in the process
+            that trains, before the DataLoader starts): about ``num_workers * prefetch_factor +
+            prefetch depth + 2`` batches.
+        non_blocking: As ``BaseDataPreprocessor``'s, for batches that are not packed.
+    """
+
+    def __init__(self, preprocessor: Union[dict[str, Any], BaseDataPreprocessor, None] = None,
+                 arena_bytes: int = 256 << 20, non_blocking: bool = False) -> None:
+        super().__init__(non_blocking)
+        if preprocessor is None:
+            preprocessor = dict(type="BaseDataPreprocessor", non_blocking=non_blocking)
+        if isinstance(preprocessor, dict):
+            preprocessor = MODELS.build(preprocessor)
+        if not isinstance(preprocessor, BaseDataPreprocessor):
+            raise TypeError("mtc_loader: MTCDataPreprocessor wraps a BaseDataPreprocessor (or its config), "
+                            f"got {type(preprocessor).__name__}")
+        self.preprocessor = preprocessor
+        self._on_device = False
+        # an instance attribute: the wrapped preprocessor's self.cast_data(...) calls find it first
+        preprocessor.cast_data = _CastData(self)
+        packed_collate.arm(arena_bytes)
+
+    # BaseDataPreprocessor keeps its device in _device, set by its own to() / cuda() / cpu(),
+    # which nn.Module.to does not call on submodules: the wrapped one follows here
+    def to(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().to(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
+    def cuda(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().cuda(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
+    def cpu(self, *args: Any, **kwargs: Any) -> "MTCDataPreprocessor":
+        super().cpu(*args, **kwargs)
+        self.preprocessor._device = self._device
+        return self
+
+    def _move(self, data: Any) -> tuple[Any, bool]:
+        """``(data on the device, True)`` for a packed or prefetched batch, else ``(data, False)``."""
+        if isinstance(data, PackedBatch):
+            return data.to(self.device), True
+        if data is _MOVED.batch and data is not None:
+            return data, True
+        return data, False
+
+    def cast_data(self, data: Any) -> Any:
+        """A packed batch unpacked on the device (one DMA), a prefetched one as it is, anything
+        else through the wrapped preprocessor's ``cast_data``."""
+        data, moved = self._move(data)
+        if moved:
+            return data
+        return type(self.preprocessor).cast_data(self.preprocessor, data)
+
+    def forward(self, data: Any, training: bool = False) -> Any:
+        data, moved = self._move(data)
+        if not moved:
+            return self.preprocessor(data, training)
+        self._on_device = True
+        try:
+            return self.preprocessor(data, training)
+        finally:
+            self._on_device = False
+
+
+# ------------------------------------------------------------------------- train loops
+
+def _device_of(runner: Any) -> torch.device:
+    """The device the model trains on: its data preprocessor's (mmengine keeps it there)."""
+    model = runner.model
+    model = getattr(model, "module", model)  # DistributedDataParallel and mmengine's wrappers
+    pre = getattr(model, "data_preprocessor", None)
+    dev = getattr(pre, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    for p in model.parameters():
+        found: torch.device = p.device
+        return found
+    return torch.device("cpu")
+
+
+class _Prefetching:
+    """The batches of an iterable, prefetched on the model's device; each one handed out is
+    marked for :class:`MTCDataPreprocessor` as on the device already."""
+
+    def __init__(self, iterable: Any, device: torch.device, depth: int) -> None:
+        self.loader = PrefetchLoader(iterable, device, depth)
+        self.it = iter(self.loader)
+
+    def __iter__(self) -> "_Prefetching":
+        return self
+
+    def __next__(self) -> Any:
+        _MOVED.batch = None
+        batch = next(self.it)
+        _MOVED.batch = batch
+        return batch
+
+    def close(self) -> None:
+        _MOVED.batch = None
+        self.it.close()  # type: ignore[attr-defined]  # a generator: stops the service thread
+
+
+@LOOPS.register_module()
+class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
+    """mmengine's ``EpochBasedTrainLoop`` with the batches prefetched on the model's device by
+    :class:`~mtc_loader.PrefetchLoader` (batch k+1 copied on the copy stream while step k
+    trains). Hooks and the model receive each batch on the device. Works with packed batches
+    (``mtc_packed_collate``: one DMA each) and with plain ones.
+
+    Config: ``train_cfg=dict(type="MTCEpochBasedTrainLoop", max_epochs=..., prefetch_depth=2)``.
+    """
+
+    def __init__(self, runner: Any, dataloader: Any, max_epochs: int, *, prefetch_depth: int = 2,
+                 **kwargs: Any) -> None:
+        super().__init__(runner, dataloader, max_epochs, **kwargs)
+        self.prefetch_depth = prefetch_depth
+
+    def run_epoch(self) -> None:
+        self.runner.call_hook("before_train_epoch")
+        self.runner.model.train()
+        batches = _Prefetching(self.dataloader, _device_of(self.runner), self.prefetch_depth)
+        try:
+            for idx, data_batch in enumerate(batches):
+                self.run_iter(idx, data_batch)
+                del data_batch
+        finally:
+            batches.close()
+        self.runner.call_hook("after_train_epoch")
+        self._epoch += 1
+
+
+@LOOPS.register_module()
+class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
+    """mmengine's ``IterBasedTrainLoop`` with the batches prefetched on the model's device by
+    :class:`~mtc_loader.PrefetchLoader` (see :class:`MTCEpochBasedTrainLoop`).
+
+    Config: ``train_cfg=dict(type="MTCIterBasedTrainLoop", max_iters=..., prefetch_depth=2)``.
+    """
+
+    def __init__(self, runner: Any, dataloader: Any, max_iters: int, *, prefetch_depth: int = 2,
+                 **kwargs: Any) -> None:
+        super().__init__(runner, dataloader, max_iters, **kwargs)
+        self.prefetch_depth = prefetch_depth
+
+    def run(self) -> Any:
+        endless: Any = self.dataloader_iterator  # type: ignore[has-type]
+        prefetching = _Prefetching(endless, _device_of(self.runner), self.prefetch_depth)
+        self.dataloader_iterator = prefetching
+        try:
+            return super().run()
+        finally:
+            prefetching.close()
+            self.dataloader_iterator = endless

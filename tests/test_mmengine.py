@@ -1,0 +1,344 @@
+"""mtc_loader.mmengine: a real ``Runner.train()`` with the config switch gives the model bitwise the
+data that mmengine's own pipeline (``pseudo_collate`` + ``cast_data``) gives it.
+
+The samples hold data samples (a ``Det3DDataSample``-like subclass of ``BaseDataElement`` with a
+property-backed field) whose ``InstanceData`` carries variable-length boxes (a box class that
+wraps a tensor, registered here) and labels, plus metainfo with numpy arrays and a non-tensor
+data field. Skipped where mmengine is not installed. The ``cuda`` variants run on the GPU
+machine.
+"""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import warnings
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+with warnings.catch_warnings():  # mmengine's imports warn (torch.jit.script is deprecated)
+    warnings.simplefilter("ignore")
+    mmengine = pytest.importorskip("mmengine", reason="needs mmengine (the test extra installs it)")
+    from mmengine.dataset import pseudo_collate
+    from mmengine.model import BaseDataPreprocessor, BaseModel
+    from mmengine.registry import FUNCTIONS, LOOPS, MODELS
+    from mmengine.runner import Runner
+    from mmengine.structures import BaseDataElement, InstanceData, PixelData
+
+    import mtc_loader
+    import mtc_loader.mmengine as mm
+from conftest import assert_bitwise, requires_cuda  # noqa: E402,I100
+
+DEVICES = ["cpu", pytest.param("cuda:0", marks=requires_cuda)]
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+class LiDARBoxes:
+    """mmdet3d's LiDARInstance3DBoxes in small: an (N, 7) tensor plus plain fields."""
+
+    def __init__(self, tensor: torch.Tensor, box_dim: int = 7, with_yaw: bool = True, origin=(0.5, 0.5, 0)):
+        assert isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == box_dim
+        self.tensor, self.box_dim, self.with_yaw, self.origin = tensor, box_dim, with_yaw, origin
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+    def to(self, device, *args, **kwargs) -> "LiDARBoxes":
+        return type(self)(self.tensor.to(device, *args, **kwargs), self.box_dim, self.with_yaw, self.origin)
+
+
+def _boxes_flatten(b):
+    return [b.tensor], (type(b), b.box_dim, b.with_yaw, b.origin)
+
+
+def _boxes_unflatten(values, context):
+    cls, box_dim, with_yaw, origin = context
+    b = cls.__new__(cls)
+    b.tensor, b.box_dim, b.with_yaw, b.origin = values[0], box_dim, with_yaw, origin
+    return b
+
+
+mtc_loader.register_container(LiDARBoxes, _boxes_flatten, _boxes_unflatten)
+
+
+class Det3DSample(BaseDataElement):
+    """mmdet3d's Det3DDataSample in small: a property stored in the private field."""
+
+    @property
+    def gt_instances_3d(self) -> InstanceData:
+        return self._gt_instances_3d
+
+    @gt_instances_3d.setter
+    def gt_instances_3d(self, value: InstanceData) -> None:
+        self.set_field(value, "_gt_instances_3d", dtype=InstanceData)
+
+
+def make_sample(i: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    n = 1 + (i * 7) % 23  # variable-length boxes and labels
+    gt = InstanceData(metainfo={"sample_idx": i})
+    gt.bboxes_3d = LiDARBoxes(torch.rand(n, 7, generator=g))
+    gt.labels_3d = torch.randint(0, 10, (n,), generator=g)
+    gt.names = [f"c{j}" for j in range(n)]  # a non-tensor data field: kept as it is
+    ds = Det3DSample(metainfo={"lidar2img": np.eye(4) * i, "token": f"tok{i}", "box_type_3d": LiDARBoxes})
+    ds.gt_instances_3d = gt
+    ds.depth = PixelData(data=torch.rand(1, 4, 6, generator=g))
+    ds.eval_ann = np.arange(n)  # numpy in a data field: BaseDataElement.to keeps it
+    return {"inputs": {"points": torch.rand(100 + 13 * i, 4, generator=g)}, "data_samples": ds}
+
+
+class Samples(torch.utils.data.Dataset):
+    metainfo = {"classes": tuple(f"c{j}" for j in range(10))}
+
+    def __init__(self, n: int = 12) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return make_sample(i)
+
+
+def snapshot(x):
+    """What the model received, as plain comparable values (tensors cloned with their device)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", str(x.device), x.detach().cpu().clone())
+    if isinstance(x, BaseDataElement):
+        d = {k: (sorted(v) if k in ("_metainfo_fields", "_data_fields") else snapshot(v))
+             for k, v in vars(x).items()}
+        return (type(x).__name__, sorted(d.items(), key=lambda kv: kv[0]))
+    if isinstance(x, LiDARBoxes):
+        return ("LiDARBoxes", snapshot(x.tensor), x.box_dim, x.with_yaw, x.origin)
+    if isinstance(x, dict):
+        return (type(x).__name__, [(k, snapshot(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [snapshot(v) for v in x])
+    if isinstance(x, np.ndarray):
+        return ("ndarray", x.dtype.str, x.tolist())
+    return x
+
+
+def assert_same(a, b, where="batch"):
+    if isinstance(a, tuple) and a and a[0] == "tensor":
+        assert isinstance(b, tuple) and b[0] == "tensor", where
+        assert a[1] == b[1], f"{where}: device {a[1]} != {b[1]}"
+        assert_bitwise(a[2], b[2], where)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r:.200} != {b!r:.200}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+SEEN: list = []
+
+
+class ToyModel(BaseModel):
+    def __init__(self, data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        SEEN.append(snapshot({"inputs": inputs, "data_samples": data_samples}))
+        loss = self.w.sum() * sum(float(p.sum()) for p in inputs["points"]) * 0
+        return {"loss": loss}
+
+
+def train(tmp_path, device, workers, switch, *, loop="epoch", context=None):
+    """The batches the model received in one epoch (max_iters 3 for the iteration loop)."""
+    SEEN.clear()
+    pre = dict(type="BaseDataPreprocessor")
+    # the iteration loop's prefetching runs up to prefetch_depth batches ahead: more samples than
+    # max_iters needs, so that it does not restart the DataLoader at the end
+    loader = dict(dataset=Samples(12 if loop == "epoch" else 24), sampler=dict(type="DefaultSampler", shuffle=False), batch_size=4,
+                  num_workers=workers, persistent_workers=False)
+    if context is not None:
+        loader["multiprocessing_context"] = context
+    if loop == "epoch":
+        train_cfg = dict(by_epoch=True, max_epochs=1)
+    else:
+        train_cfg = dict(type="IterBasedTrainLoop", max_iters=3)
+    if switch:
+        loader["collate_fn"] = dict(type="mtc_packed_collate")
+        pre = dict(type="MTCDataPreprocessor", preprocessor=pre, arena_bytes=64 << 20)
+        train_cfg = dict(train_cfg, type="MTCEpochBasedTrainLoop" if loop == "epoch" else "MTCIterBasedTrainLoop")
+        train_cfg.pop("by_epoch", None)
+    # the Runner puts the model on mmengine.device.get_device() (CUDA wherever there is one): here
+    # on the device under test
+    with mock.patch("mmengine.runner.runner.get_device", return_value=device):
+        return _train(tmp_path, switch, pre, loader, train_cfg)
+
+
+def _train(tmp_path, switch, pre, loader, train_cfg):
+    runner = Runner(
+        model=ToyModel(data_preprocessor=pre), work_dir=str(tmp_path / ("on" if switch else "off")),
+        train_dataloader=loader, train_cfg=train_cfg, optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.01)),
+        default_hooks=dict(checkpoint=None, logger=None), log_level="ERROR",
+        env_cfg=dict(cudnn_benchmark=False, dist_cfg=dict(backend="gloo")),
+        default_scope=None, cfg=dict(),
+    )
+    runner.train()
+    return list(SEEN)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_runner_train_gets_the_same_data(tmp_path, device, workers):
+    ref = train(tmp_path, device, workers, switch=False)
+    allocs = mm.packed_collate.arena.stats()["allocs"] if mm.packed_collate.arena is not None else 0
+    with mock.patch.object(BaseDataPreprocessor, "cast_data", autospec=True,
+                           side_effect=BaseDataPreprocessor.cast_data) as cast:
+        got = train(tmp_path, device, workers, switch=True)
+    assert cast.call_count == 0  # prefetched on the device: no per-tensor .to() on the training thread
+    assert len(ref) == len(got) == 3
+    assert mm.packed_collate.arena.stats()["allocs"] == allocs + 3  # every batch was packed
+    assert_same(got, ref)
+    tags = set()
+    devices = set()
+    _walk(got, tags, devices)
+    assert devices == {str(torch.device(device))}
+    assert {"Det3DSample", "InstanceData", "PixelData", "LiDARBoxes"} <= tags
+
+
+def _walk(snap, tags, devices):
+    if isinstance(snap, tuple) and snap and snap[0] == "tensor":
+        devices.add(snap[1])
+        return
+    if isinstance(snap, (tuple, list)):
+        if snap and isinstance(snap[0], str):
+            tags.add(snap[0])
+        for x in snap:
+            _walk(x, tags, devices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_iteration_loop_and_spawn_workers(tmp_path, device):
+    ref = train(tmp_path, device, 2, switch=False, loop="iter", context="spawn")
+    got = train(tmp_path, device, 2, switch=True, loop="iter", context="spawn")
+    assert len(ref) == len(got) == 3
+    assert_same(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_preprocessor_unpacks_a_packed_batch_with_the_inner_pipeline(device):
+    batch = [make_sample(i) for i in range(5)]
+    pre = mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor")).to(device)
+    assert pre.device == pre.preprocessor.device == torch.device(device)
+    ref = BaseDataPreprocessor().to(device)(pseudo_collate(batch))
+    packed = FUNCTIONS.get("mtc_packed_collate")(batch)
+    assert isinstance(packed, mtc_loader.PackedBatch)
+    out = pre(packed)
+    assert_same(snapshot(out), snapshot(ref))
+    # not packed: the wrapped preprocessor's own cast_data
+    assert_same(snapshot(pre(pseudo_collate(batch))), snapshot(ref))
+
+
+@MODELS.register_module(force=True)
+class PeekingPreprocessor(BaseDataPreprocessor):
+    """Reads the batch before its cast_data (as Det3DDataPreprocessor does), then transforms."""
+
+    def forward(self, data, training=False):
+        n = len(data["inputs"]["points"])
+        data = self.cast_data(data)
+        return {"inputs": {"points": [p * 2 for p in data["inputs"]["points"]], "n": n},
+                "data_samples": data["data_samples"]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrapped_preprocessor_runs_on_the_unpacked_batch_with_cast_data_a_no_op(device):
+    batch = [make_sample(i) for i in range(3)]
+    ref = PeekingPreprocessor().to(device)(pseudo_collate(batch))
+    pre = mm.MTCDataPreprocessor(dict(type="PeekingPreprocessor")).to(device)
+    with mock.patch.object(BaseDataPreprocessor, "cast_data", autospec=True,
+                           side_effect=BaseDataPreprocessor.cast_data) as cast:
+        out = pre(mm.packed_collate(batch), True)
+        assert cast.call_count == 0  # the batch was on the device: nothing moved twice
+        plain = pre(pseudo_collate(batch), True)
+        assert cast.call_count > 0  # a batch that is not packed: the wrapped cast_data as usual
+    assert_same(snapshot(out), snapshot(ref))
+    assert_same(snapshot(plain), snapshot(ref))
+
+
+class WithExtras(InstanceData):
+    """A user subclass with extra fields of every kind."""
+
+
+def test_subclass_with_extra_fields_round_trips():
+    e = WithExtras(metainfo={"scale": np.array([1.5, 2.0]), "flip": True})
+    e.boxes = torch.rand(3, 4)
+    e.scores = torch.rand(3)
+    e.tags = ["a", "b", "c"]
+    e.mask = np.ones((3, 2), bool)
+    e.nested = [torch.ones(1), torch.zeros(1), torch.ones(1)]  # a list: kept as it is (not moved by .to)
+    e.sub = InstanceData(x=torch.arange(3))
+    packed = mm.packed_collate([{"e": e}])
+    out = packed.unpack("cpu")["e"][0]
+    ref = pseudo_collate([{"e": e}])["e"][0].to("cpu")
+    assert type(out) is WithExtras
+    assert_same(snapshot(out), snapshot(ref))
+    assert sorted(out.metainfo_keys()) == sorted(ref.metainfo_keys()) == ["flip", "scale"] and out.flip is True
+    assert len(out) == 3 and isinstance(out[0:2], WithExtras)  # still a working InstanceData
+    out.pop("scores")
+    assert "scores" in e and "scores" not in out  # its own field sets
+    # start_copy keeps the metainfo objects themselves
+    out2 = mtc_loader.start_copy(e, "cpu").get()
+    assert out2.scale is e.scale and out2.mask is e.mask and out2.tags is e.tags
+    assert_bitwise(out2.boxes, e.boxes)
+
+
+class UnknownBoxes:
+    def __init__(self, t):
+        self.t = t
+
+    def __len__(self):
+        return len(self.t)
+
+    def to(self, device):
+        return UnknownBoxes(self.t.to(device))
+
+
+def test_unregistered_box_class_is_refused_by_path():
+    gt = InstanceData(labels=torch.arange(2))
+    gt.bboxes = UnknownBoxes(torch.rand(2, 7))
+    with pytest.raises(TypeError, match=r"data\[1\]\['gt'\] \(a mmengine.structures.instance_data.InstanceData\)"
+                                        r".*data field 'bboxes' .* holds a .*UnknownBoxes, which BaseDataElement.to "
+                                        r"moves .* register it with mtc_loader.register_container"):
+        mtc_loader.start_copy([0, {"gt": gt}], "cpu").get()
+
+
+def test_bad_registrations_of_data_elements():
+    with pytest.raises(ValueError, match="BaseDataElement is registered already"):
+        mtc_loader.register_container(BaseDataElement, mm._flatten_element, mm._unflatten_element)
+    with pytest.raises(TypeError, match=r"register_container\(.*WithExtras\): flatten must be callable"):
+        mtc_loader.register_container(WithExtras, None, mm._unflatten_element)  # type: ignore[arg-type]
+
+
+def test_registered_names():
+    assert FUNCTIONS.get("mtc_packed_collate") is mm.packed_collate
+    assert MODELS.get("MTCDataPreprocessor") is mm.MTCDataPreprocessor
+    assert LOOPS.get("MTCEpochBasedTrainLoop") is mm.MTCEpochBasedTrainLoop
+    assert LOOPS.get("MTCIterBasedTrainLoop") is mm.MTCIterBasedTrainLoop
+    mm.packed_collate.arm()
+    state = pickle.loads(pickle.dumps(mm.packed_collate))  # what a spawn worker receives
+    assert state.arena is mm.packed_collate.arena  # the same arena (this process holds it)
+
+
+def test_import_mtc_loader_does_not_import_mmengine():
+    code = "import sys, mtc_loader; assert 'mmengine' not in sys.modules; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_clear_import_error_without_mmengine():
+    code = ("import sys; sys.modules['mmengine'] = None\n"
+            "try:\n    import mtc_loader.mmengine\nexcept ImportError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "mtc_loader.mmengine needs mmengine (pip install mmengine)" in r.stdout, r.stderr
