@@ -140,7 +140,8 @@ def warn_escaped() -> None:
         "skeleton, not through the arena), or kept by the collate_fn. It keeps its own memory, "
         "and this process stacks the next batch into fresh memory (slower: see "
         "PackedCollate.stats()['scratch_retired']). Return such data in lists, tuples, dicts or "
-        "dataclasses to keep the fast path.", RuntimeWarning, stacklevel=3)
+        "dataclasses, or register its class with mtc_loader.register_container, to keep the "
+        "fast path.", RuntimeWarning, stacklevel=3)
 
 
 _TLS = threading.local()
