@@ -613,8 +613,13 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     lt.shape = L->shape;
     PyObject *chunks[1] = {chunk};
     int rc = -1;
-    if (!mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs) && (h->result = mtc_rebuild(st, &h->tree, outputs)))
-        rc = 0;
+    int64_t t0 = mtc_now_ns();
+    if (!mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs)) {
+        int64_t t1 = mtc_now_ns();
+        mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
+        if ((h->result = mtc_rebuild(st, &h->tree, outputs))) rc = 0;
+        mtc_cnt.ns_unpack_rebuild += (uint64_t)(mtc_now_ns() - t1);
+    }
     for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
     PyMem_Free(outputs);
     return rc;
@@ -666,10 +671,15 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         goto error;
     }
     int background = PyObject_IsTrue(args[7]);
+    int64_t t0 = mtc_now_ns();
     if (background < 0 || _unpack_decode(st, a, off, nbytes, owner, args[4], &L)) goto error;
+    int64_t t1 = mtc_now_ns();
+    mtc_cnt.ns_unpack_decode += (uint64_t)(t1 - t0);
     if (!(h = mtc_handle_new(st))) goto error;
     h->tree.slots = 1;
     if (mtc_traverse(st, args[5], &h->tree)) goto error;
+    t0 = mtc_now_ns();
+    mtc_cnt.ns_unpack_rebuild += (uint64_t)(t0 - t1);
     if (h->tree.nslots != L.nleaves || h->tree.nleaves) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
@@ -677,6 +687,8 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     int64_t align = L.nleaves ? L.plan.chunks[0].align : 1;
     if (_unpack_copy(st, h, ao, off, nbytes, align, (int)target, background, &chunk, &skip, &region_owned))
         goto error;
+    mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
+    mtc_cnt.unpacks++;
     if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
     if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk, skip)) goto error;
     Py_DECREF(chunk);

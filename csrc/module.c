@@ -135,6 +135,9 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("chunks", mtc_cnt.chunks);
     P("ns_traverse", mtc_cnt.ns_traverse); P("ns_plan", mtc_cnt.ns_plan);
     P("ns_outputs", mtc_cnt.ns_outputs); P("ns_views", mtc_cnt.ns_views); P("ns_get_wait", mtc_cnt.ns_wait);
+    P("unpacks", mtc_cnt.unpacks); P("ns_unpack_decode", mtc_cnt.ns_unpack_decode);
+    P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
+    P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);

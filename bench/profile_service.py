@@ -1,0 +1,201 @@
+"""Where the prefetch service's CPU per packed batch goes, stage by stage.
+
+    python3 bench/profile_service.py [--device cuda:0] [--batches 60] [--samples 8]
+                                     [--height 256 --width 448] [--json PATH]
+
+The batch is bench_train's (``collate_samples``): per sample 6 uint8 camera images stacked by
+``default_collate`` and 33 small meta-data tensors kept per sample, so 8 samples make 1 image
+tensor + 264 small tensors (265 leaves). Every figure is the calling thread's CPU time
+(``time.thread_time``) per batch, median over ``--batches`` batches, in ms:
+
+- ``receive``: what the main process does for the descriptor a worker sends: ``pickle.loads``
+  of the ``PackedBatch`` (layout, skeleton, the arena's region taken over);
+- ``start_copy``: ``PackedBatch.start_copy(dev).get()``, and the engine's own split of it
+  (``ns_unpack_*`` of ``mtc_loader.stats()``): layout decode, the copy's set-up (chunk, DMA or
+  memcpy), the views, the skeleton walk and rebuild;
+- ``side_copy``: ``start_side_copy(batch, dev).get()`` (the service's path: + event, record);
+- ``to``: ``PackedBatch.to(dev)`` in a hot loop (per leaf too);
+- ``gil retakes``: the service's path run next to a thread that spins in Python (as a
+  launch-bound training thread holds the GIL): every time the service releases the GIL it waits
+  for a forced switch (``sys.setswitchinterval``, 2 ms here), so (wall - CPU) / interval counts
+  the hand-offs per batch.
+
+The ``--height/--width`` default is bench_train's launch loop; on the CPU the copy is a memcpy of
+the whole batch, so ``--device cpu`` defaults to 8x8 images to leave the per-leaf work visible.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mtc_loader  # noqa: E402
+from bench_train import CameraSamples, collate_samples  # noqa: E402
+
+STAGES = ["ns_unpack_decode", "ns_unpack_copy", "ns_unpack_views", "ns_unpack_rebuild"]
+
+
+def make_batches(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, samples: int) -> list:
+    return [collate([ds[(k * samples + j) % len(ds)] for j in range(samples)]) for k in range(n)]
+
+
+def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, samples: int) -> tuple[list, list]:
+    """Batches as a worker would send them: packed in a forked child, pickled, loaded here."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the "worker"
+        os.close(r)
+        try:
+            from torch.utils.data import _utils
+            _utils.worker._worker_info = _utils.worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=ds)
+            blobs = [pickle.dumps(b) for b in make_batches(collate, ds, n, samples)]
+            data = pickle.dumps(blobs)
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        blobs = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    times, batches = [], []
+    for b in blobs:
+        t0 = time.thread_time()
+        batches.append(pickle.loads(b))
+        times.append(time.thread_time() - t0)
+    return batches, times
+
+
+def timed(fn, items) -> list[float]:
+    out = []
+    for x in items:
+        t0 = time.thread_time()
+        fn(x)
+        out.append(time.thread_time() - t0)
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def engine_split(fn, items, device) -> dict[str, float]:
+    before = mtc_loader.stats()
+    if "unpacks" not in before:  # an engine without the unpack counters
+        return {}
+    for x in items:
+        fn(x)
+    sync(device)
+    after = mtc_loader.stats()
+    n = after["unpacks"] - before["unpacks"]
+    return {k[10:]: (after[k] - before[k]) / max(n, 1) / 1e6 for k in STAGES}
+
+
+def gil_retakes(fn, items, interval: float = 2e-3) -> tuple[float, float]:
+    """(retakes per batch, CPU ms per batch) of fn next to a thread spinning in Python."""
+    stop = False
+
+    def spin() -> None:
+        x = 0
+        while not stop:
+            x += 1
+
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    time.sleep(0.05)
+    walls, cpus = [], []
+    try:
+        for x in items:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn(x)
+            cpus.append(time.thread_time() - c0)
+            walls.append(time.perf_counter() - w0)
+    finally:
+        stop = True
+        th.join()
+        sys.setswitchinterval(saved)
+    wall, cpu = statistics.median(walls), statistics.median(cpus)
+    return (wall - cpu) / interval, cpu * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", type=int, default=60)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = a.device
+    cpu = not dev.startswith("cuda")
+    h = a.height or (8 if cpu else 256)
+    w = a.width or (8 if cpu else 448)
+    ds = CameraSamples(64, 16, h, w)
+    one = collate_samples([ds[j] for j in range(a.samples)])
+    nbytes = sum(t.numel() * t.element_size() for t in _leaves(one))
+    collate = mtc_loader.PackedCollate(collate_samples, arena_bytes=max(64 << 20, 4 * (a.batches + 8) * nbytes))
+    n = a.batches
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    res: dict[str, float] = {}
+
+    def fresh() -> list:
+        return make_batches(collate, ds, n, a.samples)
+
+    # warm-up: CUDA context, arena registration, the engine's threads
+    for b in fresh()[:4]:
+        b.start_copy(dev).get()
+    batches, recv = received(collate, ds, n, a.samples)
+    res["receive (pickle.loads of a PackedBatch)"] = med(recv)
+    for b in batches:
+        b.start_copy(dev).get()
+    res["start_copy(dev).get()"] = med(timed(lambda b: b.start_copy(dev).get(), fresh()))
+    split = engine_split(lambda b: b.start_copy(dev).get(), fresh(), dev)
+    for k, v in split.items():
+        res[f"  engine {k}"] = v
+    if not cpu:
+        stream = mtc_loader.copy_stream(dev)
+        with torch.cuda.stream(stream):
+            pass
+        res["start_side_copy(dev).get()"] = med(timed(lambda b: mtc_loader.start_side_copy(b, dev).get(), fresh()))
+    res["PackedBatch.to(dev), hot loop"] = med(timed(lambda b: b.to(dev), fresh()))
+    sync(dev)
+    leaves = len(_leaves(one))
+    res["  per leaf (us)"] = res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves
+    path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
+    retakes, busy_cpu = gil_retakes(path, fresh())
+    res["GIL retakes per batch (next to a spinning thread)"] = retakes
+    res["  CPU ms per batch next to a spinning thread"] = busy_cpu
+    print(f"device {dev}, {a.samples} samples of {h}x{w} images: {leaves} leaves, {nbytes / 1e6:.1f} MB, "
+          f"medians of {n} batches, thread CPU ms per batch")
+    for k, v in res.items():
+        print(f"  {k:<55s} {v:8.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": dev, "leaves": leaves, "results": res}, f, indent=1)
+    return 0
+
+
+def _leaves(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _leaves(v)]
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
