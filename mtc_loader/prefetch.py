@@ -79,7 +79,7 @@ class SideCopy:
     def __init__(self, handle: Any, index: int) -> None:
         self._handle, self._index = handle, index
         self._result: Any = None
-        self._event: Optional[torch.cuda.Event] = None
+        self._event = 0  # raw handle of the copy stream's pooled event (_engine.event_record), 0: none
         self._buffers: list[torch.Tensor] = []
         self._recorded: Optional[int] = None  # raw handle of the stream the buffers are recorded on
         self._done = False
@@ -104,8 +104,9 @@ class SideCopy:
         self._result = self._handle.get()
         if self._index >= 0:
             self._buffers = self._handle._h.buffers()
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record(_copy_stream(self._index))
+            # a pooled driver event recorded with the GIL held: torch.cuda.Event's record releases
+            # it, and a service thread then waits for a launch-bound training thread to give it back
+            self._event = _engine.event_record(self._index, _copy_stream(self._index).cuda_stream)
             if consumer is not None:
                 for buf in self._buffers:
                     buf.record_stream(consumer)
@@ -118,15 +119,18 @@ class SideCopy:
         records the buffers on it unless :meth:`_finish` already did. The wait is one driver call
         made with the GIL held. Returns the current stream when its buffers had to be recorded
         here (the prediction missed), else None."""
-        assert self._event is not None
+        assert self._event
         raw = _raw_current_stream(self._index)
-        _engine.stream_wait_event(self._index, raw, self._event.cuda_event)
+        event, self._event = self._event, 0
+        try:
+            _engine.stream_wait_event(self._index, raw, event)
+        finally:  # the wait took the record's state: the event is free again
+            _engine.event_release(self._index, event)
         fresh = None
         if raw != self._recorded:
             fresh = torch.cuda.current_stream(self._index)
             for buf in self._buffers:
                 buf.record_stream(fresh)
-        self._event = None
         self._buffers = []
         return fresh
 
@@ -141,9 +145,16 @@ class SideCopy:
             RuntimeError: If the copy failed (as :meth:`AsyncCopyHandle.get`).
         """
         self._finish()
-        if self._event is not None:
+        if self._event:
             self._hand_to_current()
         return self._result
+
+    def __del__(self) -> None:
+        if getattr(self, "_event", 0):  # never handed out: its event goes back to the pool
+            try:
+                _engine.event_release(self._index, self._event)
+            except Exception:  # interpreter shutdown
+                pass
 
 
 def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCopy:
@@ -504,7 +515,7 @@ class _HandOut:
         # No call here releases the GIL (the event wait is one driver call made with it held,
         # the buffers were recorded on the predicted stream by the service): releasing it would
         # let the service thread, woken for the next batch, take it for up to a switch interval.
-        if side._event is not None:
+        if side._event:
             fresh = side._hand_to_current()
             if fresh is not None:
                 self.service.consumer = fresh

@@ -230,6 +230,26 @@ def test_stream_wait_event_refuses_bad_arguments(args, err, match):
         mtc_loader._engine.stream_wait_event(*args)
 
 
+@pytest.mark.parametrize("args, err, match", [
+    ((-1, 0), ValueError, "device index in \\[0, 64\\), got -1"),
+    ((64, 0), ValueError, "got 64"),
+    ((0,), TypeError, "takes 2 arguments"),
+    ((0, "s"), TypeError, "integer"),
+])
+def test_event_record_refuses_bad_arguments(args, err, match):
+    """The service's pooled event (recorded with the GIL held) checks what it is given first."""
+    with pytest.raises(err, match=match):
+        mtc_loader._engine.event_record(*args)
+
+
+def test_event_record_without_a_driver_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
+    with pytest.raises(RuntimeError, match="recording a batch's event .* failed: libcuda"):
+        mtc_loader._engine.event_record(0, 0)
+    mtc_loader._engine.event_release(0, 0)  # nothing to give back: ignored
+
+
 def test_stream_wait_event_without_a_driver_says_why():
     if torch.cuda.is_available():
         pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")

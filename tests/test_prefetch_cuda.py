@@ -64,10 +64,11 @@ def test_copy_overlaps_a_long_kernel():
     torch.cuda._sleep(LONG_KERNEL_CYCLES)
     side = mtc_loader.start_side_copy(data, "cuda")
     side._finish()
+    copies = mtc_loader.copy_stream("cuda")  # its last work: the copy and the event after it
     deadline = time.monotonic() + 0.5
-    while not side._event.query() and time.monotonic() < deadline:
+    while not copies.query() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert side._event.query(), "the side copy did not finish while the kernel ran"
+    assert copies.query(), "the side copy did not finish while the kernel ran"
     assert not cur.query(), "the long kernel ended too soon for this test to mean anything"
     out = side.get()  # the current stream now waits for the copy (already done)
     plain = mtc_loader.start_copy(data, "cuda").get()
@@ -226,6 +227,26 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     del it
     wait_no_service_threads()
     assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
+
+
+def test_pooled_event_orders_the_waiting_stream_and_is_reused():
+    """The service's event (engine pool, recorded with the GIL held) makes a waiting stream wait
+    for the work recorded before it; once waited for, it goes back to the pool and is reused."""
+    producer, waiter = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(LONG_KERNEL_CYCLES // 4)  # ~250 ms
+    ev = mtc_loader._engine.event_record(0, producer.cuda_stream)
+    assert ev
+    mtc_loader._engine.stream_wait_event(0, waiter.cuda_stream, ev)
+    mtc_loader._engine.event_release(0, ev)
+    after = torch.cuda.Event()
+    after.record(waiter)
+    assert not after.query(), "the waiting stream did not wait for the event"
+    again = mtc_loader._engine.event_record(0, waiter.cuda_stream)
+    assert again == ev, "a released event is reused"
+    mtc_loader._engine.event_release(0, again)
+    after.synchronize()
+    assert producer.query()
 
 
 def test_stream_wait_event_from_a_thread_without_a_cuda_context():
