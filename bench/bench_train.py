@@ -24,7 +24,7 @@ Configurations (``--config``):
 - ``launch``: 256x448 images (17 MB per batch), conv width 64: a few ms per step on an H100, and
   launch-bound: the training thread's ~250 kernel launches per step take longer than the GPU's
   work, so every microsecond the loader costs the training thread shows;
-- ``launch5``: the ``launch`` images with conv width 32 (a step of at most about 5 ms on an H100),
+- ``launch5``: the ``launch`` images with conv width 16 (a step of at most about 5 ms on an H100),
   and workers that make every sample (``__getitem__`` draws the meta-data of index i and a new
   image tensor): the service's CPU per batch shows in full;
 - ``gpu``: 512x896 images (66 MB per batch), width 128: tens of ms per step (about 55 on an
@@ -131,7 +131,7 @@ class Config:
     fresh: bool = False  # the workers make every sample (no pool)
 
 
-CONFIGS = {"launch": Config(256, 448, 64), "gpu": Config(512, 896, 128), "launch5": Config(256, 448, 32, True)}
+CONFIGS = {"launch": Config(256, 448, 64), "gpu": Config(512, 896, 128), "launch5": Config(256, 448, 16, True)}
 QUICK_CONFIGS = {"launch": Config(32, 56, 8), "gpu": Config(64, 112, 16),  # smoke runs, CPU included
                  "launch5": Config(32, 56, 8, True)}
 

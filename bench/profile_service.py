@@ -153,10 +153,11 @@ def main() -> int:
     def fresh() -> list:
         return make_batches(collate, ds, n, a.samples)
 
+    # first, before any thread of the engine or of CUDA exists: the forked "worker" packs
+    batches, recv = received(collate, ds, n, a.samples)
     # warm-up: CUDA context, arena registration, the engine's threads
     for b in fresh()[:4]:
         b.start_copy(dev).get()
-    batches, recv = received(collate, ds, n, a.samples)
     res["receive (pickle.loads of a PackedBatch)"] = med(recv)
     for b in batches:
         b.start_copy(dev).get()

@@ -349,7 +349,7 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
     if (job->err) { /* only file reads fail here */
         rc = -1;
         PyObject *exc = job->err_leaf >= 0 && (t->leaves[job->err_leaf].flags & MTC_LEAF_FILE)
-                            ? mtc_files_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
+                            ? mtc_leaf_file_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
                             : (PyErr_Format(PyExc_RuntimeError, "mtc_loader: packing the batch failed while %s: %s",
                                             job->err_where, strerror(-job->err)), NULL);
         if (exc) {

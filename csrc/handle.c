@@ -42,7 +42,7 @@ void mtc_handle_finish(mtc_handle *h)
     } else if (j && j->err && j->err_leaf >= 0 && (uint32_t)j->err_leaf < h->tree.nleaves &&
                (h->tree.leaves[j->err_leaf].flags & MTC_LEAF_FILE)) {
         /* a failed file read: the exception names the file and the leaf */
-        if (!(error = mtc_files_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
+        if (!(error = mtc_leaf_file_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
             PyErr_Clear();
     } else if (j && j->err) {
         char desc[256];
