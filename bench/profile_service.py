@@ -15,6 +15,8 @@ tensor + 264 small tensors (265 leaves). Every figure is the calling thread's CP
   memcpy), the views, the skeleton walk and rebuild;
 - ``side_copy``: ``start_side_copy(batch, dev).get()`` (the service's path: + event, record);
 - ``to``: ``PackedBatch.to(dev)`` in a hot loop (per leaf too);
+- ``service``: a PrefetchLoader over a DataLoader of 2 workers, its consumer spinning in Python for
+  ``--step-ms`` per batch: ``stats()`` (``service_cpu_ms_per_batch``) and the engine split per batch;
 - ``gil retakes``: the service's path run next to a thread that spins in Python (as a
   launch-bound training thread holds the GIL): every time the service releases the GIL it waits
   for a forced switch (``sys.setswitchinterval``, 2 ms here), so (wall - CPU) / interval counts
@@ -48,7 +50,9 @@ def make_batches(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, s
 
 
 def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, samples: int) -> tuple[list, list]:
-    """Batches as a worker would send them: packed in a forked child, pickled, loaded here."""
+    """Batches as a worker sends them: packed in a forked child, their descriptors pickled, and
+    here ``pickle.loads`` + the PackedBatch's rebuild (the arena's region taken over), timed."""
+    from mtc_loader.collate import _rebuild_batch
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the "worker"
@@ -56,10 +60,9 @@ def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, sampl
         try:
             from torch.utils.data import _utils
             _utils.worker._worker_info = _utils.worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=ds)
-            blobs = [pickle.dumps(b) for b in make_batches(collate, ds, n, samples)]
-            data = pickle.dumps(blobs)
+            blobs = [pickle.dumps(b.__reduce__()[1]) for b in make_batches(collate, ds, n, samples)]
             with os.fdopen(w, "wb") as f:
-                f.write(data)
+                f.write(pickle.dumps(blobs))
         finally:
             os._exit(0)
     os.close(w)
@@ -69,9 +72,39 @@ def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, sampl
     times, batches = [], []
     for b in blobs:
         t0 = time.thread_time()
-        batches.append(pickle.loads(b))
+        batches.append(_rebuild_batch(*pickle.loads(b)))
         times.append(time.thread_time() - t0)
     return batches, times
+
+
+def service(collate: mtc_loader.PackedCollate, ds: CameraSamples, dev: str, n: int, samples: int,
+            step_s: float) -> dict[str, float]:
+    """The real service: PrefetchLoader over a DataLoader (2 workers) of packed batches, its
+    consumer a thread that holds the GIL spinning in Python for step_s per batch (a launch-bound
+    training thread). stats() of the loader and the engine's unpack split per batch."""
+    from torch.utils.data import DataLoader
+    loader = DataLoader(ds, batch_size=samples, num_workers=2, collate_fn=collate, persistent_workers=True)
+    pl = mtc_loader.PrefetchLoader(loader, dev, depth=2)
+    for _ in pl:  # warm-up epoch
+        pass
+    pl.reset_stats()
+    before = mtc_loader.stats()
+    t0 = time.perf_counter()
+    k = 0
+    for _ in pl:
+        end = time.perf_counter() + step_s
+        while time.perf_counter() < end:
+            pass
+        k += 1
+    wall = (time.perf_counter() - t0) / k
+    after = mtc_loader.stats()
+    st = pl.stats()
+    out = {"service_cpu_ms_per_batch": st["service_cpu_ms_per_batch"], "wait_ms_per_batch": st["wait_ms_per_batch"],
+           "step_ms_per_batch": st["step_ms_per_batch"], "wall_ms_per_batch": wall * 1e3}
+    for key in STAGES if "unpacks" in after else []:
+        out["engine " + key[10:]] = (after[key] - before[key]) / k / 1e6
+    del pl, loader
+    return out
 
 
 def timed(fn, items) -> list[float]:
@@ -137,12 +170,13 @@ def main() -> int:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--step-ms", type=float, default=5.0, help="the spinning consumer's step (service stage)")
     a = ap.parse_args()
     dev = a.device
     cpu = not dev.startswith("cuda")
     h = a.height or (8 if cpu else 256)
     w = a.width or (8 if cpu else 448)
-    ds = CameraSamples(64, 16, h, w)
+    ds = CameraSamples(max(64, a.batches * a.samples), 16, h, w)
     one = collate_samples([ds[j] for j in range(a.samples)])
     nbytes = sum(t.numel() * t.element_size() for t in _leaves(one))
     collate = mtc_loader.PackedCollate(collate_samples, arena_bytes=max(64 << 20, 4 * (a.batches + 8) * nbytes))
@@ -176,6 +210,8 @@ def main() -> int:
     res["  per leaf (us)"] = res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
     retakes, busy_cpu = gil_retakes(path, fresh())
+    for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
+        res[f"service: {key}"] = v
     res["GIL retakes per batch (next to a spinning thread)"] = retakes
     res["  CPU ms per batch next to a spinning thread"] = busy_cpu
     print(f"device {dev}, {a.samples} samples of {h}x{w} images: {leaves} leaves, {nbytes / 1e6:.1f} MB, "
