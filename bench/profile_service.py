@@ -121,6 +121,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cprofile_service(batches: list, dev: str, cpu: bool) -> None:
+    """The service's per-batch path (start on the copy stream, finish, hand out) under cProfile."""
+    import cProfile
+    import pstats
+    from mtc_loader.prefetch import SideCopy, _start
+    index = -1 if cpu else torch.device(dev).index or 0
+    consumer = None if cpu else torch.cuda.current_stream(index)
+    prof = cProfile.Profile()
+    outs = []
+    prof.enable()
+    for b in batches:
+        side = SideCopy(_start(b, index if not cpu else "cpu", {}), index)
+        side._finish(consumer)
+        outs.append(side.get())
+    prof.disable()
+    sync(dev)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def engine_split(fn, items, device) -> dict[str, float]:
     before = mtc_loader.stats()
     if "unpacks" not in before:  # an engine without the unpack counters
@@ -170,6 +189,8 @@ def main() -> int:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cprofile", action="store_true", help="cProfile of the service's per-batch path")
+    ap.add_argument("--receive", action="store_true", help="time the receive (forks a packing child)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="the spinning consumer's step (service stage)")
     a = ap.parse_args()
     dev = a.device
@@ -187,37 +208,37 @@ def main() -> int:
     def fresh() -> list:
         return make_batches(collate, ds, n, a.samples)
 
-    # first, before any thread of the engine or of CUDA exists: the forked "worker" packs
-    batches, recv = received(collate, ds, n, a.samples)
+    leaves = len(_leaves(one))
+    print(f"device {dev}, {a.samples} samples of {h}x{w} images: {leaves} leaves, {nbytes / 1e6:.1f} MB, "
+          f"medians of {n} batches, thread CPU ms per batch", flush=True)
+
+    def put(k: str, v: float) -> None:
+        res[k] = v
+        print(f"  {k:<55s} {v:8.3f}", flush=True)
+
     # warm-up: CUDA context, arena registration, the engine's threads
     for b in fresh()[:4]:
         b.start_copy(dev).get()
-    res["receive (pickle.loads of a PackedBatch)"] = med(recv)
-    for b in batches:
-        b.start_copy(dev).get()
-    res["start_copy(dev).get()"] = med(timed(lambda b: b.start_copy(dev).get(), fresh()))
-    split = engine_split(lambda b: b.start_copy(dev).get(), fresh(), dev)
-    for k, v in split.items():
-        res[f"  engine {k}"] = v
+    put("start_copy(dev).get()", med(timed(lambda b: b.start_copy(dev).get(), fresh())))
+    for k, v in engine_split(lambda b: b.start_copy(dev).get(), fresh(), dev).items():
+        put(f"  engine {k}", v)
     if not cpu:
-        stream = mtc_loader.copy_stream(dev)
-        with torch.cuda.stream(stream):
-            pass
-        res["start_side_copy(dev).get()"] = med(timed(lambda b: mtc_loader.start_side_copy(b, dev).get(), fresh()))
-    res["PackedBatch.to(dev), hot loop"] = med(timed(lambda b: b.to(dev), fresh()))
+        put("start_side_copy(dev).get()", med(timed(lambda b: mtc_loader.start_side_copy(b, dev).get(), fresh())))
+    put("PackedBatch.to(dev), hot loop", med(timed(lambda b: b.to(dev), fresh())))
     sync(dev)
-    leaves = len(_leaves(one))
-    res["  per leaf (us)"] = res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves
+    put("  per leaf (us)", res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves)
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
     retakes, busy_cpu = gil_retakes(path, fresh())
+    put("GIL retakes per batch (next to a spinning thread)", retakes)
+    put("  CPU ms per batch next to a spinning thread", busy_cpu)
+    if a.cprofile:
+        cprofile_service(fresh(), dev, cpu)
     for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
-        res[f"service: {key}"] = v
-    res["GIL retakes per batch (next to a spinning thread)"] = retakes
-    res["  CPU ms per batch next to a spinning thread"] = busy_cpu
-    print(f"device {dev}, {a.samples} samples of {h}x{w} images: {leaves} leaves, {nbytes / 1e6:.1f} MB, "
-          f"medians of {n} batches, thread CPU ms per batch")
-    for k, v in res.items():
-        print(f"  {k:<55s} {v:8.3f}")
+        put(f"service: {key}", v)
+    if a.receive:
+        batches, recv = received(collate, ds, n, a.samples)
+        put("receive (pickle.loads + rebuild of a PackedBatch)", med(recv))
+        del batches
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": dev, "leaves": leaves, "results": res}, f, indent=1)
