@@ -614,7 +614,7 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     PyObject *chunks[1] = {chunk};
     int rc = -1;
     int64_t t0 = mtc_now_ns();
-    if (!mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs)) {
+    if ((h->keep = PyList_New(0)) && !mtc_out_views(st, &lt, &L->plan, chunks, &skip, outputs, h->keep)) {
         int64_t t1 = mtc_now_ns();
         mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
         if ((h->result = mtc_rebuild(st, &h->tree, outputs))) rc = 0;

@@ -184,14 +184,28 @@ static void Handle_dealloc(mtc_handle *h)
     Py_CLEAR(h->result);
     Py_CLEAR(h->error);
     Py_CLEAR(h->buffers);
+    Py_CLEAR(h->keep);
     tp->tp_free((PyObject *)h);
     Py_DECREF(tp);
+}
+
+/* temporaries() -> list: the temporary views made on the way to the outputs,
+ * taken out of the handle (a second call returns an empty list). Dropping a
+ * tensor releases the GIL: the prefetch service hands them to the caller's
+ * thread with the batch instead of dropping them itself. New reference. */
+static PyObject *Handle_temporaries(mtc_handle *h, PyObject *unused)
+{
+    PyObject *k = h->keep;
+    h->keep = NULL;
+    return k ? k : PyList_New(0);
 }
 
 static PyMethodDef Handle_methods[] = {
     {"ready", (PyCFunction)Handle_ready, METH_NOARGS, "True when get() would return without blocking."},
     {"get", (PyCFunction)Handle_get, METH_NOARGS, "Wait for the copy and return the copied structure."},
     {"buffers", (PyCFunction)Handle_buffers, METH_NOARGS, "The device tensors the outputs live in."},
+    {"temporaries", (PyCFunction)Handle_temporaries, METH_NOARGS,
+     "The temporary views made on the way to the outputs, taken out of the handle."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -223,5 +237,6 @@ mtc_handle *mtc_handle_new(mtc_state *st)
     h->finishing = 0;
     h->finishing_thread = 0;
     h->buffers = NULL;
+    h->keep = NULL;
     return h;
 }

@@ -55,6 +55,17 @@ static int _tuple_has_null(PyObject *tuple)
     return 0;
 }
 
+/* Appends a temporary tensor (a view made on the way to the outputs) to
+ * `keep` when there is one. Dropping a tensor's Python object releases the
+ * GIL (torch frees it without), and in a thread that shares the GIL with a
+ * launch-bound one every release costs a forced switch to take it back: the
+ * temporaries go with the outputs' buffers instead, and are dropped when the
+ * batch is handed out. 0 or -1. */
+static int _keep(PyObject *keep, PyObject *tmp)
+{
+    return keep ? PyList_Append(keep, tmp) : 0;
+}
+
 /* Stores the first `count` items of the sequence `parts` (torch's list or
  * tuple of views), skipping the items at the indices skip() names, as new
  * references in outputs[members[k]]. 0, or -1 with SystemError when torch
@@ -93,7 +104,7 @@ bad:
 /* A UNIFORM segment of several members at a fixed row: one as_strided view
  * (count, *shape) of the typed region, unbound. 0 or -1. */
 static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                          PyObject *typed, PyObject **outputs)
+                          PyObject *typed, PyObject **outputs, PyObject *keep)
 {
     const mtc_leaf *proto = &t->leaves[s->proto];
     int nd = proto->ndim, rc = -1;
@@ -111,12 +122,12 @@ static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
     /* an item that failed to allocate is NULL: never hand torch such a tuple */
     if (_tuple_has_null(size) || _tuple_has_null(stride)) goto out;
     PyObject *a2[2] = {size, stride};
-    if (!(shaped = _call_method(typed, st->s_as_strided, a2, 2))) goto out;
+    if (!(shaped = _call_method(typed, st->s_as_strided, a2, 2)) || _keep(keep, shaped)) goto out;
     PyObject *zero = PyLong_FromLong(0);
     if (!zero) goto out;
     parts = _call_method(shaped, st->s_unbind, &zero, 1);
     Py_DECREF(zero);
-    if (parts) rc = _store_views(parts, t, p, s, 0, outputs);
+    if (parts && !_keep(keep, parts)) rc = _store_views(parts, t, p, s, 0, outputs);
 out:
     Py_XDECREF(size);
     Py_XDECREF(stride);
@@ -156,7 +167,7 @@ static PyObject *_split_sizes(const mtc_tree *t, const mtc_plan *p, const mtc_se
 /* A SPLIT segment: the typed region viewed as (rows, *trailing), cut at the
  * member starts with one split_with_sizes. 0 or -1. */
 static int _split_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                        PyObject *typed, PyObject **outputs)
+                        PyObject *typed, PyObject **outputs, PyObject *keep)
 {
     const mtc_leaf *proto = &t->leaves[s->proto];
     int rc = -1;
@@ -165,9 +176,10 @@ static int _split_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, con
     PyTuple_SET_ITEM(full, 0, PyLong_FromLongLong(s->rows));
     for (int d = 1; d < proto->ndim; d++) PyTuple_SET_ITEM(full, d, PyLong_FromLongLong(t->shape[proto->dims + d]));
     if (_tuple_has_null(full)) goto out;
-    if (!(shaped = _call_method(typed, st->s_view, &full, 1))) goto out;
+    if (!(shaped = _call_method(typed, st->s_view, &full, 1)) || _keep(keep, shaped)) goto out;
     if (!(sizes = _split_sizes(t, p, s))) goto out;
-    if ((parts = _call_method(shaped, st->s_split_with_sizes, &sizes, 1)))
+    /* the pieces, padding pieces included, stay alive in keep */
+    if ((parts = _call_method(shaped, st->s_split_with_sizes, &sizes, 1)) && !_keep(keep, parts))
         rc = _store_views(parts, t, p, s, 1, outputs);
 out:
     Py_DECREF(full);
@@ -181,13 +193,14 @@ out:
  * stores them (new references) in outputs[]. region: uint8 tensor of the
  * segment's bytes. 0 or -1. */
 static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                          PyObject *region, PyObject **outputs)
+                          PyObject *region, PyObject **outputs, PyObject *keep)
 {
     const mtc_leaf *proto = &t->leaves[s->proto];
     PyObject *dtype = st->dtypes[proto->dtype];
     PyObject *typed = _call_method(region, st->s_view, &dtype, 1);
     if (!typed) return -1;
     int rc = -1;
+    if (_keep(keep, typed)) goto out;
     if (s->kind == MTC_SEG_UNIFORM && s->count == 1) {
         PyObject *shape = mtc_out_shape(t, proto, 0);
         PyObject *v = shape ? _call_method(typed, st->s_view, &shape, 1) : NULL;
@@ -197,10 +210,11 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
             rc = 0;
         }
     } else if (s->kind == MTC_SEG_UNIFORM) {
-        rc = _uniform_views(st, t, p, s, typed, outputs);
+        rc = _uniform_views(st, t, p, s, typed, outputs, keep);
     } else {
-        rc = _split_views(st, t, p, s, typed, outputs);
+        rc = _split_views(st, t, p, s, typed, outputs, keep);
     }
+out:
     Py_DECREF(typed);
     return rc;
 }
@@ -209,7 +223,7 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
  * tensors (uint8; the chunk's aligned base is chunk_skip[c] bytes in) and
  * stores them (new references) in outputs[]. 0 or -1 with an exception. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
-                       const Py_ssize_t *chunk_skip, PyObject **outputs)
+                  const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
 {
     for (uint32_t s = 0; s < p->nsegs; s++) {
         const mtc_seg *sg = &p->segs[s];
@@ -222,7 +236,7 @@ int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject 
         PyObject *region = PyObject_GetItem(chunk_t[sg->chunk], slice);
         Py_DECREF(slice);
         if (!region) return -1;
-        int rc = _segment_views(st, t, p, sg, region, outputs);
+        int rc = _keep(keep, region) ? -1 : _segment_views(st, t, p, sg, region, outputs, keep);
         Py_DECREF(region);
         if (rc) return -1;
     }

@@ -74,13 +74,17 @@ class SideCopy:
     """A copy issued on the device's copy stream (:func:`start_side_copy`); :meth:`get` hands the
     result to the calling thread's current stream without a CPU synchronisation."""
 
-    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_recorded", "_done")
+    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_keep", "_recorded", "_done")
 
     def __init__(self, handle: Any, index: int) -> None:
         self._handle, self._index = handle, index
         self._result: Any = None
         self._event = 0  # raw handle of the copy stream's pooled event (_engine.event_record), 0: none
         self._buffers: list[torch.Tensor] = []
+        # the temporary views the engine made on the way to the outputs: dropping a tensor releases
+        # the GIL, and the service thread, sharing it with a launch-bound training thread, would
+        # wait for a forced switch after each; they are dropped with the buffers at hand-out
+        self._keep: Optional[list[torch.Tensor]] = None
         self._recorded: Optional[int] = None  # raw handle of the stream the buffers are recorded on
         self._done = False
 
@@ -102,6 +106,7 @@ class SideCopy:
         if self._done:
             return
         self._result = self._handle.get()
+        self._keep = self._handle._h.temporaries()
         if self._index >= 0:
             self._buffers = self._handle._h.buffers()
             # a pooled driver event recorded with the GIL held: torch.cuda.Event's record releases
@@ -132,6 +137,7 @@ class SideCopy:
             for buf in self._buffers:
                 buf.record_stream(fresh)
         self._buffers = []
+        self._keep = None
         return fresh
 
     def get(self) -> Any:

@@ -255,3 +255,17 @@ def test_stream_wait_event_without_a_driver_says_why():
         pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
     with pytest.raises(RuntimeError, match="wait for a batch's event failed: libcuda"):
         mtc_loader._engine.stream_wait_event(0, 0, 8)
+
+
+def test_side_copy_takes_the_temporary_views_out_of_the_handle():
+    """The service thread drops the engine's handle after the copy; the temporary views (whose
+    drop releases the GIL) go with the SideCopy instead and are dropped at hand-out."""
+    from mtc_loader.prefetch import SideCopy, _start
+    data = seed_batch(2, seed=3)
+    batch = mtc_loader.PackedCollate(list)(data)
+    side = SideCopy(_start(batch, "cpu", {}), -1)
+    h = side._handle
+    side._finish()
+    assert side._keep, "the SideCopy holds the temporaries"
+    assert h._h.temporaries() == [], "the handle no longer does"
+    assert_tree_bitwise(side.get(), data)
