@@ -245,6 +245,7 @@ void mtc_cuda_after_fork_child(void)
      * forget them, and reinitialise the lock that another thread may have held. */
     pthread_mutex_init(&_cu_lock, NULL);
     memset(_cu_ctx, 0, sizeof _cu_ctx);
+    memset(_cu_pool_n, 0, sizeof _cu_pool_n); /* the pooled events were the parent's */
     if (_cu_state == 1) {
         _cu_state = -1;
         _cu_result = MTC_CUDA_ERR(3); /* CUDA_ERROR_NOT_INITIALIZED: unusable after fork */
