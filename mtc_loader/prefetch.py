@@ -525,6 +525,7 @@ class _HandOut:
             fresh = side._hand_to_current()
             if fresh is not None:
                 self.service.consumer = fresh
+        side._keep = None  # the temporary views go here, before the service is woken
         return side._result
 
 
