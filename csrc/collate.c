@@ -349,7 +349,7 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
     if (job->err) { /* only file reads fail here */
         rc = -1;
         PyObject *exc = job->err_leaf >= 0 && (t->leaves[job->err_leaf].flags & MTC_LEAF_FILE)
-                            ? mtc_files_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
+                            ? mtc_leaf_file_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
                             : (PyErr_Format(PyExc_RuntimeError, "mtc_loader: packing the batch failed while %s: %s",
                                             job->err_where, strerror(-job->err)), NULL);
         if (exc) {
@@ -613,8 +613,13 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     lt.shape = L->shape;
     PyObject *chunks[1] = {chunk};
     int rc = -1;
-    if (!mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs) && (h->result = mtc_rebuild(st, &h->tree, outputs)))
-        rc = 0;
+    int64_t t0 = mtc_now_ns();
+    if ((h->keep = PyList_New(0)) && !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
+        int64_t t1 = mtc_now_ns();
+        mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
+        if ((h->result = mtc_rebuild(st, &h->tree, outputs))) rc = 0;
+        mtc_cnt.ns_unpack_rebuild += (uint64_t)(mtc_now_ns() - t1);
+    }
     for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
     PyMem_Free(outputs);
     return rc;
@@ -665,16 +670,23 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         goto error;
     }
     int background = PyObject_IsTrue(args[7]);
+    int64_t t0 = mtc_now_ns();
     if (background < 0 || _unpack_decode(st, a, off, nbytes, owner, args[4], &L)) goto error;
+    int64_t t1 = mtc_now_ns();
+    mtc_cnt.ns_unpack_decode += (uint64_t)(t1 - t0);
     if (!(h = mtc_handle_new(st))) goto error;
     h->tree.slots = 1;
     if (mtc_traverse(st, args[5], &h->tree)) goto error;
+    t0 = mtc_now_ns();
+    mtc_cnt.ns_unpack_rebuild += (uint64_t)(t0 - t1);
     if (h->tree.nslots != L.nleaves || h->tree.nleaves) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
     if (_unpack_copy(st, h, ao, off, nbytes, (int)target, background, &chunk, &region_owned))
         goto error;
+    mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
+    mtc_cnt.unpacks++;
     if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
     if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk)) goto error;
     Py_DECREF(chunk);

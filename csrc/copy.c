@@ -388,7 +388,8 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
 {
     int64_t t0 = mtc_now_ns();
     mtc_nvtx_push(MTC_NVTX_VIEWS);
-    int rc = mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs) ||
+    int rc = !(h->keep = PyList_New(0)) ||
+             mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs, h->keep) ||
              !(h->result = mtc_rebuild(c->st, c->t, c->outputs));
     mtc_nvtx_pop();
     if (rc) return -1;

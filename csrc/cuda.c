@@ -140,6 +140,75 @@ int mtc_cuda_stream_wait_event(int dev, uintptr_t stream, uintptr_t event)
     return r ? MTC_CUDA_ERR(r) : 0;
 }
 
+/* Runs fn(arg) with dev's primary context current on the calling thread,
+ * pushing it when another (or none) is current, and restores that one.
+ * Returns 0 or an error code as above. */
+static int _cu_in_context(int dev, CUresult (*fn)(void *), void *arg)
+{
+    CUcontext ctx, cur = NULL;
+    int rc = _cu_primary(dev, &ctx);
+    if (rc) return rc;
+    CUresult r = mtc_cu.cuCtxGetCurrent(&cur);
+    if (r) return MTC_CUDA_ERR(r);
+    int pushed = cur != ctx;
+    if (pushed && (r = mtc_cu.cuCtxPushCurrent(ctx))) return MTC_CUDA_ERR(r);
+    r = fn(arg);
+    if (pushed) {
+        CUcontext popped;
+        CUresult r2 = mtc_cu.cuCtxPopCurrent(&popped);
+        if (!r) r = r2;
+    }
+    return r ? MTC_CUDA_ERR(r) : 0;
+}
+
+/* Events free for reuse, per device: a stack under _cu_lock. An event goes
+ * back once a stream waits for its record (cuStreamWaitEvent takes the
+ * record's state at the call), so a few per device cover every batch. */
+#define _CU_POOL 64
+static CUevent _cu_pool[MTC_MAX_DEVICES][_CU_POOL];
+static int _cu_pool_n[MTC_MAX_DEVICES];
+
+typedef struct { CUevent ev; CUstream stream; int create; } _cu_record_arg;
+
+static CUresult _cu_record(void *p)
+{
+    _cu_record_arg *a = p;
+    CUresult r = a->create ? mtc_cu.cuEventCreate(&a->ev, MTC_CU_EVENT_DISABLE_TIMING) : MTC_CUDA_SUCCESS;
+    if (r == MTC_CUDA_SUCCESS) r = mtc_cu.cuEventRecord(a->ev, a->stream);
+    return r;
+}
+
+int mtc_cuda_event_record(int dev, uintptr_t stream, uintptr_t *event)
+{
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) return -EINVAL;
+    _cu_record_arg a = {.ev = NULL, .stream = (CUstream)stream, .create = 1};
+    pthread_mutex_lock(&_cu_lock);
+    if (_cu_pool_n[dev]) {
+        a.ev = _cu_pool[dev][--_cu_pool_n[dev]];
+        a.create = 0;
+    }
+    pthread_mutex_unlock(&_cu_lock);
+    int rc = _cu_in_context(dev, _cu_record, &a);
+    if (rc) {
+        if (a.ev) mtc_cuda_event_release(dev, (uintptr_t)a.ev);
+        return rc;
+    }
+    *event = (uintptr_t)a.ev;
+    return 0;
+}
+
+static CUresult _cu_destroy(void *p) { return mtc_cu.cuEventDestroy((CUevent)p); }
+
+void mtc_cuda_event_release(int dev, uintptr_t event)
+{
+    if (!event || dev < 0 || dev >= MTC_MAX_DEVICES) return;
+    pthread_mutex_lock(&_cu_lock);
+    int kept = _cu_pool_n[dev] < _CU_POOL;
+    if (kept) _cu_pool[dev][_cu_pool_n[dev]++] = (CUevent)event;
+    pthread_mutex_unlock(&_cu_lock);
+    if (!kept) (void)_cu_in_context(dev, _cu_destroy, (void *)event); /* pool full: nothing to report */
+}
+
 CUcontext mtc_cuda_context(int dev)
 {
     if (dev < 0 || dev >= MTC_MAX_DEVICES) return NULL;
@@ -176,6 +245,7 @@ void mtc_cuda_after_fork_child(void)
      * forget them, and reinitialise the lock that another thread may have held. */
     pthread_mutex_init(&_cu_lock, NULL);
     memset(_cu_ctx, 0, sizeof _cu_ctx);
+    memset(_cu_pool_n, 0, sizeof _cu_pool_n); /* the pooled events were the parent's */
     if (_cu_state == 1) {
         _cu_state = -1;
         _cu_result = MTC_CUDA_ERR(3); /* CUDA_ERROR_NOT_INITIALIZED: unusable after fork */

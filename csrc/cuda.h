@@ -115,6 +115,19 @@ CUcontext mtc_cuda_context(int dev);
  */
 int mtc_cuda_stream_wait_event(int dev, uintptr_t stream, uintptr_t event);
 
+/*
+ * Records an event (timing disabled, from a per-device pool) on `stream` of
+ * device `dev` into *event, with dev's primary context current for the call
+ * (pushed and popped as in mtc_cuda_stream_wait_event). Never blocks, so a
+ * caller may hold the GIL. Give the event back with mtc_cuda_event_release
+ * once a stream waits for it (or it is not needed). 0 or an error code.
+ */
+int mtc_cuda_event_record(int dev, uintptr_t stream, uintptr_t *event);
+
+/* Returns an event of mtc_cuda_event_record to dev's pool (destroyed when
+ * the pool is full). Any thread; 0 is ignored. */
+void mtc_cuda_event_release(int dev, uintptr_t event);
+
 /* Number of devices the driver sees, or a negative error code. */
 int mtc_cuda_device_count(void);
 

@@ -7,7 +7,6 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "traverse.h"
 #include "uring.h"
 
 static PyObject *_s_spec; /* interned "_spec", guarded by the GIL */
@@ -72,19 +71,17 @@ error:
     return -1;
 }
 
-PyObject *mtc_files_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got)
+PyObject *mtc_files_error(const void *spec, PyObject *where, uint32_t part, int err, uint64_t got)
 {
     mtc_file_spec s;
     mtc_file_part p;
     const char *path;
-    PyObject *where = NULL, *msg = NULL, *exc = NULL, *pypath = NULL;
-    const void *spec = (const void *)t->leaves[leaf].data;
+    PyObject *msg = NULL, *exc = NULL, *pypath = NULL;
     if (mtc_uring_spec_view(spec, mtc_uring_spec_size(spec), &s) || part >= s.h.nparts) {
         PyErr_SetString(PyExc_SystemError, "mtc_loader: a file read failed on a leaf without a valid spec");
         return NULL;
     }
     mtc_uring_spec_part(&s, part, &p, &path);
-    if (!(where = mtc_leaf_path(t, leaf))) goto error;
     if (!(pypath = PyUnicode_DecodeFSDefault(path))) goto error;
     PyObject *type = PyExc_OSError;
     if (err == -ENODATA) {
@@ -111,7 +108,6 @@ PyObject *mtc_files_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int e
     if (!(exc = PyObject_CallOneArg(type, msg))) goto error;
     /* errno / strerror / filename are left unset: OSError's str() would then
      * print them instead of the message; the type says which errno it was */
-    Py_DECREF(where);
     Py_DECREF(pypath);
     Py_DECREF(msg);
     return exc;
@@ -119,7 +115,6 @@ error:
     Py_XDECREF(exc);
     Py_XDECREF(msg);
     Py_XDECREF(pypath);
-    Py_XDECREF(where);
     return NULL;
 }
 

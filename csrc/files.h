@@ -10,8 +10,6 @@
 #include "module.h"
 #include "plan.h"
 
-struct mtc_tree;
-
 /*
  * Reads a FileTensor's metadata from its `_spec` bytes: *l gets dtype,
  * elsize, ndim, dev (CPU), data (the spec's address: what the reads use) and
@@ -23,14 +21,16 @@ struct mtc_tree;
 int mtc_files_leaf(mtc_state *st, PyObject *obj, mtc_leaf *l, int64_t *dims, PyObject **spec);
 
 /*
- * The exception for a failed read of file leaf `leaf` of t: part `part`
- * (its path and byte range named), `err` a negative errno (or -ENODATA:
- * the file is too short, `got` bytes of the part arrived). A new reference
- * to an OSError subclass chosen by errno (FileNotFoundError, PermissionError,
- * ...) with a message that starts with "mtc_loader:" and names the leaf's
- * place in the batch, or NULL with an exception set.
+ * The exception for a failed read of a file leaf whose spec is `spec` (the
+ * leaf's data: its spec bytes) and whose place in the batch is `where` (a
+ * str, borrowed): part `part` (its path and byte range named), `err` a
+ * negative errno (or -ENODATA: the file is too short, `got` bytes of the part
+ * arrived). A new reference to an OSError subclass chosen by errno
+ * (FileNotFoundError, PermissionError, ...) with a message that starts with
+ * "mtc_loader:" and names the leaf's place in the batch, or NULL with an
+ * exception set.
  */
-PyObject *mtc_files_error(const struct mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got);
+PyObject *mtc_files_error(const void *spec, PyObject *where, uint32_t part, int err, uint64_t got);
 
 /* Adds the reader's counters to a stats dict. 0 or -1. */
 int mtc_files_stats(PyObject *d);

@@ -42,7 +42,7 @@ void mtc_handle_finish(mtc_handle *h)
     } else if (j && j->err && j->err_leaf >= 0 && (uint32_t)j->err_leaf < h->tree.nleaves &&
                (h->tree.leaves[j->err_leaf].flags & MTC_LEAF_FILE)) {
         /* a failed file read: the exception names the file and the leaf */
-        if (!(error = mtc_files_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
+        if (!(error = mtc_leaf_file_error(&h->tree, (uint32_t)j->err_leaf, j->err_part, j->err, j->err_got)))
             PyErr_Clear();
     } else if (j && j->err) {
         char desc[256];
@@ -184,14 +184,28 @@ static void Handle_dealloc(mtc_handle *h)
     Py_CLEAR(h->result);
     Py_CLEAR(h->error);
     Py_CLEAR(h->buffers);
+    Py_CLEAR(h->keep);
     tp->tp_free((PyObject *)h);
     Py_DECREF(tp);
+}
+
+/* temporaries() -> list: the temporary views made on the way to the outputs,
+ * taken out of the handle (a second call returns an empty list). Dropping a
+ * tensor releases the GIL: the prefetch service hands them to the caller's
+ * thread with the batch instead of dropping them itself. New reference. */
+static PyObject *Handle_temporaries(mtc_handle *h, PyObject *unused)
+{
+    PyObject *k = h->keep;
+    h->keep = NULL;
+    return k ? k : PyList_New(0);
 }
 
 static PyMethodDef Handle_methods[] = {
     {"ready", (PyCFunction)Handle_ready, METH_NOARGS, "True when get() would return without blocking."},
     {"get", (PyCFunction)Handle_get, METH_NOARGS, "Wait for the copy and return the copied structure."},
     {"buffers", (PyCFunction)Handle_buffers, METH_NOARGS, "The device tensors the outputs live in."},
+    {"temporaries", (PyCFunction)Handle_temporaries, METH_NOARGS,
+     "The temporary views made on the way to the outputs, taken out of the handle."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -223,5 +237,6 @@ mtc_handle *mtc_handle_new(mtc_state *st)
     h->finishing = 0;
     h->finishing_thread = 0;
     h->buffers = NULL;
+    h->keep = NULL;
     return h;
 }

@@ -27,6 +27,8 @@ typedef struct mtc_handle {
     PyObject *error;     /* the exception of a failed copy, raised by every get() */
     PyObject *buffers;   /* list of the device tensors the outputs live in (chunks, own
                             outputs) for Tensor.record_stream, or NULL (CPU target) */
+    PyObject *keep;      /* list of the temporary views made on the way to the outputs, or
+                            NULL: handed to whoever drops them (Handle.temporaries) */
 } mtc_handle;
 
 /* The heap type's spec (module.c creates the type in its exec slot). */

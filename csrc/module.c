@@ -147,6 +147,9 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("chunks", mtc_cnt.chunks);
     P("ns_traverse", mtc_cnt.ns_traverse); P("ns_plan", mtc_cnt.ns_plan);
     P("ns_outputs", mtc_cnt.ns_outputs); P("ns_views", mtc_cnt.ns_views); P("ns_get_wait", mtc_cnt.ns_wait);
+    P("unpacks", mtc_cnt.unpacks); P("ns_unpack_decode", mtc_cnt.ns_unpack_decode);
+    P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
+    P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);
@@ -286,6 +289,53 @@ static PyObject *engine_stream_wait_event(PyObject *module, PyObject *const *arg
     Py_RETURN_NONE;
 }
 
+/* event_record(device, stream) -> event: a pooled CUDA event recorded on the
+ * raw stream, with the GIL held (torch's Event.record releases it, and the
+ * prefetch service then waits up to a switch interval to take it back from
+ * a launch-bound training thread). Give it back with event_release once a
+ * stream waits for it. */
+static PyObject *engine_event_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: event_record(device, stream) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: event_record needs a CUDA device index in [0, %d), got %ld",
+                     MTC_MAX_DEVICES, dev);
+        return NULL;
+    }
+    uintptr_t ev = 0;
+    int rc = mtc_cuda_event_record((int)dev, stream, &ev);
+    if (rc) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: recording a batch's event on stream %zu of cuda:%ld "
+                     "failed: %s", (size_t)stream, dev, desc);
+        return NULL;
+    }
+    return PyLong_FromVoidPtr((void *)ev);
+}
+
+/* event_release(device, event): an event of event_record back to the pool. */
+static PyObject *engine_event_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: event_release(device, event) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t ev = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    mtc_cuda_event_release((int)dev, ev);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- NVTX */
 
 /* The entry points that run a whole stage, each inside its NVTX range
@@ -341,6 +391,10 @@ static PyMethodDef engine_methods[] = {
     {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
     {"_memcpy_bench", engine_memcpy_bench, METH_VARARGS,
      "_memcpy_bench(dst, src, nbytes, threads, reps, nt) -> [seconds]: host copy bandwidth probe."},
+    {"event_record", (PyCFunction)(void (*)(void))engine_event_record, METH_FASTCALL,
+     "event_record(device, stream): a pooled event recorded on a raw stream (GIL held)."},
+    {"event_release", (PyCFunction)(void (*)(void))engine_event_release, METH_FASTCALL,
+     "event_release(device, event): the event back to its pool."},
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
      "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},

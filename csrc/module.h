@@ -69,6 +69,9 @@ typedef struct mtc_counters {
     uint64_t calls, leaves, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
         made_contiguous, segments, chunks;
     uint64_t ns_traverse, ns_plan, ns_outputs, ns_views, ns_wait;
+    /* unpack of a packed batch: calls, and the calling thread's time per stage
+     * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
+    uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
 } mtc_counters;
 extern mtc_counters mtc_cnt;
 

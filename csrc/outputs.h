@@ -26,9 +26,12 @@ int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 /* Creates the output views of every segment of plan p over the chunk tensors
  * chunk_t (uint8; chunk c starts chunk_skip[c] bytes in, at 0 when chunk_skip
  * is NULL: start_copy and unpack put every chunk at 0, see copy.c) and
- * stores them (new references) in outputs[]. 0 or -1. */
+ * stores them (new references) in outputs[]. The temporary tensors made on
+ * the way (segment views, padding pieces) are appended to the list `keep`
+ * when it is not NULL, so that none is dropped here: dropping a tensor
+ * releases the GIL. 0 or -1. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
-                  const Py_ssize_t *chunk_skip, PyObject **outputs);
+                  const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep);
 
 /* torch.device("cpu") for dev < 0, torch.device("cuda", dev) otherwise. New reference. */
 PyObject *mtc_out_device(mtc_state *st, int dev);

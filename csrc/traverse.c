@@ -107,6 +107,15 @@ PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf)
     return _node_path(t, (int32_t)t->leaf_node[leaf]);
 }
 
+PyObject *mtc_leaf_file_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got)
+{
+    PyObject *where = mtc_leaf_path(t, leaf);
+    if (!where) return NULL;
+    PyObject *exc = mtc_files_error((const void *)t->leaves[leaf].data, where, part, err, got);
+    Py_DECREF(where);
+    return exc;
+}
+
 static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
 
 /* Hands a leaf that failed the fast checks to mtc_loader._tree.diagnose,

@@ -75,6 +75,10 @@ PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs
  * reference, or NULL with an exception set. */
 PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf);
 
+/* The exception for a failed read of file leaf `leaf` (mtc_files_error with
+ * the leaf's path). New reference, or NULL with an exception set. */
+PyObject *mtc_leaf_file_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got);
+
 /* Re-reads leaf i's metadata from t->objs[i] (after the binding layer
  * replaced it by a contiguous copy). 0 or -1 with an exception. */
 int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i);

@@ -76,13 +76,17 @@ class SideCopy:
     """A copy issued on the device's copy stream (:func:`start_side_copy`); :meth:`get` hands the
     result to the calling thread's current stream without a CPU synchronisation."""
 
-    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_recorded", "_done")
+    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_keep", "_recorded", "_done")
 
     def __init__(self, handle: Any, index: int) -> None:
         self._handle, self._index = handle, index
         self._result: Any = None
-        self._event: Optional[torch.cuda.Event] = None
+        self._event = 0  # raw handle of the copy stream's pooled event (_engine.event_record), 0: none
         self._buffers: list[torch.Tensor] = []
+        # the temporary views the engine made on the way to the outputs: dropping a tensor releases
+        # the GIL, and the service thread, sharing it with a launch-bound training thread, would
+        # wait for a forced switch after each; they are dropped with the buffers at hand-out
+        self._keep: Optional[list[torch.Tensor]] = None
         self._recorded: Optional[int] = None  # raw handle of the stream the buffers are recorded on
         self._done = False
 
@@ -104,10 +108,12 @@ class SideCopy:
         if self._done:
             return
         self._result = self._handle.get()
+        self._keep = self._handle._h.temporaries()
         if self._index >= 0:
             self._buffers = self._handle._h.buffers()
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record(_copy_stream(self._index))
+            # a pooled driver event recorded with the GIL held: torch.cuda.Event's record releases
+            # it, and a service thread then waits for a launch-bound training thread to give it back
+            self._event = _engine.event_record(self._index, _copy_stream(self._index).cuda_stream)
             if consumer is not None:
                 for buf in self._buffers:
                     buf.record_stream(consumer)
@@ -120,16 +126,20 @@ class SideCopy:
         records the buffers on it unless :meth:`_finish` already did. The wait is one driver call
         made with the GIL held. Returns the current stream when its buffers had to be recorded
         here (the prediction missed), else None."""
-        assert self._event is not None
+        assert self._event
         raw = _raw_current_stream(self._index)
-        _engine.stream_wait_event(self._index, raw, self._event.cuda_event)
+        event, self._event = self._event, 0
+        try:
+            _engine.stream_wait_event(self._index, raw, event)
+        finally:  # the wait took the record's state: the event is free again
+            _engine.event_release(self._index, event)
         fresh = None
         if raw != self._recorded:
             fresh = torch.cuda.current_stream(self._index)
             for buf in self._buffers:
                 buf.record_stream(fresh)
-        self._event = None
         self._buffers = []
+        self._keep = None
         return fresh
 
     def get(self) -> Any:
@@ -143,9 +153,16 @@ class SideCopy:
             RuntimeError: If the copy failed (as :meth:`AsyncCopyHandle.get`).
         """
         self._finish()
-        if self._event is not None:
+        if self._event:
             self._hand_to_current()
         return self._result
+
+    def __del__(self) -> None:
+        if getattr(self, "_event", 0):  # never handed out: its event goes back to the pool
+            try:
+                _engine.event_release(self._index, self._event)
+            except Exception:  # interpreter shutdown
+                pass
 
 
 def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCopy:
@@ -611,10 +628,11 @@ class _HandOut:
         # No call here releases the GIL (the event wait is one driver call made with it held,
         # the buffers were recorded on the predicted stream by the service): releasing it would
         # let the service thread, woken for the next batch, take it for up to a switch interval.
-        if side._event is not None:
+        if side._event:
             fresh = side._hand_to_current()
             if fresh is not None:
                 self.service.consumer = fresh
+        side._keep = None  # the temporary views go here, before the service is woken
         return side._result
 
 

@@ -725,3 +725,19 @@ def test_packed_collate_built_in_a_launcher(worker_ctx, device):
     collate = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
     torch.multiprocessing.spawn(_rank, args=(collate, worker_ctx, device), nprocs=2)
     assert settle(collate.arena)["slots_in_use"] == 0
+
+
+def test_unpack_hands_its_temporary_views_to_the_caller():
+    """Dropping a tensor releases the GIL, so the views the unpack makes on the way to the outputs
+    (segment views, the padding pieces between members) are not dropped inside it: the handle
+    holds them until its owner takes them (the prefetch service hands them out with the batch)."""
+    data = seed_batch(4, seed=7)
+    batch = mtc_loader.PackedCollate(list)(data)
+    h = batch.start_copy("cpu")
+    out = h.get()
+    temps = h._h.temporaries()
+    assert temps and all(isinstance(t, (torch.Tensor, tuple, list)) for t in temps)
+    assert h._h.temporaries() == [], "taken out once"
+    del temps
+    gc.collect()
+    assert_tree_bitwise(out, data)

@@ -230,6 +230,26 @@ def test_stream_wait_event_refuses_bad_arguments(args, err, match):
         mtc_loader._engine.stream_wait_event(*args)
 
 
+@pytest.mark.parametrize("args, err, match", [
+    ((-1, 0), ValueError, "device index in \\[0, 64\\), got -1"),
+    ((64, 0), ValueError, "got 64"),
+    ((0,), TypeError, "takes 2 arguments"),
+    ((0, "s"), TypeError, "integer"),
+])
+def test_event_record_refuses_bad_arguments(args, err, match):
+    """The service's pooled event (recorded with the GIL held) checks what it is given first."""
+    with pytest.raises(err, match=match):
+        mtc_loader._engine.event_record(*args)
+
+
+def test_event_record_without_a_driver_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
+    with pytest.raises(RuntimeError, match="recording a batch's event .* failed: libcuda"):
+        mtc_loader._engine.event_record(0, 0)
+    mtc_loader._engine.event_release(0, 0)  # nothing to give back: ignored
+
+
 def test_stream_wait_event_without_a_driver_says_why():
     if torch.cuda.is_available():
         pytest.skip("a CUDA driver is present (covered by test_prefetch_cuda.py)")
@@ -361,3 +381,17 @@ def test_misspelled_option_refused_at_construction(packed):
             collate([torch.ones(2)]).start_copy("cpu", depht=3)
         out = collate([torch.ones(2)]).start_copy("cpu", max_packed_chunk_bytes=1 << 20).get()
         assert torch.equal(out, torch.ones(1, 2))
+
+
+def test_side_copy_takes_the_temporary_views_out_of_the_handle():
+    """The service thread drops the engine's handle after the copy; the temporary views (whose
+    drop releases the GIL) go with the SideCopy instead and are dropped at hand-out."""
+    from mtc_loader.prefetch import SideCopy, _start
+    data = seed_batch(2, seed=3)
+    batch = mtc_loader.PackedCollate(list)(data)
+    side = SideCopy(_start(batch, "cpu", {}), -1)
+    h = side._handle
+    side._finish()
+    assert side._keep, "the SideCopy holds the temporaries"
+    assert h._h.temporaries() == [], "the handle no longer does"
+    assert_tree_bitwise(side.get(), data)

@@ -64,10 +64,11 @@ def test_copy_overlaps_a_long_kernel():
     torch.cuda._sleep(LONG_KERNEL_CYCLES)
     side = mtc_loader.start_side_copy(data, "cuda")
     side._finish()
+    copies = mtc_loader.copy_stream("cuda")  # its last work: the copy and the event after it
     deadline = time.monotonic() + 0.5
-    while not side._event.query() and time.monotonic() < deadline:
+    while not copies.query() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert side._event.query(), "the side copy did not finish while the kernel ran"
+    assert copies.query(), "the side copy did not finish while the kernel ran"
     assert not cur.query(), "the long kernel ended too soon for this test to mean anything"
     out = side.get()  # the current stream now waits for the copy (already done)
     plain = mtc_loader.start_copy(data, "cuda").get()
@@ -228,6 +229,31 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
 
 
+def test_pooled_event_orders_the_waiting_stream_and_is_reused():
+    """The service's event (engine pool, recorded with the GIL held) makes a waiting stream wait
+    for the work recorded before it; once waited for, it goes back to the pool and is reused."""
+    producer, waiter = torch.cuda.Stream(), torch.cuda.Stream()
+    after = torch.cuda.Event()
+    gc.collect()  # no SideCopy of an earlier test gives an event back in the middle of this one
+    gc.disable()
+    try:
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(LONG_KERNEL_CYCLES // 4)  # ~250 ms
+        ev = mtc_loader._engine.event_record(0, producer.cuda_stream)
+        assert ev
+        mtc_loader._engine.stream_wait_event(0, waiter.cuda_stream, ev)
+        mtc_loader._engine.event_release(0, ev)
+        after.record(waiter)
+        assert not after.query(), "the waiting stream did not wait for the event"
+        again = mtc_loader._engine.event_record(0, waiter.cuda_stream)
+        assert again == ev, "a released event is reused"
+        mtc_loader._engine.event_release(0, again)
+    finally:
+        gc.enable()
+    after.synchronize()
+    assert producer.query()
+
+
 def test_stream_wait_event_from_a_thread_without_a_cuda_context():
     """The hand-out's wait is a driver call; a thread that never used CUDA has no current context,
     so the engine pushes the device's primary context for the call. The wait must hold: work
@@ -274,3 +300,46 @@ def test_hand_out_while_another_device_is_current():
     for k, (g, ref) in enumerate(zip(got, refs)):
         assert_tree_bitwise(g, tree_to(ref, "cuda:0"), f"batch {k}")
     wait_no_service_threads()
+
+
+def test_service_path_keeps_the_gil_next_to_a_spinning_thread():
+    """The service's per-batch path (unpack of a packed batch on the copy stream, finish) must
+    not release the GIL per tensor: dropping a tensor releases it, and next to a thread that
+    holds it (a launch-bound training loop, here a loop in Python) every release can cost a
+    forced switch. Before the temporary views were handed out, a 265-leaf batch cost ~110."""
+    import statistics
+    import sys
+
+    pc = mtc_loader.PackedCollate(list)
+    batches = [pc(seed_batch(8, seed=k)) for k in range(12)]
+    mtc_loader.start_side_copy(pc(seed_batch(8, seed=99)), "cuda:0").get()  # warm-up
+    torch.cuda.synchronize()
+    stop = []
+
+    def spin():
+        x = 0
+        while not stop:
+            x += 1
+
+    interval = 0.002
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    waits, outs = [], []
+    try:
+        for b in batches:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            side = mtc_loader.start_side_copy(b, "cuda:0")
+            side._finish()
+            outs.append(side)  # handed out (and dropped) by the consumer, not here
+            waits.append((time.perf_counter() - w0) - (time.thread_time() - c0))
+    finally:
+        stop.append(1)
+        th.join()
+        sys.setswitchinterval(saved)
+    switches = statistics.median(waits) / interval
+    assert switches < 20, f"{switches:.0f} forced switches per batch on the service's path"
+    for side in outs:
+        side.get()
+    torch.cuda.synchronize()
