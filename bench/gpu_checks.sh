@@ -100,7 +100,9 @@ release)
     mkdir -p /tmp/release_preview && cp docs/benchmarks.md /tmp/release_preview/benchmarks.md
     python3 bench/render_results.py --results "$rel" --page /tmp/release_preview/benchmarks.md 2>&1 | tail -1
     cp /tmp/release_preview/benchmarks.md "$rel/benchmarks_preview.md"
-    echo "JSON files: $(find "$rel" -name 'bench_*.json' | wc -l) (7 when every run finished)" ;;
+    echo "JSON files: $(find "$rel" -name 'bench_*.json' | wc -l) (7 when every run finished)"
+    # one archive too: the device tool brings back files at most two folders under $OUT
+    tar -C "$out" -czf "$out/release.tgz" release && echo "archive: $out/release.tgz" ;;
 tests)
     python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -8 ;;
 sanitize)
