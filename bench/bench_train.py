@@ -78,7 +78,7 @@ outside the timed region). Per epoch, from ``iter()`` to the synchronization aft
 Outputs (in ``--out``, default ``bench/results``): ``bench_train.json`` (machine info, config,
 every epoch's samples and per-batch times, ``PrefetchLoader.stats()``, the arena's counters),
 ``bench_train.png`` (fraction of the ideal and next ms per method; skipped with a notice without
-matplotlib), and a table on stdout with issue 10's targets next to the results. The targets are
+matplotlib), and a table on stdout with the project's targets next to the results. The targets are
 checked only on a GPU at full size (not ``--quick``). ``--device cpu --quick`` is a smoke test:
 tiny images, and everything runs on the CPU.
 """
@@ -137,11 +137,8 @@ CONFIGS = {"launch": Config(256, 448, 64), "gpu": Config(512, 896, 128), "launch
 QUICK_CONFIGS = {"launch": Config(32, 56, 8), "gpu": Config(64, 112, 16),  # smoke runs, CPU included
                  "launch5": Config(32, 56, 8, True, True)}
 
-# Issue 10's targets (fractions of the ideal, GPU machine, full sizes), and what it measured
-# before the prefetch service, shown next to the results.
+# The targets of PackedCollate + PrefetchLoader (fractions of the ideal, GPU machine, full sizes).
 TARGET_PACKED = {"launch": 0.97, "gpu": 0.98, "launch5": 0.95}
-ISSUE10_BEFORE = {("launch", "plain"): 0.044, ("launch", "sidestream"): 0.051, ("launch", "packed"): 0.69,
-                  ("gpu", "plain"): 0.30, ("gpu", "sidestream"): 0.27, ("gpu", "packed"): 0.92}
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,7 +510,7 @@ def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> 
           "thread's time in __next__ per batch (steady: without the epoch's first); step: its time in the step; "
           "thread: the prefetch thread's CPU time per batch")
     header = (f"{'config':<7} {'method':<36} {'samples/s':>10} {'of ideal':>9} {'steady':>7} {'next ms':>8} "
-              f"{'steady':>7} {'step ms':>8} {'wall ms':>8} {'thread ms':>9} {'issue 10 before':>15}")
+              f"{'steady':>7} {'step ms':>8} {'wall ms':>8} {'thread ms':>9}")
     print(header)
     print("-" * len(header))
     for cfg, methods in res.items():
@@ -521,19 +518,17 @@ def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> 
         for name, r in methods.items():
             frac = f"{100 * r['fraction_of_ideal']:.1f}%" if r["fraction_of_ideal"] is not None else "-"
             steady = f"{100 * r['steady_fraction_of_ideal']:.1f}%" if r["steady_fraction_of_ideal"] is not None else "-"
-            before = ISSUE10_BEFORE.get((cfg, name))
-            before_s = f"{100 * before:.1f}%" if before is not None else ""
             ps = r.get("prefetch_stats")
             thread = f"{ps['service_cpu_ms_per_batch']:.3f}" if ps else "-"
             print(f"{cfg:<7} {LABELS[name]:<36} {r['samples_per_s']:>10.1f} {frac:>9} {steady:>7} "
                   f"{r['next_ms']:>8.3f} {r['next_steady_ms']:>7.3f} {r['step_ms']:>8.3f} {r['wall_ms']:>8.2f} "
-                  f"{thread:>9} {before_s:>15}")
+                  f"{thread:>9}")
         print(f"{'':<7} ({c.height}x{c.width} images, width {c.channels})")
         print()
 
 
 def targets(res: dict[str, dict[str, dict]], device: torch.device, quick: bool) -> list[dict]:
-    """Issue 10's targets, each with the measured value and whether it applies to this run."""
+    """The targets, each with the measured value and whether it applies to this run."""
     full_gpu = device.type == "cuda" and not quick
     out = []
     for cfg, goal in TARGET_PACKED.items():
@@ -554,7 +549,7 @@ def targets(res: dict[str, dict[str, dict]], device: torch.device, quick: bool) 
 
 
 def print_targets(ts: list[dict]) -> None:
-    print("targets (issue 10; checked on a GPU at full size):")
+    print("targets (checked on a GPU at full size):")
     for t in ts:
         m = t["measured"]
         val = "not measured" if m is None else (f"{100 * m:.1f}%" if t["unit"] == "%" else f"{m:.2f}x")

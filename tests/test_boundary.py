@@ -1,4 +1,4 @@
-"""The Python/C boundary under ordinary but unkind use (issue 11): user code that mutates the
+"""The Python/C boundary under ordinary but unkind use: user code that mutates the
 structure while the walk runs, limits (dims, depth, byte sizes, leaf counts), odd containers,
 the arena's owner checks and waits, and errors that name the option or leaf.
 
