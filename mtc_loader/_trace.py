@@ -12,7 +12,7 @@ import torch.autograd.profiler as _profiler
 
 from . import _engine
 
-__all__ = ["Range", "active"]
+__all__ = ["Range", "active", "profiling"]
 
 _NVTX: bool = bool(_engine.nvtx_info()["enabled"])
 
@@ -20,6 +20,11 @@ _NVTX: bool = bool(_engine.nvtx_info()["enabled"])
 def active() -> bool:
     """True when a range would be recorded by a tool."""
     return _NVTX or _profiler._is_profiler_enabled
+
+
+def profiling() -> bool:
+    """True while a ``torch.profiler`` / ``torch.autograd.profiler`` session runs."""
+    return bool(_profiler._is_profiler_enabled)
 
 
 class Range:

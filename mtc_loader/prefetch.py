@@ -22,7 +22,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator as _AnIterator
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -281,9 +281,10 @@ class _Service:
                 # this thread's current stream: every copy it starts is issued on it
                 torch.cuda.set_stream(_copy_stream(self.index))
             it = iter(self.iterable)
+            take = _next_of(it)
             while self._wait_for_room():
                 t0 = time.thread_time()
-                side, error, end = self._one_batch(it)
+                side, error, end = self._one_batch(take)
                 if error is not None:  # handed to the caller after the batches before it
                     _forget_iterator(error, it)
                     self._put((None, error))
@@ -310,19 +311,21 @@ class _Service:
         while previous is not None and previous.thread.is_alive() and not self.stopping:
             previous.thread.join(0.1)
 
-    def _one_batch(self, it: Iterator[Any]) -> tuple[Optional[SideCopy], Optional[BaseException], bool]:
-        """The next batch from the iterable, its copy started on the copy stream and finished:
-        ``(SideCopy, None, False)``, ``(None, exception, False)`` or ``(None, None, True)`` at
-        the end (or when stopping)."""
+    def _one_batch(self, take: Callable[[], Any]) -> tuple[Optional[SideCopy], Optional[BaseException], bool]:
+        """The next batch from the iterable (``take()``, see :func:`_next_of`), its copy started on
+        the copy stream and finished: ``(SideCopy, None, False)``, ``(None, exception, False)`` or
+        ``(None, None, True)`` at the end (or when stopping)."""
         interval = self.switch_interval
         switch = interval is not None
         if interval is not None:
             _SWITCH.enter(interval)
         try:
+            t0 = time.thread_time()
             try:
-                batch = next(it)
+                batch = take()
             except StopIteration:
                 return None, None, True
+            self.stats["service_next_s"] += time.thread_time() - t0
             if self.stopping:
                 del batch  # an unconsumed PackedBatch frees its region
                 return None, None, True
@@ -394,6 +397,38 @@ _STOP_JOIN_S = 0.5
 # iterator): id -> the service of the epoch that iterates it (which holds the iterable).
 _BUSY: dict[int, _Service] = {}
 _BUSY_LOCK = threading.Lock()
+
+
+_DataLoaderIter = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
+_MAP = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", None), "Map", None)
+
+
+def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
+    """The function the service calls for each batch of ``it``: ``it.__next__``, except for a
+    DataLoader iterator over a map-style dataset while no profiler runs.
+
+    A DataLoader's ``__next__`` opens a ``record_function`` range around the batch. With no
+    profiler attached the range records nothing, and yet, entered through ``torch.ops`` once per
+    batch from a thread whose caches the training loop keeps cold, it costs about as much CPU as
+    the rest of the receive (the wait for the worker's message and its unpickling). For that
+    iterator the service makes what ``__next__`` makes (``_next_data()``, the count of yielded
+    batches) without the range; whenever a profiler runs, or the iterator is not in the state this
+    covers (before its first batch, an iterable-style dataset, a subclass that overrides
+    ``__next__``), it calls ``__next__`` itself, so that a profile shows the DataLoader's range.
+    """
+    if (_DataLoaderIter is None or _MAP is None or type(it).__next__ is not _DataLoaderIter.__next__
+            or not all(hasattr(it, a) for a in ("_next_data", "_sampler_iter", "_num_yielded", "_dataset_kind"))):
+        return it.__next__
+    dl: Any = it
+
+    def take() -> Any:
+        if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
+            return next(dl)
+        data = dl._next_data()
+        dl._num_yielded += 1
+        return data
+
+    return take
 
 
 def _shares_iterator(iterable: Any) -> bool:
@@ -531,7 +566,9 @@ class PrefetchLoader:
         caller's time spent waiting for data (``wait / (wait + step)``; near 0 when the loop is
         not data-bound); ``service_cpu_ms_per_batch``: CPU time of the prefetch thread per batch
         (the next batch from the iterable, the copy's start, the views; an upper bound on the
-        time it holds the GIL).
+        time it holds the GIL), of which ``service_next_ms_per_batch`` went to taking the next
+        batch from the iterable (for a DataLoader with workers: receiving the batch from a worker
+        and sending the next indices).
         """
         s = self._stats
         n, m = s["batches"], max(s["service_batches"], 1)
@@ -543,6 +580,7 @@ class PrefetchLoader:
             "step_ms_per_batch": step / s["steps"] if s["steps"] else 0.0,
             "data_bound": wait / (wait + step) if wait + step > 0 else 0.0,
             "service_cpu_ms_per_batch": s["service_cpu_s"] * 1e3 / m,
+            "service_next_ms_per_batch": s["service_next_s"] * 1e3 / m,
         }
 
     def reset_stats(self) -> None:
@@ -642,7 +680,7 @@ class _EpochEnd(Exception):
 
 def _new_stats() -> dict[str, Any]:
     return {"batches": 0, "wait_s": 0.0, "step_s": 0.0, "steps": 0, "service_cpu_s": 0.0,
-            "service_batches": 0}
+            "service_next_s": 0.0, "service_batches": 0}
 
 
 def _reclaim_dead() -> None:

@@ -146,6 +146,7 @@ def test_stats_report_waiting_and_stepping():
     assert s["step_ms_per_batch"] >= 4.0
     assert s["wait_ms"] > 0 and 0.0 < s["data_bound"] < 1.0
     assert s["service_cpu_ms_per_batch"] > 0
+    assert 0 < s["service_next_ms_per_batch"] <= s["service_cpu_ms_per_batch"]
     # a loader slower than the loop is data-bound; a fast one is not
     slow = s["data_bound"]
     pl.reset_stats()
@@ -395,3 +396,48 @@ def test_side_copy_takes_the_temporary_views_out_of_the_handle():
     assert side._keep, "the SideCopy holds the temporaries"
     assert h._h.temporaries() == [], "the handle no longer does"
     assert_tree_bitwise(side.get(), data)
+
+
+class _CountingRange(torch.autograd.profiler.record_function):
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_service_takes_dataloader_batches_without_the_profiler_range(monkeypatch, workers):
+    """A DataLoader's __next__ opens a record_function range per batch, which costs the service
+    thread CPU and records nothing while no profiler runs: the service takes the batches without
+    it, and with it while a profiler runs (so that a profile still shows the DataLoader's range).
+    Either way every batch comes once, in order, and len() of an epoch holds."""
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", _CountingRange)
+    _CountingRange.entered = 0
+    dl = DataLoader(Numbers(), batch_size=2, num_workers=workers, persistent_workers=workers > 0)
+    want = [torch.tensor([[2 * k], [2 * k + 1]]) for k in range(6)]
+    pl = mtc_loader.PrefetchLoader(dl, "cpu")
+    for _ in range(2):
+        got = list(pl)
+        assert len(got) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    # the first batch of an epoch goes through __next__ (it resets the iterator): one range each
+    assert _CountingRange.entered <= 2
+    _CountingRange.entered = 0
+    with torch.autograd.profiler.profile():
+        got = list(pl)
+    assert len(got) == 6 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert _CountingRange.entered >= 6
+    # an iterator whose class overrides __next__ is called through it
+    calls = []
+
+    class Mine(torch.utils.data.dataloader._SingleProcessDataLoaderIter):
+        def __next__(self):
+            calls.append(1)
+            return super().__next__()
+
+    class MyLoader(DataLoader):
+        def _get_iterator(self):
+            return Mine(self)
+
+    got = list(mtc_loader.PrefetchLoader(MyLoader(Numbers(), batch_size=2), "cpu"))
+    assert len(got) == 6 and len(calls) == 7  # 6 batches and the StopIteration
