@@ -21,6 +21,7 @@
 #include "hostcopy.h"
 #include "layout.h"
 #include "outputs.h"
+#include "skeleton.h"
 #include "traverse.h"
 
 typedef struct {
@@ -361,10 +362,13 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
     return rc;
 }
 
-/* The descriptor's layout (bytes) and skeleton (the structure with LEAF in
- * each tensor's place). 0 with two new references, or -1 with an exception. */
+/* The descriptor's layout (bytes), skeleton (the structure with LEAF in
+ * each tensor's place) and atoms: for a structure that batches may share
+ * (skeleton.h), the skeleton has ATOM in each passthrough atom's place and
+ * atoms is the tuple of those atoms; else atoms is None. 0 with three new
+ * references, or -1 with an exception. */
 static int _pack_describe(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject **layout,
-                          PyObject **skeleton)
+                          PyObject **skeleton, PyObject **atoms)
 {
     PyObject **slots = NULL;
     size_t lsize = mtc_layout_size(t->leaves, t->nleaves, p);
@@ -379,7 +383,12 @@ static int _pack_describe(mtc_state *st, const mtc_tree *t, const mtc_plan *p, P
         goto error;
     }
     for (uint32_t i = 0; i < t->nleaves; i++) slots[i] = st->leaf_slot;
-    if (!(*skeleton = mtc_rebuild(st, t, slots))) goto error;
+    if (mtc_skeleton_atoms_only(t)) {
+        if (mtc_skeleton_share(st, t, slots, skeleton, atoms)) goto error;
+    } else {
+        if (!(*skeleton = mtc_rebuild(st, t, slots, NULL))) goto error;
+        *atoms = Py_NewRef(Py_None);
+    }
     PyMem_Free(slots);
     return 0;
 error:
@@ -388,11 +397,12 @@ error:
     return -1;
 }
 
-/* pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)
+/* pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton, atoms)
  * In a DataLoader worker: every tensor / numpy leaf of data is written into
  * one arena region, laid out by the planner as one chunk: read the leaves,
- * plan, take a region, write, describe. New reference, or NULL with an
- * exception set (the region, if taken, is freed). */
+ * plan, take a region, write, describe (_pack_describe: atoms is None or the
+ * per-batch atoms of a structure batches may share). New reference, or NULL
+ * with an exception set (the region, if taken, is freed). */
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
@@ -425,7 +435,7 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     memset(&t, 0, sizeof t);
     mtc_plan plan;
     memset(&plan, 0, sizeof plan);
-    PyObject *res = NULL, *layout = NULL, *skeleton = NULL;
+    PyObject *res = NULL, *layout = NULL, *skeleton = NULL, *atoms = NULL;
     uint64_t off = 0;
     int have_region = 0;
     uint32_t me = (uint32_t)getpid();
@@ -450,13 +460,16 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_BEGIN_ALLOW_THREADS
     mtc_arena_populate(a, off, (uint64_t)payload);
     Py_END_ALLOW_THREADS
-    if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton)) goto error;
-    if (!(res = Py_BuildValue("(KLOO)", (unsigned long long)off, (long long)payload, layout, skeleton))) goto error;
+    if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton, &atoms))
+        goto error;
+    if (!(res = Py_BuildValue("(KLOOO)", (unsigned long long)off, (long long)payload, layout, skeleton, atoms)))
+        goto error;
     have_region = 0; /* handed to the descriptor */
 error:
     if (have_region) mtc_arena_free(a, off, me);
     Py_XDECREF(layout);
     Py_XDECREF(skeleton);
+    Py_XDECREF(atoms);
     mtc_plan_free(&plan);
     mtc_tree_clear(&t);
     return res;
@@ -598,9 +611,11 @@ error:
     return -1;
 }
 
-/* The output views over the chunk, and the skeleton walked (in slots mode)
- * and rebuilt around them into h->result. 0, or -1 with an exception. */
-static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyObject *chunk)
+/* The output views over the chunk, and the skeleton's walk `sk` rebuilt
+ * around them and the batch's atoms (a tuple of sk->natoms, or None) into
+ * h->result. 0, or -1 with an exception. */
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *sk, PyObject *atoms,
+                         PyObject *chunk)
 {
     PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
     if (!outputs) {
@@ -617,7 +632,8 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     if ((h->keep = PyList_New(0)) && !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
         int64_t t1 = mtc_now_ns();
         mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
-        if ((h->result = mtc_rebuild(st, &h->tree, outputs))) rc = 0;
+        PyObject *const *av = PyTuple_Check(atoms) ? &PyTuple_GET_ITEM(atoms, 0) : NULL;
+        if ((h->result = mtc_rebuild(st, sk, outputs, av))) rc = 0;
         mtc_cnt.ns_unpack_rebuild += (uint64_t)(mtc_now_ns() - t1);
     }
     for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
@@ -625,7 +641,7 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
     return rc;
 }
 
-/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> Handle
+/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> Handle
  * In the main process: the region (already adopted by this process) becomes
  * the output structure on `target`, straight from the arena: decode the
  * descriptor, walk the skeleton, copy, make views and rebuild. New reference,
@@ -634,8 +650,9 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, PyOb
 PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background)");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms)");
         return NULL;
     }
     ArenaObject *ao = (ArenaObject *)args[0];
@@ -675,11 +692,18 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     int64_t t1 = mtc_now_ns();
     mtc_cnt.ns_unpack_decode += (uint64_t)(t1 - t0);
     if (!(h = mtc_handle_new(st))) goto error;
-    h->tree.slots = 1;
-    if (mtc_traverse(st, args[5], &h->tree)) goto error;
+    /* a Skeleton (a structure shared by many batches) was walked once; any
+     * other skeleton is walked here */
+    const mtc_tree *sk = mtc_skeleton_tree(st, args[5]);
+    if (!sk) {
+        h->tree.slots = 1;
+        if (mtc_traverse(st, args[5], &h->tree)) goto error;
+        sk = &h->tree;
+    }
     t0 = mtc_now_ns();
     mtc_cnt.ns_unpack_rebuild += (uint64_t)(t0 - t1);
-    if (h->tree.nslots != L.nleaves || h->tree.nleaves) {
+    Py_ssize_t natoms = PyTuple_Check(args[8]) ? PyTuple_GET_SIZE(args[8]) : args[8] == Py_None ? 0 : -1;
+    if (sk->nslots != L.nleaves || sk->nleaves || natoms != (Py_ssize_t)sk->natoms) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
@@ -688,7 +712,7 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.unpacks++;
     if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
-    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, chunk)) goto error;
+    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, sk, args[8], chunk)) goto error;
     Py_DECREF(chunk);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);

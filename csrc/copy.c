@@ -390,7 +390,7 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
     mtc_nvtx_push(MTC_NVTX_VIEWS);
     int rc = !(h->keep = PyList_New(0)) ||
              mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs, h->keep) ||
-             !(h->result = mtc_rebuild(c->st, c->t, c->outputs));
+             !(h->result = mtc_rebuild(c->st, c->t, c->outputs, NULL));
     mtc_nvtx_pop();
     if (rc) return -1;
     mtc_cnt.ns_views += (uint64_t)(mtc_now_ns() - t0);

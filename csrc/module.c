@@ -19,6 +19,7 @@
 #include "files.h"
 #include "handle.h"
 #include "hostcopy.h"
+#include "skeleton.h"
 #include "slab.h"
 #include "transfer.h"
 #include "nvtx.h"
@@ -57,7 +58,7 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         _take(cfg, "m_data_ptr", &st->m_data_ptr) || _take(cfg, "m_get_device", &st->m_get_device) ||
         _take(cfg, "m_is_contiguous", &st->m_is_contiguous) || _take(cfg, "m_stride", &st->m_stride) ||
         _take(cfg, "m_is_neg", &st->m_is_neg) || _take(cfg, "m_is_conj", &st->m_is_conj) ||
-        _take(cfg, "leaf_slot", &st->leaf_slot))
+        _take(cfg, "leaf_slot", &st->leaf_slot) || _take(cfg, "atom_slot", &st->atom_slot))
         return NULL;
     if (!Py_TYPE(st->d_dtype)->tp_descr_get || !Py_TYPE(st->d_shape)->tp_descr_get ||
         !Py_TYPE(st->d_is_cuda)->tp_descr_get) {
@@ -398,12 +399,13 @@ static PyMethodDef engine_methods[] = {
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
      "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},
+    {"skeleton", mtc_skeleton_make, METH_O, "skeleton(obj) -> Skeleton: a packed batch's structure walked once."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
     {"pack", (PyCFunction)(void (*)(void))engine_pack, METH_FASTCALL,
      "pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)"},
     {"unpack", (PyCFunction)(void (*)(void))engine_unpack, METH_FASTCALL,
-     "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> mtc_handle"},
+     "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> mtc_handle"},
     {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
     {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
     {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
@@ -421,6 +423,8 @@ static int engine_exec(PyObject *module)
     if (!st->handle_type) return -1;
     st->arena_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_arena_spec, NULL);
     if (!st->arena_type) return -1;
+    st->skeleton_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_skeleton_spec, NULL);
+    if (!st->skeleton_type) return -1;
 #define INTERN(field, s) if (!(st->field = PyUnicode_InternFromString(s))) return -1
     INTERN(s_data_ptr, "data_ptr"); INTERN(s_dtype, "dtype"); INTERN(s_shape, "shape");
     INTERN(s_stride, "stride"); INTERN(s_get_device, "get_device"); INTERN(s_is_cuda, "is_cuda");
@@ -434,6 +438,7 @@ static int engine_exec(PyObject *module)
     if (!st->kw_dtype_device || !st->kw_dtype_device_pin) return -1;
     mtc_engine_init_once();
     mtc_nvtx_init();
+    if (PyModule_AddObjectRef(module, "Skeleton", (PyObject *)st->skeleton_type)) return -1;
     return PyModule_AddObjectRef(module, "mtc_handle", (PyObject *)st->handle_type);
 }
 
@@ -442,7 +447,9 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     mtc_state *st = mtc_get_state(module);
     Py_VISIT(st->handle_type);
     Py_VISIT(st->arena_type);
+    Py_VISIT(st->skeleton_type);
     Py_VISIT(st->leaf_slot);
+    Py_VISIT(st->atom_slot);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->torch_empty);
     Py_VISIT(st->from_numpy);
@@ -461,7 +468,9 @@ static int engine_clear(PyObject *module)
     mtc_state *st = mtc_get_state(module);
     Py_CLEAR(st->handle_type);
     Py_CLEAR(st->arena_type);
+    Py_CLEAR(st->skeleton_type);
     Py_CLEAR(st->leaf_slot);
+    Py_CLEAR(st->atom_slot);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->torch_empty);
     Py_CLEAR(st->from_numpy);

@@ -44,8 +44,10 @@ typedef struct mtc_state {
     PyObject *unflatten;         /* (context, values list) -> obj */
     PyObject *diagnose;          /* (leaf, path, target) -> raises */
     PyObject *cuda_device;       /* index -> torch.device("cuda:index") */
+    PyObject *atom_slot;         /* mtc_loader._tree.ATOM: a per-batch atom's place in a shared structure */
     PyObject *leaf_slot;         /* mtc_loader.collate.LEAF: a leaf's place in a packed skeleton */
     PyTypeObject *arena_type;
+    PyTypeObject *skeleton_type; /* skeleton.c: a packed batch's structure walked once */
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
 
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */

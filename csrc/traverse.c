@@ -607,6 +607,12 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
         t->nodes[n].leaf = (int32_t)t->nslots++;
         return 0;
     }
+    if (t->slots && obj == st->atom_slot) {
+        int32_t n = _add_node(t, MTC_NODE_PASS, parent, pos);
+        if (n < 0) return -1;
+        t->nodes[n].leaf = (int32_t)t->natoms++; /* obj stays NULL: the batch's atom */
+        return 0;
+    }
     if ((PyObject *)tp == st->tensor_type) kind = MTC_KIND_TENSOR;
     else if (tp == &PyArray_Type) kind = MTC_KIND_NDARRAY;
     else if (tp == &PyList_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_LIST; goto container; }
@@ -725,7 +731,7 @@ out:
 
 /* ---- the rebuild ---- */
 
-PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs)
+PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs, PyObject *const *atoms)
 {
     /* Nodes are in preorder; walking them backwards, a container's children
      * are the top of the value stack, its first child topmost. */
@@ -741,7 +747,7 @@ PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs
             v = Py_NewRef(outputs[n->leaf]);
             break;
         case MTC_NODE_PASS:
-            v = Py_NewRef(n->obj);
+            v = Py_NewRef(n->obj ? n->obj : atoms[n->leaf]);
             break;
         case MTC_NODE_LIST:
             if (!(v = PyList_New(k))) goto error;

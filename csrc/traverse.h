@@ -54,6 +54,8 @@ typedef struct mtc_tree {
     int slots;           /* skeleton mode: the placeholder st->leaf_slot marks leaves (numbered
                             in order in nslots), tensors are not expected */
     uint32_t nslots;
+    uint32_t natoms;     /* skeleton mode: the placeholder st->atom_slot marks a per-batch atom
+                            (a PASS node with no obj, numbered in order in natoms) */
     uint64_t cuda_mask;  /* bit d: a leaf lives on cuda:d (d < 64) */
     int diag_depth;      /* reading a replacement that diagnose returned: no second one. Per
                             tree, not global: the replacement's Python code can switch threads
@@ -67,9 +69,10 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t);
 /* Releases everything t owns and zeroes it. */
 void mtc_tree_clear(mtc_tree *t);
 
-/* Builds the output structure; outputs[i] (borrowed) replaces leaf i.
- * Returns a new reference, or NULL with an exception set. */
-PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs);
+/* Builds the output structure; outputs[i] (borrowed) replaces leaf i, and
+ * atoms[i] (borrowed; t->natoms of them, NULL when there are none) the
+ * per-batch atom i. Returns a new reference, or NULL with an exception set. */
+PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs, PyObject *const *atoms);
 
 /* The path of leaf i in the structure, e.g. "data[3]['cams_gt'][2]". New
  * reference, or NULL with an exception set. */

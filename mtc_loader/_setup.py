@@ -36,6 +36,7 @@ _engine._setup({
     "diagnose": _tree.diagnose,
     "cuda_device": _cuda_device,
     "leaf_slot": _tree.LEAF,
+    "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
     **{f"d_{n}": torch.Tensor.__dict__.get(n) or getattr(torch._C.TensorBase, "__dict__")[n]
        for n in ("dtype", "shape", "is_cuda")},

@@ -50,6 +50,22 @@ class _LeafSlot:
 LEAF = _LeafSlot()
 
 
+class _AtomSlot:
+    """The place of a per-batch atom (a str, int, float, bool, None or bytes that is not a dict
+    key) in the structure that batches of one shape share (pickled by reference)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "ATOM"
+
+    def __repr__(self) -> str:
+        return "<atom>"
+
+
+ATOM = _AtomSlot()
+
+
 class _Registration(NamedTuple):
     cls: type
     flatten: Callable[[Any], Any]

@@ -10,6 +10,7 @@ of an :class:`Arena` (a sealed memfd mapping created by the main process) and re
 from __future__ import annotations
 
 import os
+import pickle
 import weakref
 from multiprocessing import context as _mp_context
 from multiprocessing import reduction, resource_sharer
@@ -142,13 +143,15 @@ class PackedBatch:
     when it is garbage collected in the main process.
     """
 
-    __slots__ = ("_arena", "_off", "_nbytes", "_owner", "_layout", "_skeleton", "_state", "_moved",
+    __slots__ = ("_arena", "_off", "_nbytes", "_owner", "_layout", "_skeleton", "_atoms", "_state", "_moved",
                  "__weakref__")
 
     def __init__(self, arena: Arena, off: int, nbytes: int, owner: int, layout: bytes, skeleton: Any,
-                 state: Optional[str] = None):
+                 state: Optional[str] = None, atoms: Optional[tuple[Any, ...]] = None):
         self._arena, self._off, self._nbytes, self._owner = arena, off, nbytes, owner
-        self._layout, self._skeleton = layout, skeleton
+        # skeleton: the structure with LEAF in each tensor's place; with atoms (a structure that
+        # batches may share, _SharedSkeleton), ATOM in each passthrough atom's place, or its walk
+        self._layout, self._skeleton, self._atoms = layout, skeleton, atoms
         self._moved: Optional[tuple[int, Any]] = None  # (target index, structure) after to()
         # held: this process's to unpack, and to free if dropped (the arena's creator, or a
         # region adopted on arrival); own: packed here by a process that is not the creator
@@ -159,8 +162,9 @@ class PackedBatch:
         self._state = state
 
     def __reduce__(self) -> tuple[Any, ...]:
+        skeleton = self._skeleton if self._atoms is None else _SharedSkeleton(self._skeleton)
         return (_rebuild_batch, (self._arena.token, self._off, self._nbytes, self._owner,
-                                 self._layout, self._skeleton))
+                                 self._layout, skeleton, self._atoms))
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +195,7 @@ class PackedBatch:
         target = target_index(device)
         a = self._take()
         h = _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
-                           target, bool(use_background_thread))
+                           target, bool(use_background_thread), self._atoms)
         return AsyncCopyHandle(h)
 
     def unpack(self, device: Any = "cpu") -> Any:
@@ -253,8 +257,45 @@ class PackedBatch:
         return f"<PackedBatch {self._nbytes} bytes at {self._off} ({self._state})>"
 
 
+class _SharedSkeleton:
+    """The structure of a batch that holds only plain lists, tuples and dicts with atoms (str, int,
+    float, bool, None, bytes) as keys and passthrough leaves: LEAF in each tensor's place, ATOM in
+    each passthrough atom's (the atoms travel beside it, in the batch's ``_atoms``). Batches of one
+    dataset mostly share their structure: only the tensors' shapes (in the layout) and the atoms
+    (file names, sample tokens) differ. It crosses the process boundary as its pickle, and the
+    receiving process keeps one walk of it per distinct structure (:func:`_skeleton_of`), so the
+    structure is neither unpickled nor walked per batch."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_skeleton_of, (pickle.dumps(self.obj, protocol=pickle.HIGHEST_PROTOCOL),))
+
+
+# The receiving process's walked skeletons, by their pickle. Bounded: a dataset whose structure
+# varies from batch to batch (a list of variable length at the top) starts over when it is full.
+_SKELETONS: dict[bytes, Any] = {}
+_MAX_SKELETONS = 64
+
+
+def _skeleton_of(blob: bytes) -> Any:
+    """The walk (``_engine.skeleton``) of the skeleton pickled in ``blob``, made the first time
+    this structure arrives. A blob that does not hold plain containers and atoms is refused
+    (ValueError: a corrupt or forged descriptor)."""
+    sk = _SKELETONS.get(blob)
+    if sk is None:
+        sk = _engine.skeleton(pickle.loads(blob))
+        if len(_SKELETONS) >= _MAX_SKELETONS:
+            _SKELETONS.clear()
+        _SKELETONS[blob] = sk
+    return sk
+
+
 def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: int, layout: bytes,
-                   skeleton: Any) -> PackedBatch:
+                   skeleton: Any, atoms: Optional[tuple[Any, ...]] = None) -> PackedBatch:
     arena = _ARENAS.get(token)
     if arena is None:
         raise RuntimeError("mtc_loader: a PackedBatch arrived in a process that does not hold its arena")
@@ -265,8 +306,8 @@ def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: in
         # the consuming process takes the region over from the worker that filled it, so that
         # the worker's death cannot free it any more
         owner = arena._a.adopt(off, owner)
-        return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "held")
-    return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent")
+        return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "held", atoms)
+    return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent", atoms)
 
 
 class PackedCollate:
@@ -317,7 +358,7 @@ class PackedCollate:
         # a new shared-memory segment per batch (_stack.py); they are packed before it is reused
         with stacking_into_scratch():
             batch = self.collate_fn(samples)
-            off, nbytes, layout, skeleton = _engine.pack(self.arena._a, batch, self.align, self.timeout)
+            off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align, self.timeout)
             del batch
         me = os.getpid()
         try:
@@ -326,7 +367,7 @@ class PackedCollate:
             self.arena._a.release(off, me)
             raise
         state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
-        return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state)
+        return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state, atoms)
 
     def stats(self) -> dict[str, int]:
         """The arena's counters, and ``scratch_retired``: the stacking buffers this process left

@@ -14,6 +14,7 @@ loop.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -271,7 +272,7 @@ class _Service:
 
     # -- the daemon thread
     def _run(self) -> None:
-        it = None
+        it = take = None
         try:
             self._wait_for_previous()
             if self.stopping:
@@ -299,7 +300,7 @@ class _Service:
             self._put((None, e))
             return
         finally:
-            del it  # a DataLoader iterator shuts its workers down
+            del it, take  # a DataLoader iterator shuts its workers down (take holds it too)
             _reclaim_dead()
             _release(self)
         self._put((_END, None))
@@ -419,16 +420,17 @@ def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
     if (_DataLoaderIter is None or _MAP is None or type(it).__next__ is not _DataLoaderIter.__next__
             or not all(hasattr(it, a) for a in ("_next_data", "_sampler_iter", "_num_yielded", "_dataset_kind"))):
         return it.__next__
-    dl: Any = it
+    # a partial, not a closure: the frame of a call that raised stays in the exception's traceback
+    # and keeps its function, which must not keep the iterator (_forget_iterator)
+    return functools.partial(_dataloader_next, it)
 
-    def take() -> Any:
-        if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
-            return next(dl)
-        data = dl._next_data()
-        dl._num_yielded += 1
-        return data
 
-    return take
+def _dataloader_next(dl: Any) -> Any:
+    if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
+        return next(dl)
+    data = dl._next_data()
+    dl._num_yielded += 1
+    return data
 
 
 def _shares_iterator(iterable: Any) -> bool:

@@ -507,13 +507,13 @@ def test_bad_arena_arguments():
 
 # --------------------------------------------------------------------------- descriptor tampering
 
-_FIELDS = ("token", "off", "nbytes", "owner", "layout", "skeleton")
+_FIELDS = ("token", "off", "nbytes", "owner", "layout", "skeleton", "atoms")
 
 
 def forge(pb: PackedBatch, **changes):
     """A copy of pb rebuilt from its pickled form with some fields changed (what a hostile or
     buggy worker could send)."""
-    f = dict(zip(_FIELDS, pb.__reduce__()[1]))
+    f = _fields(pb)
     f.update(changes)
     if f["token"] != pb._arena.token:
         return mtc_loader.collate._rebuild_batch(*(f[k] for k in _FIELDS))  # unknown arena: refused
@@ -522,7 +522,7 @@ def forge(pb: PackedBatch, **changes):
     forged = PackedBatch.__new__(PackedBatch)
     forged._arena = pb._arena
     forged._off, forged._nbytes, forged._owner = f["off"], f["nbytes"], f["owner"]
-    forged._layout, forged._skeleton = f["layout"], f["skeleton"]
+    forged._layout, forged._skeleton, forged._atoms = f["layout"], f["skeleton"], f["atoms"]
     forged._state = "held"
     if f["owner"] != os.getpid():
         # what unpickling in the main process does first: take the region over from its sender
@@ -553,7 +553,11 @@ def _attempt(pc, pb, samples, **changes):
 
 
 def _fields(pb):
-    return dict(zip(_FIELDS, pb.__reduce__()[1]))
+    """The descriptor's fields as a worker sends them (a shared structure unwrapped)."""
+    f = dict(zip(_FIELDS, pb.__reduce__()[1]))
+    if isinstance(f["skeleton"], mtc_loader.collate._SharedSkeleton):
+        f["skeleton"] = f["skeleton"].obj
+    return f
 
 
 def test_forged_offsets_owners_sizes():
@@ -646,6 +650,83 @@ def test_forged_skeletons():
         err = _attempt(pc, pb, samples, skeleton=mk(_fields(pb)["skeleton"]))
         assert isinstance(err, ValueError), (name, err)
     assert settle(pc.arena)["slots_in_use"] == 0
+
+
+def test_forged_shared_skeletons():
+    """A structure shared between batches arrives pickled and is walked once: a walk whose leaf
+    count does not match the layout, or a pickle holding anything but plain containers and atoms,
+    is refused as a forged descriptor."""
+    from mtc_loader import _engine
+    from mtc_loader.collate import LEAF, _skeleton_of
+    pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
+    samples = [seed_sample(0), seed_sample(1)]
+    pb = pc(samples)
+    sk = _fields(pb)["skeleton"]
+    for forged in ([sk[0], {**sk[1], "cams_gt": sk[1]["cams_gt"][:-1]}], sk + [LEAF], sk[:1]):
+        err = _attempt(pc, pc(samples), samples, skeleton=_engine.skeleton(forged))
+        assert isinstance(err, ValueError) and "does not match" in str(err), err
+    atoms = _fields(pb)["atoms"]
+    assert atoms == ("sample-0", "sample-1")  # the per-batch atoms of this structure
+    for forged in (atoms[:1], atoms + ("x",), list(atoms), None):
+        err = _attempt(pc, pc(samples), samples, atoms=forged)
+        assert isinstance(err, ValueError) and "does not match" in str(err), (forged, err)
+    for bad in ([LEAF, object()], {(1, 2): LEAF}, [LEAF, torch.zeros(2)], [np.float64(1.0)]):
+        with pytest.raises(ValueError, match="forged"):
+            _skeleton_of(pickle.dumps(bad))
+    del pb
+    assert settle(pc.arena)["slots_in_use"] == 0
+
+
+class _Box:
+    def __init__(self, tag: str):
+        self.tag = tag
+
+
+class TaggedSamples(SeedSamples):
+    """Seed samples with one passthrough object that is not an atom."""
+
+    def __getitem__(self, i: int):
+        s = super().__getitem__(i)
+        s["box"] = _Box(f"box-{i}")
+        return s
+
+
+def test_a_shared_structure_is_walked_once_and_its_outputs_share_nothing():
+    """Batches whose structure holds only plain containers and atoms carry it pickled; the main
+    process walks each distinct structure once and rebuilds every batch from that walk: new
+    containers per batch, the same values as the collate made. A batch holding any other object
+    carries its skeleton as before (its objects are its own)."""
+    from mtc_loader import collate as C
+    from mtc_loader._engine import Skeleton
+    C._SKELETONS.clear()
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    dl = DataLoader(SeedSamples(n=24), batch_size=4, num_workers=2, collate_fn=pc)
+    outs = []
+    for k, pb in enumerate(dl):
+        assert isinstance(pb._skeleton, Skeleton) and pb._skeleton.leaves == 4 * 34
+        assert pb._atoms == tuple(f"sample-{4 * k + j}" for j in range(4))
+        out = pb.unpack("cpu")
+        assert_tree_bitwise(out, tree_to([seed_sample(4 * k + j) for j in range(4)], "cpu"))
+        outs.append(out)
+    assert len(C._SKELETONS) == 1
+    a, b = outs[0], outs[1]
+    assert a is not b and a[0] is not b[0] and a[0]["cams_gt"] is not b[0]["cams_gt"]
+    a[0]["cams_gt"].append("mine")  # the next batch of the structure does not see it
+    assert "mine" not in pc([seed_sample(0)]).unpack("cpu")[0]["cams_gt"]
+    dl = DataLoader(TaggedSamples(n=8), batch_size=4, num_workers=2, collate_fn=pc)
+    for k, pb in enumerate(dl):
+        assert not isinstance(pb._skeleton, Skeleton)
+        out = pb.unpack("cpu")
+        assert [s["box"].tag for s in out] == [f"box-{4 * k + j}" for j in range(4)]
+    # more distinct structures than the cache holds: it starts over, every batch still right
+    for n in range(1, C._MAX_SKELETONS + 6):
+        blob = pickle.dumps([LEAF_OF] * n)
+        assert C._skeleton_of(blob).leaves == n
+        assert len(C._SKELETONS) <= C._MAX_SKELETONS
+    assert settle(pc.arena)["slots_in_use"] == 0
+
+
+LEAF_OF = mtc_loader.collate.LEAF
 
 
 _LEAK_BUG = ("csrc/module.c engine_unpack: when the region check passes but the layout fails to "

@@ -63,7 +63,7 @@ def main() -> int:
     arena = mtc_loader.Arena(1 << 24)
     pid = os.getpid()
     for name, batch, align in batches():
-        off, nbytes, layout, _skeleton = _engine.pack(arena._a, batch, align, 5.0)
+        off, nbytes, layout, _skeleton, _atoms = _engine.pack(arena._a, batch, align, 5.0)
         arena._a.release(off, pid)
         write("layout", f"decode-{name}", bytes([0]) + bytes(4) + layout)
         if name in ("example-1-sample", "every-dtype"):
