@@ -101,36 +101,57 @@ bad:
     return -1;
 }
 
-/* A UNIFORM segment of several members at a fixed row: one as_strided view
- * (count, *shape) of the typed region, unbound. 0 or -1. */
-static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                          PyObject *typed, PyObject **outputs, PyObject *keep)
+/* typed.as_strided(size, stride, offset): the view of a segment straight at
+ * its place in the chunk, with no slice or reshape before it. Its dims are
+ * proto's dims from `from` on, contiguous, with strides as torch's view()
+ * makes them (a dim of 0 counts as 1), behind a leading dim of `lead` rows
+ * when lead >= 0, `lead_stride` elements apart (or contiguous with the rest
+ * when lead_stride < 0). offset: elements of the dtype from the storage's
+ * start. New reference, or NULL. */
+static PyObject *_strided(mtc_state *st, const mtc_tree *t, const mtc_leaf *proto, int from, int64_t lead,
+                          int64_t lead_stride, int64_t offset, PyObject *typed)
 {
-    const mtc_leaf *proto = &t->leaves[s->proto];
-    int nd = proto->ndim, rc = -1;
-    PyObject *size = PyTuple_New(nd + 1), *stride = PyTuple_New(nd + 1), *shaped = NULL, *parts = NULL;
-    if (!size || !stride) goto out;
-    PyTuple_SET_ITEM(size, 0, PyLong_FromLongLong(s->count));
-    PyTuple_SET_ITEM(stride, 0, PyLong_FromLongLong(s->row_bytes / proto->elsize));
+    int nd = proto->ndim - from, at = lead >= 0;
+    PyObject *size = PyTuple_New(nd + at), *stride = PyTuple_New(nd + at), *off = PyLong_FromLongLong(offset);
+    PyObject *v = NULL;
+    if (!size || !stride || !off) goto out;
     int64_t st_el = 1;
     for (int d = nd - 1; d >= 0; d--) {
-        int64_t dim = t->shape[proto->dims + d];
-        PyTuple_SET_ITEM(size, d + 1, PyLong_FromLongLong(dim));
-        PyTuple_SET_ITEM(stride, d + 1, PyLong_FromLongLong(st_el));
-        if (d) st_el *= dim > 1 ? dim : 1; /* members have bytes: the product fits */
+        int64_t dim = t->shape[proto->dims + from + d];
+        PyTuple_SET_ITEM(size, d + at, PyLong_FromLongLong(dim));
+        PyTuple_SET_ITEM(stride, d + at, PyLong_FromLongLong(st_el));
+        st_el *= dim > 1 ? dim : 1; /* members have bytes: the product fits */
+    }
+    if (at) {
+        PyTuple_SET_ITEM(size, 0, PyLong_FromLongLong(lead));
+        PyTuple_SET_ITEM(stride, 0, PyLong_FromLongLong(lead_stride >= 0 ? lead_stride : st_el));
     }
     /* an item that failed to allocate is NULL: never hand torch such a tuple */
     if (_tuple_has_null(size) || _tuple_has_null(stride)) goto out;
-    PyObject *a2[2] = {size, stride};
-    if (!(shaped = _call_method(typed, st->s_as_strided, a2, 2)) || _keep(keep, shaped)) goto out;
+    PyObject *args[3] = {size, stride, off};
+    v = _call_method(typed, st->s_as_strided, args, 3);
+out:
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    Py_XDECREF(off);
+    return v;
+}
+
+/* A UNIFORM segment of several members at a fixed slot: one view (count,
+ * *shape), unbound. 0 or -1. */
+static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
+                          PyObject *typed, int64_t offset, PyObject **outputs, PyObject *keep)
+{
+    const mtc_leaf *proto = &t->leaves[s->proto];
+    int rc = -1;
+    PyObject *shaped = _strided(st, t, proto, 0, s->count, s->row_bytes / proto->elsize, offset, typed), *parts = NULL;
+    if (!shaped || _keep(keep, shaped)) goto out;
     PyObject *zero = PyLong_FromLong(0);
     if (!zero) goto out;
     parts = _call_method(shaped, st->s_unbind, &zero, 1);
     Py_DECREF(zero);
     if (parts && !_keep(keep, parts)) rc = _store_views(parts, t, p, s, 0, outputs);
 out:
-    Py_XDECREF(size);
-    Py_XDECREF(stride);
     Py_XDECREF(shaped);
     Py_XDECREF(parts);
     return rc;
@@ -164,84 +185,124 @@ static PyObject *_split_sizes(const mtc_tree *t, const mtc_plan *p, const mtc_se
     return sizes;
 }
 
-/* A SPLIT segment: the typed region viewed as (rows, *trailing), cut at the
- * member starts with one split_with_sizes. 0 or -1. */
+/* A SPLIT segment: one view (rows, *trailing), cut at the member starts with
+ * one split_with_sizes. 0 or -1. */
 static int _split_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                        PyObject *typed, PyObject **outputs, PyObject *keep)
+                        PyObject *typed, int64_t offset, PyObject **outputs, PyObject *keep)
 {
-    const mtc_leaf *proto = &t->leaves[s->proto];
     int rc = -1;
-    PyObject *full = PyTuple_New(proto->ndim), *shaped = NULL, *sizes = NULL, *parts = NULL;
-    if (!full) return -1;
-    PyTuple_SET_ITEM(full, 0, PyLong_FromLongLong(s->rows));
-    for (int d = 1; d < proto->ndim; d++) PyTuple_SET_ITEM(full, d, PyLong_FromLongLong(t->shape[proto->dims + d]));
-    if (_tuple_has_null(full)) goto out;
-    if (!(shaped = _call_method(typed, st->s_view, &full, 1)) || _keep(keep, shaped)) goto out;
+    PyObject *shaped = _strided(st, t, &t->leaves[s->proto], 1, s->rows, -1, offset, typed), *sizes = NULL,
+             *parts = NULL;
+    if (!shaped || _keep(keep, shaped)) goto out;
     if (!(sizes = _split_sizes(t, p, s))) goto out;
     /* the pieces, padding pieces included, stay alive in keep */
     if ((parts = _call_method(shaped, st->s_split_with_sizes, &sizes, 1)) && !_keep(keep, parts))
         rc = _store_views(parts, t, p, s, 1, outputs);
 out:
-    Py_DECREF(full);
     Py_XDECREF(shaped);
     Py_XDECREF(sizes);
     Py_XDECREF(parts);
     return rc;
 }
 
-/* Creates the output views of one segment with a handful of torch calls and
- * stores them (new references) in outputs[]. region: uint8 tensor of the
- * segment's bytes. 0 or -1. */
+/* The typed views of the chunk being viewed, one per dtype: chunk.view(dtype)
+ * once, and every segment of that dtype an as_strided view of it, instead of
+ * a slice and a view(dtype) per segment (each torch call costs a microsecond
+ * or two and a release of the GIL). The planner lays segments out chunk by
+ * chunk, so one chunk's views at a time suffice. */
+typedef struct {
+    int32_t chunk;                   /* the chunk the views are of, -1 none */
+    Py_ssize_t bytes;                /* its tensor's length, -1 until read */
+    PyObject *typed[MTC_MAX_DTYPES]; /* new references, or NULL */
+} _bases;
+
+static void _bases_clear(_bases *b, int32_t chunk)
+{
+    for (int i = 0; i < MTC_MAX_DTYPES; i++) Py_CLEAR(b->typed[i]);
+    b->chunk = chunk;
+    b->bytes = -1;
+}
+
+/* The chunk viewed as proto's dtype, made on first use. The chunk itself for
+ * uint8. view(dtype) needs a length that is a multiple of the element size:
+ * for a chunk whose length is not, the view is of its first whole elements,
+ * which hold every segment of the dtype (a segment's offset and bytes are
+ * multiples of its element size, and it ends within the chunk). Borrowed
+ * reference (kept in b), or NULL. */
+static PyObject *_typed_base(mtc_state *st, _bases *b, PyObject *chunk, const mtc_leaf *proto, PyObject *keep)
+{
+    if (proto->dtype >= MTC_MAX_DTYPES || !st->dtypes[proto->dtype]) {
+        PyErr_SetString(PyExc_SystemError, "mtc_loader: a packed segment has an unknown dtype code");
+        return NULL;
+    }
+    PyObject **slot = &b->typed[proto->dtype], *dtype = st->dtypes[proto->dtype];
+    if (*slot) return *slot;
+    if (dtype == st->uint8) return *slot = Py_NewRef(chunk);
+    if (b->bytes < 0 && (b->bytes = PyObject_Length(chunk)) < 0) return NULL;
+    Py_ssize_t whole = b->bytes - b->bytes % proto->elsize;
+    PyObject *src = Py_NewRef(chunk);
+    if (whole != b->bytes) {
+        PyObject *end = PyLong_FromSsize_t(whole), *slice = end ? PySlice_New(NULL, end, NULL) : NULL;
+        Py_XDECREF(end);
+        Py_SETREF(src, slice ? PyObject_GetItem(chunk, slice) : NULL);
+        Py_XDECREF(slice);
+        if (!src || _keep(keep, src)) {
+            Py_XDECREF(src);
+            return NULL;
+        }
+    }
+    *slot = _call_method(src, st->s_view, &dtype, 1);
+    Py_DECREF(src);
+    if (!*slot || _keep(keep, *slot)) return NULL;
+    return *slot;
+}
+
+/* Creates the output views of one segment, `start` bytes from its chunk's
+ * storage start, with one torch call (a single member), or two, and stores
+ * them (new references) in outputs[]. 0 or -1. */
 static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
-                          PyObject *region, PyObject **outputs, PyObject *keep)
+                          PyObject *typed, int64_t start, PyObject **outputs, PyObject *keep)
 {
     const mtc_leaf *proto = &t->leaves[s->proto];
-    PyObject *dtype = st->dtypes[proto->dtype];
-    PyObject *typed = _call_method(region, st->s_view, &dtype, 1);
-    if (!typed) return -1;
-    int rc = -1;
-    if (_keep(keep, typed)) goto out;
-    if (s->kind == MTC_SEG_UNIFORM && s->count == 1) {
-        PyObject *shape = mtc_out_shape(t, proto, 0);
-        PyObject *v = shape ? _call_method(typed, st->s_view, &shape, 1) : NULL;
-        Py_XDECREF(shape);
-        if (v) {
-            outputs[p->members[s->first]] = v;
-            rc = 0;
-        }
-    } else if (s->kind == MTC_SEG_UNIFORM) {
-        rc = _uniform_views(st, t, p, s, typed, outputs, keep);
-    } else {
-        rc = _split_views(st, t, p, s, typed, outputs, keep);
+    if (start % proto->elsize) {
+        /* the planner and the layout decoder place segments on multiples of
+         * their element size: torch views no dtype elsewhere */
+        PyErr_Format(PyExc_SystemError, "mtc_loader: a packed segment at byte %lld is not on a multiple of "
+                     "its element size %d", (long long)start, (int)proto->elsize);
+        return -1;
     }
-out:
-    Py_DECREF(typed);
-    return rc;
+    int64_t offset = start / proto->elsize;
+    if (s->kind == MTC_SEG_UNIFORM && s->count == 1) {
+        PyObject *v = _strided(st, t, proto, 0, -1, -1, offset, typed);
+        if (!v) return -1;
+        outputs[p->members[s->first]] = v;
+        return 0;
+    }
+    if (s->kind == MTC_SEG_UNIFORM) return _uniform_views(st, t, p, s, typed, offset, outputs, keep);
+    return _split_views(st, t, p, s, typed, offset, outputs, keep);
 }
 
 /* Creates the output views of every segment of plan p over the chunk
- * tensors (uint8; chunk c starts chunk_skip[c] bytes in, or at 0 when
- * chunk_skip is NULL) and stores them (new references) in outputs[]. 0 or -1
- * with an exception. */
+ * tensors and stores them (new references) in outputs[]: per chunk one typed
+ * view per dtype, per segment one as_strided view at the segment's offset,
+ * cut into members with split_with_sizes or unbind. 0 or -1 with an
+ * exception. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                   const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
 {
-    for (uint32_t s = 0; s < p->nsegs; s++) {
+    _bases b;
+    memset(b.typed, 0, sizeof b.typed);
+    _bases_clear(&b, -1);
+    int rc = 0;
+    for (uint32_t s = 0; s < p->nsegs && !rc; s++) {
         const mtc_seg *sg = &p->segs[s];
-        Py_ssize_t off = (chunk_skip ? chunk_skip[sg->chunk] : 0) + (Py_ssize_t)sg->offset;
-        PyObject *lo = PyLong_FromSsize_t(off), *hi = PyLong_FromSsize_t(off + (Py_ssize_t)sg->bytes);
-        PyObject *slice = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
-        Py_XDECREF(lo);
-        Py_XDECREF(hi);
-        if (!slice) return -1;
-        PyObject *region = PyObject_GetItem(chunk_t[sg->chunk], slice);
-        Py_DECREF(slice);
-        if (!region) return -1;
-        int rc = _keep(keep, region) ? -1 : _segment_views(st, t, p, sg, region, outputs, keep);
-        Py_DECREF(region);
-        if (rc) return -1;
+        if (sg->chunk != b.chunk) _bases_clear(&b, sg->chunk);
+        PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], &t->leaves[sg->proto], keep);
+        int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
+        rc = typed ? _segment_views(st, t, p, sg, typed, start, outputs, keep) : -1;
     }
-    return 0;
+    _bases_clear(&b, -1);
+    return rc;
 }
 
 PyObject *mtc_out_device(mtc_state *st, int dev)

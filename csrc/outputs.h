@@ -24,10 +24,15 @@ PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObjec
 int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 
 /* Creates the output views of every segment of plan p over the chunk tensors
- * chunk_t (uint8; chunk c starts chunk_skip[c] bytes in, at 0 when chunk_skip
- * is NULL: start_copy and unpack put every chunk at 0, see copy.c) and
- * stores them (new references) in outputs[]. The temporary tensors made on
- * the way (segment views, padding pieces) are appended to the list `keep`
+ * chunk_t (1-D uint8, each at offset 0 of its own storage, since the views are
+ * made with as_strided at storage offsets; chunk c starts chunk_skip[c] bytes
+ * in, at 0 when chunk_skip is NULL: start_copy and unpack put every chunk at
+ * 0, see copy.c) and stores them (new references) in outputs[]: per chunk
+ * one typed view per dtype, per segment one as_strided view, cut into its
+ * members with one split_with_sizes or unbind. A segment whose start is not a
+ * multiple of its element size (which the planner and the layout decoder
+ * never make) is a SystemError. The temporary tensors made on the way
+ * (typed and segment views, padding pieces) are appended to the list `keep`
  * when it is not NULL, so that none is dropped here: dropping a tensor
  * releases the GIL. 0 or -1. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,

@@ -68,6 +68,30 @@ def every_size_case(device: str = "cpu", seed: int = 21) -> list:
     return tree_to(data, device) if device != "cpu" else data
 
 
+VIEW_SHAPES = [(), (1,), (3,), (0,), (2, 0, 3), (1, 1), (5, 1, 2), (3, 7)]
+
+
+def views_case(tail: int, device: str = "cpu", seed: int = 22) -> list:
+    """Members of every element size in awkward shapes (0-d, dims of 0 and 1; several of one shape
+    make a UNIFORM segment, several of one trailing shape a SPLIT one), then a uint8 tensor of
+    ``tail`` bytes that ends the chunk: over tails 1..16 the chunk's length takes every residue
+    modulo 16, and a dtype's view of the chunk covers its whole elements only."""
+    g = torch.Generator().manual_seed(seed)
+    data = [random_tensor(dt, shape, g) for dt in DTYPES if dt != torch.uint8 for shape in VIEW_SHAPES]
+    data += [random_tensor(dt, (2, 3), g) for dt in (torch.float32, torch.complex128) for _ in range(3)]
+    data.append(random_tensor(torch.uint8, (tail,), g))
+    return tree_to(data, device) if device != "cpu" else data
+
+
+def check_views(out: list, data: list, tail: int) -> None:
+    """Bitwise equal, with the strides torch gives a contiguous tensor of the shape, and the
+    chunk's length off a multiple of 16 by the tail (the case is not vacuous)."""
+    assert_tree_bitwise(out, data)
+    for o, r in zip(out, data):
+        assert o.stride() == torch.empty(r.shape, dtype=r.dtype).stride(), (r.dtype, tuple(r.shape), o.stride())
+    assert out[-1].untyped_storage().nbytes() % 16 == tail % 16
+
+
 def check_offsets(out: Any, data: Any, align: int, packed: bool) -> None:
     """Every output's offset from its storage's start is a multiple of the rule; with packing,
     some storage holds several outputs (the check is not vacuous)."""
@@ -109,6 +133,16 @@ def test_packed_batch_unpack_cpu(case, align):
         out = pc(samples).unpack("cpu")
         assert_tree_bitwise(out, samples)
         check_offsets(out, samples, align, packed=True)
+
+
+@pytest.mark.parametrize("tail", range(1, 17))
+def test_packed_batch_views_cpu(tail):
+    # the views of a chunk whose length is no multiple of its members' element sizes
+    samples = views_case(tail)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
+    out = pc(samples).unpack("cpu")
+    check_views(out, samples, tail)
+    check_offsets(out, samples, 16, packed=True)
 
 
 @pytest.mark.parametrize("align", [6, 24, 100])
@@ -162,3 +196,16 @@ def test_packed_batch_unpack_cuda(case, align):
         torch.cuda.synchronize()
         assert_tree_bitwise(out, tree_to(samples, "cuda:0"))
         check_offsets(out, samples, align, packed=True)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("tail", [1, 3, 8, 15, 16])
+def test_packed_views_cuda(tail):
+    # the same views over a CUDA chunk (PackedBatch.to) and a pinned one (GPU -> CPU packing)
+    samples = views_case(tail)
+    out = mtc_loader.PackedCollate(list, arena_bytes=ARENA)(samples).to("cuda:0")
+    torch.cuda.synchronize()
+    check_views(out, tree_to(samples, "cuda:0"), tail)
+    back = start_copy(out, "cpu").get()
+    check_views(back, samples, tail)
