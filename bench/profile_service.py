@@ -14,9 +14,12 @@ tensor + 264 small tensors (265 leaves). Every figure is the calling thread's CP
   (``ns_unpack_*`` of ``mtc_loader.stats()``): layout decode, the copy's set-up (chunk, DMA or
   memcpy), the views, the skeleton walk and rebuild;
 - ``side_copy``: ``start_side_copy(batch, dev).get()`` (the service's path: + event, record);
-- ``to``: ``PackedBatch.to(dev)`` in a hot loop (per leaf too);
+- ``to``: ``PackedBatch.to(dev)`` in a hot loop (per leaf too), each batch and its result dropped
+  before the next call, as a training loop drops them (outside the timed call);
 - ``service``: a PrefetchLoader over a DataLoader of 2 workers, its consumer spinning in Python for
-  ``--step-ms`` per batch: ``stats()`` (``service_cpu_ms_per_batch``) and the engine split per batch;
+  ``--step-ms`` per batch: ``stats()`` (``service_cpu_ms_per_batch``, of it
+  ``service_next_ms_per_batch``) and the engine split per batch; then the same with a consumer that
+  sleeps (the service alone with the GIL);
 - ``gil retakes``: the service's path run next to a thread that spins in Python (as a
   launch-bound training thread holds the GIL): every time the service releases the GIL it waits
   for a forced switch (``sys.setswitchinterval``, 2 ms here), so (wall - CPU) / interval counts
@@ -77,11 +80,45 @@ def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, sampl
     return batches, times
 
 
+def profiled_service_threads(top: int = 30):
+    """Runs every prefetch service thread started inside the ``with`` under cProfile with the
+    thread's CPU clock, and prints the functions with the most CPU time (own time) per batch."""
+    import contextlib
+    import cProfile
+    import pstats
+    from mtc_loader import prefetch
+
+    @contextlib.contextmanager
+    def cm():
+        profs = []
+        orig = prefetch._Service._run
+
+        def run(self) -> None:
+            pr = cProfile.Profile(time.thread_time)
+            pr.enable()
+            try:
+                orig(self)
+            finally:
+                pr.disable()
+                profs.append(pr)
+
+        prefetch._Service._run = run
+        try:
+            yield
+        finally:
+            prefetch._Service._run = orig
+        st = pstats.Stats(profs[-1])
+        st.sort_stats("tottime").print_stats(top)
+
+    return cm()
+
+
 def service(collate: mtc_loader.PackedCollate, ds: CameraSamples, dev: str, n: int, samples: int,
-            step_s: float) -> dict[str, float]:
+            step_s: float, spin: bool = True) -> dict[str, float]:
     """The real service: PrefetchLoader over a DataLoader (2 workers) of packed batches, its
     consumer a thread that holds the GIL spinning in Python for step_s per batch (a launch-bound
-    training thread). stats() of the loader and the engine's unpack split per batch."""
+    training thread), or sleeping (``spin=False``: the service alone with the GIL). stats() of the
+    loader and the engine's unpack split per batch."""
     from torch.utils.data import DataLoader
     loader = DataLoader(ds, batch_size=samples, num_workers=2, collate_fn=collate, persistent_workers=True)
     pl = mtc_loader.PrefetchLoader(loader, dev, depth=2)
@@ -93,17 +130,37 @@ def service(collate: mtc_loader.PackedCollate, ds: CameraSamples, dev: str, n: i
     k = 0
     for _ in pl:
         end = time.perf_counter() + step_s
+        if not spin:
+            time.sleep(step_s)
         while time.perf_counter() < end:
             pass
         k += 1
     wall = (time.perf_counter() - t0) / k
     after = mtc_loader.stats()
     st = pl.stats()
-    out = {"service_cpu_ms_per_batch": st["service_cpu_ms_per_batch"], "wait_ms_per_batch": st["wait_ms_per_batch"],
+    out = {"service_cpu_ms_per_batch": st["service_cpu_ms_per_batch"],
+           "service_next_ms_per_batch": st.get("service_next_ms_per_batch", float("nan")),
+           "wait_ms_per_batch": st["wait_ms_per_batch"],
            "step_ms_per_batch": st["step_ms_per_batch"], "wall_ms_per_batch": wall * 1e3}
     for key in STAGES if "unpacks" in after else []:
         out["engine " + key[10:]] = (after[key] - before[key]) / k / 1e6
     del pl, loader
+    return out
+
+
+def timed_loop(fn, items: list) -> list[float]:
+    """fn(x) timed for each x as a training loop meets it: each batch (and what it returned) is
+    dropped before the next call, outside the timed call, and none is kept by the list."""
+    out, items = [], items[::-1]
+    result = None
+    while items:
+        x = items.pop()
+        result = None
+        t0 = time.thread_time()
+        result = fn(x)
+        out.append(time.thread_time() - t0)
+        del x
+    del result
     return out
 
 
@@ -224,7 +281,7 @@ def main() -> int:
         put(f"  engine {k}", v)
     if not cpu:
         put("start_side_copy(dev).get()", med(timed(lambda b: mtc_loader.start_side_copy(b, dev).get(), fresh())))
-    put("PackedBatch.to(dev), hot loop", med(timed(lambda b: b.to(dev), fresh())))
+    put("PackedBatch.to(dev), hot loop", med(timed_loop(lambda b: b.to(dev), fresh())))
     sync(dev)
     put("  per leaf (us)", res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves)
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
@@ -233,8 +290,14 @@ def main() -> int:
     put("  CPU ms per batch next to a spinning thread", busy_cpu)
     if a.cprofile:
         cprofile_service(fresh(), dev, cpu)
+        print("the service thread under cProfile (thread CPU clock), one epoch, sleeping consumer:")
+        with profiled_service_threads():
+            service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False)
     for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
         put(f"service: {key}", v)
+    for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False).items():
+        if key.startswith("service_"):
+            put(f"service, sleeping consumer: {key}", v)
     if a.receive:
         batches, recv = received(collate, ds, n, a.samples)
         put("receive (pickle.loads + rebuild of a PackedBatch)", med(recv))

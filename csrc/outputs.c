@@ -212,15 +212,15 @@ out:
  * chunk, so one chunk's views at a time suffice. */
 typedef struct {
     int32_t chunk;                   /* the chunk the views are of, -1 none */
-    Py_ssize_t bytes;                /* its tensor's length, -1 until read */
+    Py_ssize_t bytes;                /* its tensor's length: the plan's payload of that chunk */
     PyObject *typed[MTC_MAX_DTYPES]; /* new references, or NULL */
 } _bases;
 
-static void _bases_clear(_bases *b, int32_t chunk)
+static void _bases_clear(_bases *b, int32_t chunk, int64_t bytes)
 {
     for (int i = 0; i < MTC_MAX_DTYPES; i++) Py_CLEAR(b->typed[i]);
     b->chunk = chunk;
-    b->bytes = -1;
+    b->bytes = (Py_ssize_t)bytes;
 }
 
 /* The chunk viewed as proto's dtype, made on first use. The chunk itself for
@@ -238,7 +238,6 @@ static PyObject *_typed_base(mtc_state *st, _bases *b, PyObject *chunk, const mt
     PyObject **slot = &b->typed[proto->dtype], *dtype = st->dtypes[proto->dtype];
     if (*slot) return *slot;
     if (dtype == st->uint8) return *slot = Py_NewRef(chunk);
-    if (b->bytes < 0 && (b->bytes = PyObject_Length(chunk)) < 0) return NULL;
     Py_ssize_t whole = b->bytes - b->bytes % proto->elsize;
     PyObject *src = Py_NewRef(chunk);
     if (whole != b->bytes) {
@@ -292,16 +291,19 @@ int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject 
 {
     _bases b;
     memset(b.typed, 0, sizeof b.typed);
-    _bases_clear(&b, -1);
+    _bases_clear(&b, -1, 0);
     int rc = 0;
     for (uint32_t s = 0; s < p->nsegs && !rc; s++) {
         const mtc_seg *sg = &p->segs[s];
-        if (sg->chunk != b.chunk) _bases_clear(&b, sg->chunk);
+        /* every chunk tensor is allocated with its plan's payload, which
+         * skip bytes precede (chunk_skip) */
+        if (sg->chunk != b.chunk)
+            _bases_clear(&b, sg->chunk, (chunk_skip ? chunk_skip[sg->chunk] : 0) + p->chunks[sg->chunk].payload);
         PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], &t->leaves[sg->proto], keep);
         int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
         rc = typed ? _segment_views(st, t, p, sg, typed, start, outputs, keep) : -1;
     }
-    _bases_clear(&b, -1);
+    _bases_clear(&b, -1, 0);
     return rc;
 }
 

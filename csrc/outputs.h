@@ -25,7 +25,8 @@ int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 
 /* Creates the output views of every segment of plan p over the chunk tensors
  * chunk_t (1-D uint8, each at offset 0 of its own storage, since the views are
- * made with as_strided at storage offsets; chunk c starts chunk_skip[c] bytes
+ * made with as_strided at storage offsets, and each chunk_skip[c] + the plan's
+ * payload of chunk c bytes long; chunk c starts chunk_skip[c] bytes
  * in, at 0 when chunk_skip is NULL: start_copy and unpack put every chunk at
  * 0, see copy.c) and stores them (new references) in outputs[]: per chunk
  * one typed view per dtype, per segment one as_strided view, cut into its

@@ -192,11 +192,13 @@ class PackedBatch:
 
         Takes :func:`~mtc_loader.start_copy`'s keywords; only ``use_background_thread`` applies
         (the batch is packed, in pinned memory, already), and any other keyword is a TypeError."""
-        target = target_index(device)
+        return AsyncCopyHandle(self._start(target_index(device), bool(use_background_thread)))
+
+    def _start(self, target: int, background: bool) -> Any:
+        """The engine's handle of the unpack to the target index (the prefetch service's path)."""
         a = self._take()
-        h = _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
-                           target, bool(use_background_thread), self._atoms)
-        return AsyncCopyHandle(h)
+        return _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
+                              target, background, self._atoms)
 
     def unpack(self, device: Any = "cpu") -> Any:
         """The batch's structure with its tensors on ``device`` (blocking)."""

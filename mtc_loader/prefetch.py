@@ -36,6 +36,7 @@ from .handle import AsyncCopyHandle
 __all__ = ["PrefetchLoader", "SideCopy", "copy_stream", "start_side_copy"]
 
 _COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_COPY_RAW: dict[int, int] = {}  # the raw handles of _COPY_STREAMS
 _STREAMS_LOCK = threading.Lock()
 
 
@@ -69,7 +70,9 @@ def _copy_stream(index: int) -> "torch.cuda.Stream":
         with _STREAMS_LOCK:
             stream = _COPY_STREAMS.get(index)
             if stream is None:
-                stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+                stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+                _COPY_RAW[index] = int(stream.cuda_stream)
+                _COPY_STREAMS[index] = stream
     return stream
 
 
@@ -80,7 +83,9 @@ class SideCopy:
     __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_keep", "_recorded", "_done")
 
     def __init__(self, handle: Any, index: int) -> None:
-        self._handle, self._index = handle, index
+        # the engine's handle (an AsyncCopyHandle's, or one PackedBatch._start made)
+        self._handle = handle._h if isinstance(handle, AsyncCopyHandle) else handle
+        self._index = index
         self._result: Any = None
         self._event = 0  # raw handle of the copy stream's pooled event (_engine.event_record), 0: none
         self._buffers: list[torch.Tensor] = []
@@ -108,13 +113,18 @@ class SideCopy:
         """
         if self._done:
             return
-        self._result = self._handle.get()
-        self._keep = self._handle._h.temporaries()
+        h = self._handle
+        self._result = h.get()
+        self._keep = h.temporaries()
         if self._index >= 0:
-            self._buffers = self._handle._h.buffers()
+            self._buffers = h.buffers()
             # a pooled driver event recorded with the GIL held: torch.cuda.Event's record releases
             # it, and a service thread then waits for a launch-bound training thread to give it back
-            self._event = _engine.event_record(self._index, _copy_stream(self._index).cuda_stream)
+            raw = _COPY_RAW.get(self._index)
+            if raw is None:
+                _copy_stream(self._index)
+                raw = _COPY_RAW[self._index]
+            self._event = _engine.event_record(self._index, raw)
             if consumer is not None:
                 for buf in self._buffers:
                     buf.record_stream(consumer)
@@ -190,7 +200,11 @@ def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCo
         return SideCopy(_start(data, index, start_copy_options), index)
 
 
-def _start(batch: Any, device: Any, options: dict[str, Any]) -> AsyncCopyHandle:
+def _start(batch: Any, device: Any, options: dict[str, Any]) -> Any:
+    """The copy of one batch started: the engine's handle of a packed batch (its region DMA'd,
+    the structure built), or an AsyncCopyHandle."""
+    if type(batch) is PackedBatch and (not options or set(options) == {"use_background_thread"}):
+        return batch._start(target_index(device), bool(options.get("use_background_thread", True)))
     if isinstance(batch, PackedBatch):
         return batch.start_copy(device, **options)
     return start_copy(batch, device, **options)

@@ -394,7 +394,7 @@ def test_side_copy_takes_the_temporary_views_out_of_the_handle():
     h = side._handle
     side._finish()
     assert side._keep, "the SideCopy holds the temporaries"
-    assert h._h.temporaries() == [], "the handle no longer does"
+    assert h.temporaries() == [], "the handle no longer does"
     assert_tree_bitwise(side.get(), data)
 
 
