@@ -1,7 +1,7 @@
 """Where the prefetch service's CPU per packed batch goes, stage by stage.
 
     python3 bench/profile_service.py [--device cuda:0] [--batches 60] [--samples 8]
-                                     [--height 256 --width 448] [--json PATH]
+                                     [--height 256 --width 448] [--align 16] [--json PATH]
 
 The batch is bench_train's (``collate_samples``): per sample 6 uint8 camera images stacked by
 ``default_collate`` and 33 small meta-data tensors kept per sample, so 8 samples make 1 image
@@ -109,6 +109,38 @@ def profiled_service_threads(top: int = 30):
             prefetch._Service._run = orig
         st = pstats.Stats(profs[-1])
         st.sort_stats("tottime").print_stats(top)
+
+    return cm()
+
+
+def split_service_thread():
+    """Times (thread CPU) the parts of each batch of the prefetch service started inside the
+    ``with``: the iterable's next() (``next``), the start of the copy (``start``: the engine's
+    unpack, views and rebuild), its finish (``finish``: wait, temporaries, buffers, event,
+    record_stream); the rest of the service's CPU is its own bookkeeping. Yields a dict of seconds."""
+    import contextlib
+    from mtc_loader import prefetch
+    acc = {"next": 0.0, "start": 0.0, "finish": 0.0}
+
+    def timed_part(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name] += time.thread_time() - t0
+        return wrapper
+
+    @contextlib.contextmanager
+    def cm():
+        saved = (prefetch._start, prefetch.SideCopy._finish, prefetch._next_of)
+        prefetch._start = timed_part("start", saved[0])
+        prefetch.SideCopy._finish = timed_part("finish", saved[1])
+        prefetch._next_of = lambda it: timed_part("next", saved[2](it))
+        try:
+            yield acc
+        finally:
+            prefetch._start, prefetch.SideCopy._finish, prefetch._next_of = saved
 
     return cm()
 
@@ -249,6 +281,7 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true", help="cProfile of the service's per-batch path")
     ap.add_argument("--receive", action="store_true", help="time the receive (forks a packing child)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="the spinning consumer's step (service stage)")
+    ap.add_argument("--align", type=int, default=16, help="PackedCollate's min_packed_alignment_bytes")
     a = ap.parse_args()
     dev = a.device
     cpu = not dev.startswith("cuda")
@@ -257,7 +290,8 @@ def main() -> int:
     ds = CameraSamples(max(64, a.batches * a.samples), 16, h, w)
     one = collate_samples([ds[j] for j in range(a.samples)])
     nbytes = sum(t.numel() * t.element_size() for t in _leaves(one))
-    collate = mtc_loader.PackedCollate(collate_samples, arena_bytes=max(64 << 20, 4 * (a.batches + 8) * nbytes))
+    collate = mtc_loader.PackedCollate(collate_samples, arena_bytes=max(64 << 20, 4 * (a.batches + 8) * nbytes),
+                                       min_packed_alignment_bytes=a.align)
     n = a.batches
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     res: dict[str, float] = {}
@@ -295,9 +329,12 @@ def main() -> int:
             service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False)
     for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
         put(f"service: {key}", v)
-    for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False).items():
-        if key.startswith("service_"):
-            put(f"service, sleeping consumer: {key}", v)
+    with split_service_thread() as parts:
+        for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False).items():
+            if key.startswith("service_") or key.startswith("engine"):
+                put(f"service, sleeping consumer: {key}", v)
+    for key, v in parts.items():  # both epochs (warm-up and timed) of that service
+        put(f"service, sleeping consumer, thread CPU of {key}", v * 1e3 / (2 * n))
     if a.receive:
         batches, recv = received(collate, ds, n, a.samples)
         put("receive (pickle.loads + rebuild of a PackedBatch)", med(recv))
