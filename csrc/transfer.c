@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "hostcopy.h"
@@ -127,17 +128,52 @@ static size_t _default_cap(void)
     return (size_t)1 << 30;
 }
 
+/* MTC_SLAB_HUGEPAGES=1: slabs mapped anonymously with MADV_HUGEPAGE (2 MiB
+ * pages where the kernel's transparent huge pages allow it: fewer TLB misses
+ * for the helpers' streaming stores into them) and page-locked in place with
+ * cuMemHostRegister, instead of cuMemHostAlloc. MADV_DONTFORK: a forked
+ * DataLoader worker never maps them, so no copy-on-write can move a page the
+ * GPU reads away from the parent. Read once per process. */
+static int _slab_huge = -1;
+
+static int _huge(void)
+{
+    if (_slab_huge < 0) {
+        const char *e = getenv("MTC_SLAB_HUGEPAGES");
+        _slab_huge = e && *e == '1';
+    }
+    return _slab_huge;
+}
+
 static int _ops_alloc(void *ctx, size_t bytes, void **out)
 {
     int rc = mtc_cuda_set_device((int)(intptr_t)ctx);
     if (rc) return rc;
+    if (_huge()) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return -ENOMEM;
+        (void)madvise(p, bytes, MADV_HUGEPAGE);
+        (void)madvise(p, bytes, MADV_DONTFORK);
+        CUresult r = mtc_cu.cuMemHostRegister(p, bytes, MTC_CU_MEMHOSTREGISTER_PORTABLE);
+        if (r) {
+            munmap(p, bytes);
+            return r == MTC_CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : mtc_cu_rc(r);
+        }
+        *out = p;
+        return 0;
+    }
     CUresult r = mtc_cu.cuMemHostAlloc(out, bytes, MTC_CU_MEMHOSTALLOC_PORTABLE);
     return r == MTC_CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : mtc_cu_rc(r);
 }
 static void _ops_free(void *ctx, void *ptr, size_t bytes)
 {
-    (void)bytes;
-    if (mtc_cuda_set_device((int)(intptr_t)ctx) == 0) mtc_cu.cuMemFreeHost(ptr);
+    if (mtc_cuda_set_device((int)(intptr_t)ctx)) return;
+    if (_huge()) {
+        mtc_cu.cuMemHostUnregister(ptr);
+        munmap(ptr, bytes);
+        return;
+    }
+    mtc_cu.cuMemFreeHost(ptr);
 }
 static int _ops_fence_create(void *ctx, void **out)
 {

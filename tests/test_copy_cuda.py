@@ -143,6 +143,44 @@ def test_large_tensors_split_across_helpers(knobs, monkeypatch):
     assert mtc_loader.stats()["pieces"] - before >= 4
 
 
+_HUGE_SLABS = r'''
+import os, sys, torch, mtc_loader
+sys.path.insert(0, {tests!r})
+from conftest import assert_bitwise, random_tensor
+g = torch.Generator().manual_seed(71)
+raw = random_tensor(torch.uint8, ((19 << 20) + 77,), g)
+data = [raw[13:], random_tensor(torch.float32, (2_500_003,), g)] + [random_tensor(torch.int64, (1000,), g)] * 3
+for round in range(3):
+    out = mtc_loader.start_copy(data, "cuda:0").get()
+    torch.cuda.synchronize()
+    for o, r in zip(out, data):
+        assert_bitwise(o, r.to("cuda:0"))
+    if round == 0:  # a forked child (a DataLoader worker) does not map the slabs
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        data[0][:] = 7  # the parent writes its memory after the fork: no copy-on-write moves a slab
+assert mtc_loader.stats()["pieces"] > 0
+huge = [l for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
+print("ok", huge)
+'''
+
+
+def test_huge_page_slabs(tmp_path):
+    """MTC_SLAB_HUGEPAGES=1: slabs mapped with MADV_HUGEPAGE and page-locked in place carry large
+    leaves (in pieces over the helpers) and small packed ones exactly, before and after a fork."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "huge.py"
+    script.write_text(_HUGE_SLABS.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, MTC_SLAB_HUGEPAGES="1")
+    r = subprocess.run([sys.executable, "-W", "ignore", str(script)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("stream", ["current", "side"])
 def test_large_packed_chunk(stream):
     """A packed chunk of many medium tensors (256 x ~64 KB: 16 MB, staged by the helpers in
