@@ -56,6 +56,7 @@ TRAIN_LABELS = {
     "prefetch_plain": "PrefetchLoader(DataLoader)",
     "packed": "**PackedCollate + PrefetchLoader**",
     "packed_gil5ms": "same, GIL switch interval left at 5 ms",
+    "packed_align1": "same, `min_packed_alignment_bytes=1`",
 }
 FILES_LABELS = {
     "numpy_plain": "np.load in the dataset, DataLoader + `.to()`",
