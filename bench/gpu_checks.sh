@@ -139,7 +139,7 @@ profile)
               | grep -E " mtc | to |reference"
       done; } 2>&1 | tee -a "$out/copy.log" ;;
 sanitize-prefetch)
-    timeout 110 "$cs" --tool memcheck --leak-check no \
+    timeout 300 "$cs" --tool memcheck --leak-check no \
         python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or overlaps or bitwise or switches or context" \
         > "$out/sanitize.log" 2>&1
     echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" "$out/sanitize.log" | tail -3
