@@ -80,39 +80,6 @@ def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, sampl
     return batches, times
 
 
-def profiled_service_threads(top: int = 30):
-    """Runs every prefetch service thread started inside the ``with`` under cProfile with the
-    thread's CPU clock, and prints the functions with the most CPU time (own time) per batch."""
-    import contextlib
-    import cProfile
-    import pstats
-    from mtc_loader import prefetch
-
-    @contextlib.contextmanager
-    def cm():
-        profs = []
-        orig = prefetch._Service._run
-
-        def run(self) -> None:
-            pr = cProfile.Profile(time.thread_time)
-            pr.enable()
-            try:
-                orig(self)
-            finally:
-                pr.disable()
-                profs.append(pr)
-
-        prefetch._Service._run = run
-        try:
-            yield
-        finally:
-            prefetch._Service._run = orig
-        st = pstats.Stats(profs[-1])
-        st.sort_stats("tottime").print_stats(top)
-
-    return cm()
-
-
 def split_service_thread():
     """Times (thread CPU) the parts of each batch of the prefetch service started inside the
     ``with``: the iterable's next() (``next``), the start of the copy (``start``: the engine's
@@ -324,9 +291,6 @@ def main() -> int:
     put("  CPU ms per batch next to a spinning thread", busy_cpu)
     if a.cprofile:
         cprofile_service(fresh(), dev, cpu)
-        print("the service thread under cProfile (thread CPU clock), one epoch, sleeping consumer:")
-        with profiled_service_threads():
-            service(collate, ds, dev, n, a.samples, a.step_ms / 1e3, spin=False)
     for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
         put(f"service: {key}", v)
     with split_service_thread() as parts:

@@ -423,9 +423,8 @@ def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
     DataLoader iterator over a map-style dataset while no profiler runs.
 
     A DataLoader's ``__next__`` opens a ``record_function`` range around the batch. With no
-    profiler attached the range records nothing, and yet, entered through ``torch.ops`` once per
-    batch from a thread whose caches the training loop keeps cold, it costs about as much CPU as
-    the rest of the receive (the wait for the worker's message and its unpickling). For that
+    profiler attached the range records nothing, and yet it is entered through ``torch.ops`` once
+    per batch, from a thread whose caches the training loop keeps cold. For that
     iterator the service makes what ``__next__`` makes (``_next_data()``, the count of yielded
     batches) without the range; whenever a profiler runs, or the iterator is not in the state this
     covers (before its first batch, an iterable-style dataset, a subclass that overrides
