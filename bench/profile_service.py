@@ -163,6 +163,28 @@ def timed_loop(fn, items: list) -> list[float]:
     return out
 
 
+def timed_idle(fn, items: list, idle_s: float, device: str) -> tuple[list[float], dict[str, float]]:
+    """timed_loop's calls with the thread idle for ``idle_s`` (asleep) before each, as the service
+    sleeps on its queue between batches; and the engine split of those calls."""
+    out, items = [], items[::-1]
+    before = mtc_loader.stats()
+    n = len(items)
+    result = None
+    while items:
+        x = items.pop()
+        result = None
+        sync(device)
+        time.sleep(idle_s)
+        t0 = time.thread_time()
+        result = fn(x)
+        out.append(time.thread_time() - t0)
+        del x
+    del result
+    after = mtc_loader.stats()
+    split = {k[10:]: (after[k] - before[k]) / n / 1e6 for k in STAGES} if "unpacks" in before else {}
+    return out, split
+
+
 def timed(fn, items) -> list[float]:
     out = []
     for x in items:
@@ -248,6 +270,7 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true", help="cProfile of the service's per-batch path")
     ap.add_argument("--receive", action="store_true", help="time the receive (forks a packing child)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="the spinning consumer's step (service stage)")
+    ap.add_argument("--idle-ms", type=float, default=5.0, help="sleep before each call of the idle loop")
     ap.add_argument("--align", type=int, default=16, help="PackedCollate's min_packed_alignment_bytes")
     a = ap.parse_args()
     dev = a.device
@@ -285,6 +308,17 @@ def main() -> int:
     put("PackedBatch.to(dev), hot loop", med(timed_loop(lambda b: b.to(dev), fresh())))
     sync(dev)
     put("  per leaf (us)", res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves)
+    for label, pin in (("", False), (", thread pinned to one CPU", True)):
+        saved = os.sched_getaffinity(0)
+        if pin:
+            os.sched_setaffinity(threading.get_native_id(), {sorted(saved)[-1]})
+        try:
+            times, split = timed_idle(lambda b: b.to(dev), fresh(), a.idle_ms / 1e3, dev)
+        finally:
+            os.sched_setaffinity(threading.get_native_id(), saved)
+        put(f"PackedBatch.to(dev), {a.idle_ms:g} ms asleep before each{label}", med(times))
+        for k, v in split.items():
+            put(f"  engine {k}", v)
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
     retakes, busy_cpu = gil_retakes(path, fresh())
     put("GIL retakes per batch (next to a spinning thread)", retakes)

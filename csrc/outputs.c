@@ -137,22 +137,42 @@ out:
     return v;
 }
 
-/* A UNIFORM segment of several members at a fixed slot: one view (count,
- * *shape), unbound. 0 or -1. */
+/* [n] * count: the sizes split_with_sizes cuts `count` equal members at.
+ * New list, or NULL. */
+static PyObject *_equal_sizes(int64_t n, uint32_t count)
+{
+    PyObject *v = PyLong_FromLongLong(n), *sizes = v ? PyList_New(count) : NULL;
+    if (sizes)
+        for (uint32_t k = 0; k < count; k++) PyList_SET_ITEM(sizes, k, Py_NewRef(v));
+    Py_XDECREF(v);
+    return sizes;
+}
+
+/* A UNIFORM segment of several members at a fixed slot. Members that lie
+ * back to back (the slot is their size, and they have a first dim of at
+ * least one row) are one view (count * rows, *trailing) cut with one
+ * split_with_sizes, which makes a view for about half of what unbind costs
+ * per view; members with room between them (or 0-dim members) are one view
+ * (count, *shape), unbound. 0 or -1. */
 static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
                           PyObject *typed, int64_t offset, PyObject **outputs, PyObject *keep)
 {
     const mtc_leaf *proto = &t->leaves[s->proto];
+    int64_t rows = proto->ndim >= 1 ? t->shape[proto->dims] : 0;
+    int packed = rows > 0 && s->row_bytes == proto->nbytes && (int64_t)s->count <= INT64_MAX / rows;
     int rc = -1;
-    PyObject *shaped = _strided(st, t, proto, 0, s->count, s->row_bytes / proto->elsize, offset, typed), *parts = NULL;
+    PyObject *shaped, *parts = NULL, *arg = NULL;
+    if (packed)
+        shaped = _strided(st, t, proto, 1, rows * (int64_t)s->count, -1, offset, typed);
+    else
+        shaped = _strided(st, t, proto, 0, s->count, s->row_bytes / proto->elsize, offset, typed);
     if (!shaped || _keep(keep, shaped)) goto out;
-    PyObject *zero = PyLong_FromLong(0);
-    if (!zero) goto out;
-    parts = _call_method(shaped, st->s_unbind, &zero, 1);
-    Py_DECREF(zero);
+    if (!(arg = packed ? _equal_sizes(rows, s->count) : PyLong_FromLong(0))) goto out;
+    parts = _call_method(shaped, packed ? st->s_split_with_sizes : st->s_unbind, &arg, 1);
     if (parts && !_keep(keep, parts)) rc = _store_views(parts, t, p, s, 0, outputs);
 out:
     Py_XDECREF(shaped);
+    Py_XDECREF(arg);
     Py_XDECREF(parts);
     return rc;
 }

@@ -188,7 +188,9 @@ FUNCTIONS.register_module(name="mtc_packed_collate", module=packed_collate)
 
 class _Moved(threading.local):
     """The batch the prefetching train loop handed out last on this thread: already on the
-    device, so the preprocessor does not move it again."""
+    device, so the preprocessor does not move it again. Its ``forward`` clears the mark when it
+    takes the batch (a later call with the same batch finds its tensors on the device and moves
+    nothing either)."""
 
     batch: Any = None
 
@@ -283,6 +285,10 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
         data, moved = self._move(data)
         if not moved:
             return self.preprocessor(data, training)
+        # the model has its batch: the mark lets go of it, so that the batch is freed where the
+        # loop drops it (after the step) rather than inside the next hand-out
+        if data is _MOVED.batch:
+            _MOVED.batch = None
         self._on_device = True
         try:
             return self.preprocessor(data, training)

@@ -309,6 +309,9 @@ class _Service:
                 self.stats["service_cpu_s"] += time.thread_time() - t0
                 self.stats["service_batches"] += 1
                 self._put((side, None))
+                # the queue's reference is the only one: the batch is freed where the caller
+                # drops it, not by this frame while it waits for room
+                del side
         except BaseException as e:  # iter() failed, or CUDA setup did
             _forget_iterator(e, it)
             self._put((None, e))

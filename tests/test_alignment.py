@@ -145,6 +145,41 @@ def test_packed_batch_views_cpu(tail):
     check_offsets(out, samples, 16, packed=True)
 
 
+def uniform_case(device: str = "cpu", seed: int = 23) -> list:
+    """Groups of tensors of one dtype and shape (UNIFORM segments): members that fill their slots
+    back to back (48-byte float32 (3, 4), 16-byte int64 (2,), 96-byte complex128 (2, 3)), members
+    with room between them (30-byte int16 (3, 5), 1-byte bool (1,)), 0-d members and members
+    with no bytes, each group interleaved with the others."""
+    g = torch.Generator().manual_seed(seed)
+    kinds = [(torch.float32, (3, 4)), (torch.int64, (2,)), (torch.complex128, (2, 3)), (torch.int16, (3, 5)),
+             (torch.bool, (1,)), (torch.float64, ()), (torch.float32, (2, 0))]
+    data = [random_tensor(dt, shape, g) for _ in range(7) for dt, shape in kinds]
+    return tree_to(data, device) if device != "cpu" else data
+
+
+def check_independent(out: list, data: list) -> None:
+    """Bitwise equal, with contiguous strides, and writing to one output leaves every other as
+    it was (no two outputs overlap)."""
+    assert_tree_bitwise(out, data)
+    for o, r in zip(out, data):
+        assert o.shape == r.shape and o.stride() == torch.empty(r.shape, dtype=r.dtype).stride()
+    for k, o in enumerate(out):
+        if o.numel():
+            o.fill_(1 if o.dtype != torch.bool else not bool(data[k].flatten()[0]))
+            mine = data[k].to(o.device).fill_(1 if o.dtype != torch.bool else not bool(data[k].flatten()[0]))
+            assert_tree_bitwise([out[j] if j != k else mine for j in range(len(out))],
+                                [data[j] if j != k else mine for j in range(len(out))])
+            o.copy_(data[k].to(o.device))
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_packed_batch_uniform_segments_cpu(align):
+    data = uniform_case()
+    out = mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)(data).unpack("cpu")
+    check_independent(out, data)
+    check_offsets(out, data, align, packed=True)
+
+
 @pytest.mark.parametrize("align", [6, 24, 100])
 def test_packed_collate_takes_powers_of_two(align):
     with pytest.raises(ValueError, match="power of two"):
@@ -152,6 +187,22 @@ def test_packed_collate_takes_powers_of_two(align):
 
 
 # ------------------------------------------------------------------------------ CUDA targets
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("align", [1, 16])
+def test_uniform_segments_cuda(align):
+    data = uniform_case()
+    out = start_copy(data, "cuda:0", min_packed_alignment_bytes=align).get()
+    torch.cuda.synchronize()
+    check_independent(out, data)
+    check_offsets(out, data, align, packed=True)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=align)
+    out = pc(data).to("cuda:0")
+    torch.cuda.synchronize()
+    check_independent(out, data)
+    check_offsets(out, data, align, packed=True)
+
 
 @requires_cuda
 @pytest.mark.cuda

@@ -267,6 +267,39 @@ def test_wrapped_preprocessor_runs_on_the_unpacked_batch_with_cast_data_a_no_op(
     assert_same(snapshot(plain), snapshot(ref))
 
 
+def test_a_prefetched_batch_is_freed_where_the_loop_drops_it():
+    # the mark that tells the preprocessor "on the device already" lets go of the batch once its
+    # forward has it: the loop's own `del` frees the batch, not the next hand-out
+    import gc
+    import weakref
+    batches = [[make_sample(i) for i in range(k, k + 2)] for k in range(0, 6, 2)]
+    pre = mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor"))
+    it = mm._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
+    gc.disable()  # only reference counts free the batch here
+    try:
+        for _ in batches:  # (a for over enumerate() would keep its last item until the next)
+            data = next(it)
+            out = pre(data, True)
+            assert mm._MOVED.batch is None
+            leaf = weakref.ref(out["data_samples"][0].gt_instances_3d.labels_3d)
+            del data, out
+            assert leaf() is None, "the batch outlived the loop's del"
+        with pytest.raises(StopIteration):
+            next(it)
+    finally:
+        gc.enable()
+        it.close()
+    # a batch handed out and never given to forward is released by the next hand-out
+    it = mm._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
+    try:
+        first = next(it)
+        assert mm._MOVED.batch is first
+        next(it)
+        assert mm._MOVED.batch is not first
+    finally:
+        it.close()
+
+
 class WithExtras(InstanceData):
     """A user subclass with extra fields of every kind."""
 

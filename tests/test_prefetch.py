@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -106,6 +107,35 @@ def test_depth_bounds_the_batches_taken_ahead(depth):
     time.sleep(0.3)  # the service fills up to depth finished batches, plus the one it is on
     assert 1 + depth <= src.produced <= 1 + depth + 1, src.produced
     del it
+    wait_no_service_threads()
+
+
+def test_a_handed_out_batch_is_freed_where_the_caller_drops_it():
+    # neither the service thread nor the generator keeps a batch it handed out: the caller's
+    # `del` frees it, also while the service is inside next() of the iterable for the batch after
+    pc = mtc_loader.PackedCollate(lambda b: b, arena_bytes=ARENA)
+    batches = [pc(seed_batch(2, seed=k)) for k in range(5)]
+    gate = threading.Semaphore(0)
+
+    def gated():
+        for k, b in enumerate(batches):
+            if k:
+                gate.acquire()  # batch k comes when the test lets it
+            yield b
+
+    it = iter(mtc_loader.PrefetchLoader(gated(), "cpu", depth=2))
+    gc.disable()  # only reference counts free the batch here
+    try:
+        for _ in range(len(batches)):
+            batch = next(it)
+            time.sleep(0.05)  # the service waits inside next() for the batch after this one
+            leaf = weakref.ref(batch[0]["cams_gt"][0]["depths"])
+            del batch
+            assert leaf() is None, "a handed-out batch outlived the caller's del"
+            gate.release()
+    finally:
+        gc.enable()
+        del it
     wait_no_service_threads()
 
 
