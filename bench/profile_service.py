@@ -185,6 +185,47 @@ def timed_idle(fn, items: list, idle_s: float, device: str) -> tuple[list[float]
     return out, split
 
 
+class _Tiny(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _tiny_collate(samples: list) -> tuple:
+    return tuple(samples)
+
+
+def torch_floor(leaves: int, n: int, idle_s: float, device: str) -> dict[str, float]:
+    """What torch alone costs for the parts of a batch the service cannot avoid, thread CPU ms
+    per batch (median of n): ``leaves`` tensor objects made with torch's cheapest call per view
+    (one ``unsafe_split_with_sizes`` of a flat tensor), in a hot loop and after ``idle_s``
+    asleep; and the receive of a DataLoader over 2 workers whose batch is a tuple of 8 ints
+    (torch's own queue, unpickle and index bookkeeping, no tensor), ``idle_s`` asleep before each
+    as the service waits for a batch."""
+    from mtc_loader.prefetch import _next_of
+    base = torch.empty(leaves * 4, device=device)
+    sizes = [4] * leaves
+    split = lambda _: base.unsafe_split_with_sizes(sizes)  # noqa: E731
+    out = {"views hot": timed_loop(split, list(range(n))),
+           "views idle": timed_idle(split, list(range(n)), idle_s, device)[0]}
+    loader = torch.utils.data.DataLoader(_Tiny(), batch_size=8, num_workers=2, collate_fn=_tiny_collate)
+    it = iter(loader)
+    take = _next_of(it)
+    for _ in range(8):
+        take()
+    times = []
+    for _ in range(n):
+        time.sleep(idle_s)
+        t0 = time.thread_time()
+        take()
+        times.append(time.thread_time() - t0)
+    out["DataLoader receive"] = times
+    del take, it, loader
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+
+
 def timed(fn, items) -> list[float]:
     out = []
     for x in items:
@@ -319,6 +360,8 @@ def main() -> int:
         put(f"PackedBatch.to(dev), {a.idle_ms:g} ms asleep before each{label}", med(times))
         for k, v in split.items():
             put(f"  engine {k}", v)
+    for k, v in torch_floor(leaves, n, a.idle_ms / 1e3, dev).items():
+        put(f"torch floor: {k}", v)
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
     retakes, busy_cpu = gil_retakes(path, fresh())
     put("GIL retakes per batch (next to a spinning thread)", retakes)

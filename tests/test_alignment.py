@@ -158,18 +158,18 @@ def uniform_case(device: str = "cpu", seed: int = 23) -> list:
 
 
 def check_independent(out: list, data: list) -> None:
-    """Bitwise equal, with contiguous strides, and writing to one output leaves every other as
-    it was (no two outputs overlap)."""
-    assert_tree_bitwise(out, data)
-    for o, r in zip(out, data):
-        assert o.shape == r.shape and o.stride() == torch.empty(r.shape, dtype=r.dtype).stride()
+    """Bitwise equal to the per-tensor .to(), with contiguous strides, and writing to one output
+    leaves every other as it was (no two outputs overlap)."""
+    ref = tree_to(data, out[0].device)
+    assert_tree_bitwise(out, ref)
+    for o, r in zip(out, ref):
+        assert o.stride() == torch.empty(r.shape, dtype=r.dtype).stride(), (r.dtype, tuple(r.shape), o.stride())
     for k, o in enumerate(out):
         if o.numel():
-            o.fill_(1 if o.dtype != torch.bool else not bool(data[k].flatten()[0]))
-            mine = data[k].to(o.device).fill_(1 if o.dtype != torch.bool else not bool(data[k].flatten()[0]))
-            assert_tree_bitwise([out[j] if j != k else mine for j in range(len(out))],
-                                [data[j] if j != k else mine for j in range(len(out))])
-            o.copy_(data[k].to(o.device))
+            new = ~ref[k] if o.dtype == torch.bool else torch.ones_like(ref[k])
+            o.copy_(new)
+            assert_tree_bitwise(out, ref[:k] + [new] + ref[k + 1:])
+            o.copy_(ref[k])
 
 
 @pytest.mark.parametrize("align", [1, 16])
