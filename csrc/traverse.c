@@ -259,78 +259,78 @@ static inline PyObject *_tcall(PyObject *obj, int exact, PyObject *descr, PyObje
     return _call0(obj, name);
 }
 
-/* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
- * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
- * strides only when not contiguous; is_conj()/is_neg() only where public
- * APIs can set those bits (complex tensors; non-contiguous float views such
- * as z.conj().imag). Anything unexpected goes to _diagnose. */
-static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
+/* The dims of a tensor into the tree's next shape and stride slots (byte
+ * strides: computed for a contiguous tensor, read otherwise), l->ndim and
+ * l->dims set, *contiguous from is_contiguous(). 0; 1 when the tensor is
+ * to be diagnosed; -1 with an exception. */
+static int _read_dims(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, int exact, mtc_leaf *l,
+                      int *contiguous)
 {
     PyObject *v = NULL, *shape = NULL, *stride = NULL;
-    int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
-    mtc_leaf l;
-    memset(&l, 0, sizeof l);
-
-    /* dtype first: quantized and unknown dtypes leave the fast path here */
-    if (!(v = _tattr(obj, exact, st->d_dtype, st->s_dtype))) goto diagnose;
-    PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
-    Py_CLEAR(v);
-    if (!code) goto diagnose;
-    long c = PyLong_AsLong(code);
-    l.dtype = (uint16_t)c;
-    l.elsize = (uint16_t)st->elsize[c];
-
-    if (!(shape = _tattr(obj, exact, st->d_shape, st->s_shape))) goto diagnose;
-    if (!PyTuple_Check(shape)) goto diagnose;
+    int rc = 1;
+    if (!(shape = _tattr(obj, exact, st->d_shape, st->s_shape)) || !PyTuple_Check(shape)) goto out;
     if (PyTuple_GET_SIZE(shape) > MTC_MAX_NDIM) {
         _too_many_dims(t, node, PyTuple_GET_SIZE(shape));
-        goto error;
+        rc = -1;
+        goto out;
     }
-    l.ndim = (int32_t)PyTuple_GET_SIZE(shape);
-    if (!(v = _tcall(obj, exact, st->m_is_contiguous, st->s_is_contiguous))) goto diagnose;
-    int contiguous = v == Py_True;
-    Py_CLEAR(v);
-    if (!contiguous) {
-        if (!(stride = _tcall(obj, exact, st->m_stride, st->s_stride))) goto diagnose;
-        if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l.ndim) goto diagnose;
+    l->ndim = (int32_t)PyTuple_GET_SIZE(shape);
+    if (!(v = _tcall(obj, exact, st->m_is_contiguous, st->s_is_contiguous))) goto out;
+    *contiguous = v == Py_True;
+    if (!*contiguous) {
+        if (!(stride = _tcall(obj, exact, st->m_stride, st->s_stride))) goto out;
+        if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l->ndim) goto out;
     }
-    if (_reserve_leaf(t, l.ndim)) goto error;
-    l.dims = t->ndims;
-    for (int d = 0; d < l.ndim; d++) {
+    if (_reserve_leaf(t, l->ndim)) {
+        rc = -1;
+        goto out;
+    }
+    l->dims = t->ndims;
+    int64_t *sh = &t->shape[t->ndims], *sd = &t->strides[t->ndims];
+    for (int d = 0; d < l->ndim; d++) {
         /* symbolic sizes (jagged nested tensors) fail here and are diagnosed */
-        int64_t s = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
-        if (s == -1 && PyErr_Occurred()) goto diagnose;
-        t->shape[t->ndims + d] = s;
+        sh[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        if (sh[d] == -1 && PyErr_Occurred()) goto out;
     }
-    if (contiguous) {
+    if (*contiguous) {
         /* wraps only for an empty tensor (torch.empty(0, 2**62, 4)), whose
          * strides address nothing */
-        int64_t acc = l.elsize;
-        for (int d = l.ndim - 1; d >= 0; d--) {
-            t->strides[t->ndims + d] = acc;
-            (void)__builtin_mul_overflow(acc, t->shape[t->ndims + d] > 1 ? t->shape[t->ndims + d] : 1, &acc);
+        int64_t acc = l->elsize;
+        for (int d = l->ndim - 1; d >= 0; d--) {
+            sd[d] = acc;
+            (void)__builtin_mul_overflow(acc, sh[d] > 1 ? sh[d] : 1, &acc);
         }
     } else {
-        for (int d = 0; d < l.ndim; d++) {
-            int64_t sd = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
-            if (sd == -1 && PyErr_Occurred()) goto diagnose;
+        for (int d = 0; d < l->ndim; d++) {
+            int64_t el = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
+            if (el == -1 && PyErr_Occurred()) goto out;
             /* wraps only on a dim of size <= 1 (torch checks the storage
              * holds every element), where the stride addresses nothing */
-            (void)__builtin_mul_overflow(sd, (int64_t)l.elsize, &t->strides[t->ndims + d]);
+            (void)__builtin_mul_overflow(el, (int64_t)l->elsize, &sd[d]);
         }
     }
-    Py_CLEAR(shape);
-    Py_CLEAR(stride);
+    rc = 0;
+out:
+    Py_XDECREF(v);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return rc;
+}
 
-    if (!(v = _tcall(obj, exact, st->m_data_ptr, st->s_data_ptr))) goto diagnose;
-    l.data = (uintptr_t)PyLong_AsVoidPtr(v);
-    Py_CLEAR(v);
-    if (PyErr_Occurred()) goto diagnose;
-
-    if (!(v = _tcall(obj, exact, st->m_get_device, st->s_get_device))) goto diagnose;
+/* data_ptr() and the device (get_device(), and is_cuda for an index) of a
+ * tensor into l. 0; 1 when the tensor is to be diagnosed; -1 with an
+ * exception (a device beyond the engine's tables). */
+static int _read_place(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, int exact, mtc_leaf *l)
+{
+    PyObject *v = _tcall(obj, exact, st->m_data_ptr, st->s_data_ptr);
+    if (!v) return 1;
+    l->data = (uintptr_t)PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    if (PyErr_Occurred()) return 1;
+    if (!(v = _tcall(obj, exact, st->m_get_device, st->s_get_device))) return 1;
     long dev = PyLong_AsLong(v);
-    Py_CLEAR(v);
-    if (PyErr_Occurred()) goto diagnose;
+    Py_DECREF(v);
+    if (PyErr_Occurred()) return 1;
     if (dev >= MTC_MAX_DEVICES) { /* per-device tables (streams, pools) have this many slots */
         PyObject *path = _node_path(t, node);
         if (path) {
@@ -338,59 +338,77 @@ static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
                          "to CUDA devices 0 .. %d", path, dev, MTC_MAX_DEVICES - 1);
             Py_DECREF(path);
         }
-        goto error;
+        return -1;
     }
-    l.dev = (int32_t)dev;
-    if (l.dev >= 0) {
+    l->dev = dev >= 0 ? (int32_t)dev : -1;
+    if (l->dev >= 0) {
         /* get_device() gives an index for every accelerator: insist on CUDA */
-        if (!(v = _tattr(obj, exact, st->d_is_cuda, st->s_is_cuda))) goto diagnose;
+        if (!(v = _tattr(obj, exact, st->d_is_cuda, st->s_is_cuda))) return 1;
         int cuda = v == Py_True;
-        Py_CLEAR(v);
-        if (!cuda) goto diagnose;
-    } else {
-        l.dev = -1;
+        Py_DECREF(v);
+        if (!cuda) return 1;
     }
-    /* Lazy conjugation / negation bits: the bytes are not the values. Public
-     * APIs set the negative bit on real tensors only through .imag of a
-     * conjugated view, which is strided unless it has at most one element. */
-    int fl = st->dtflags[c];
+    return 0;
+}
+
+/* 1 when a tensor's bytes are not its values (the lazy conjugation or
+ * negation bit is set, or reading it failed), else 0. Public APIs set the
+ * negative bit on real tensors only through .imag of a conjugated view,
+ * which is strided unless it has at most one element: the bits are read
+ * only for complex tensors and such float tensors. */
+static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl, int contiguous, int64_t numel)
+{
+    if (!((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && (!contiguous || numel <= 1)))) return 0;
+    PyObject *v;
+    if (fl & MTC_DT_COMPLEX) {
+        if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) return 1;
+        int bit = v == Py_True;
+        Py_DECREF(v);
+        if (bit) return 1;
+    }
+    if (!(v = _tcall(obj, exact, st->m_is_neg, st->s_is_neg))) return 1;
+    int bit = v == Py_True;
+    Py_DECREF(v);
+    return bit;
+}
+
+/* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
+ * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
+ * strides only when not contiguous; is_conj()/is_neg() only where public
+ * APIs can set those bits (complex tensors; non-contiguous float views such
+ * as z.conj().imag). Anything unexpected goes to _diagnose. */
+static int _read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
+{
+    int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
+    mtc_leaf l;
+    memset(&l, 0, sizeof l);
+
+    /* dtype first: quantized and unknown dtypes leave the fast path here */
+    PyObject *v = _tattr(obj, exact, st->d_dtype, st->s_dtype);
+    if (!v) return _diagnose(st, t, node, obj);
+    PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
+    Py_DECREF(v);
+    if (!code) return _diagnose(st, t, node, obj);
+    long c = PyLong_AsLong(code);
+    l.dtype = (uint16_t)c;
+    l.elsize = (uint16_t)st->elsize[c];
+
+    int contiguous = 0, rc = _read_dims(st, t, node, obj, exact, &l, &contiguous);
+    if (!rc) rc = _read_place(st, t, node, obj, exact, &l);
+    if (rc) return rc < 0 ? -1 : _diagnose(st, t, node, obj);
     int64_t numel = _numel(&t->shape[t->ndims], l.ndim);
-    if ((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && (!contiguous || numel <= 1))) {
-        int bit = 0;
-        if (fl & MTC_DT_COMPLEX) {
-            if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) goto diagnose;
-            bit = v == Py_True;
-            Py_CLEAR(v);
-        }
-        if (!bit) {
-            if (!(v = _tcall(obj, exact, st->m_is_neg, st->s_is_neg))) goto diagnose;
-            bit = v == Py_True;
-            Py_CLEAR(v);
-        }
-        if (bit) goto diagnose;
-    }
+    if (_lazy_bits(st, obj, exact, st->dtflags[c], contiguous, numel)) return _diagnose(st, t, node, obj);
     if (l.data == 0) {
         /* only an empty tensor may have no storage: a meta tensor, even an
          * empty one, is diagnosed (get_device() says -1 for meta too) */
-        if (numel) goto diagnose;
-        if (!(v = PyObject_GetAttr(obj, st->s_is_meta))) goto diagnose;
+        if (numel) return _diagnose(st, t, node, obj);
+        if (!(v = PyObject_GetAttr(obj, st->s_is_meta))) return _diagnose(st, t, node, obj);
         int meta = v == Py_True;
-        Py_CLEAR(v);
-        if (meta) goto diagnose;
+        Py_DECREF(v);
+        if (meta) return _diagnose(st, t, node, obj);
     }
     t->leaves[t->nleaves] = l;
     return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
-
-diagnose:
-    Py_XDECREF(v);
-    Py_XDECREF(shape);
-    Py_XDECREF(stride);
-    return _diagnose(st, t, node, obj);
-error:
-    Py_XDECREF(v);
-    Py_XDECREF(shape);
-    Py_XDECREF(stride);
-    return -1;
 }
 
 static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
