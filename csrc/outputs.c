@@ -151,8 +151,8 @@ static PyObject *_equal_sizes(int64_t n, uint32_t count)
 /* A UNIFORM segment of several members at a fixed slot. Members that lie
  * back to back (the slot is their size, and they have a first dim of at
  * least one row) are one view (count * rows, *trailing) cut with one
- * split_with_sizes, which makes a view for about half of what unbind costs
- * per view; members with room between them (or 0-dim members) are one view
+ * split_with_sizes, which makes a view for about two thirds of what unbind
+ * costs; members with room between them (or 0-dim members) are one view
  * (count, *shape), unbound. 0 or -1. */
 static int _uniform_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
                           PyObject *typed, int64_t offset, PyObject **outputs, PyObject *keep)
