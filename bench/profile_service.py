@@ -1,7 +1,8 @@
 """Where the prefetch service's CPU per packed batch goes, stage by stage.
 
     python3 bench/profile_service.py [--device cuda:0] [--batches 60] [--samples 8]
-                                     [--height 256 --width 448] [--align 16] [--json PATH]
+                                     [--height 256 --width 448] [--align 16] [--idle-ms 5]
+                                     [--json PATH]
 
 The batch is bench_train's (``collate_samples``): per sample 6 uint8 camera images stacked by
 ``default_collate`` and 33 small meta-data tensors kept per sample, so 8 samples make 1 image
@@ -16,6 +17,11 @@ tensor + 264 small tensors (265 leaves). Every figure is the calling thread's CP
 - ``side_copy``: ``start_side_copy(batch, dev).get()`` (the service's path: + event, record);
 - ``to``: ``PackedBatch.to(dev)`` in a hot loop (per leaf too), each batch and its result dropped
   before the next call, as a training loop drops them (outside the timed call);
+- ``to``, asleep before each: the same with the thread asleep for ``--idle-ms`` before each call
+  (as the service sleeps between batches), with the engine split;
+- ``torch floor``: what torch alone costs for what the service cannot avoid: the batch's count of
+  tensor objects made with one ``unsafe_split_with_sizes`` (hot, and asleep before each), and a
+  DataLoader's receive of a batch of 8 ints over 2 workers;
 - ``service``: a PrefetchLoader over a DataLoader of 2 workers, its consumer spinning in Python for
   ``--step-ms`` per batch: ``stats()`` (``service_cpu_ms_per_batch``, of it
   ``service_next_ms_per_batch``) and the engine split per batch; then the same with a consumer that
@@ -38,6 +44,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -147,42 +154,25 @@ def service(collate: mtc_loader.PackedCollate, ds: CameraSamples, dev: str, n: i
     return out
 
 
-def timed_loop(fn, items: list) -> list[float]:
+def timed_loop(fn, items: list, idle_s: float = 0.0, device: str = "cpu") -> list[float]:
     """fn(x) timed for each x as a training loop meets it: each batch (and what it returned) is
-    dropped before the next call, outside the timed call, and none is kept by the list."""
+    dropped before the next call, outside the timed call, and none is kept by the list. With
+    ``idle_s``, the thread first waits for the device and sleeps that long before each call, as
+    the service sleeps on its queue between batches."""
     out, items = [], items[::-1]
     result = None
     while items:
         x = items.pop()
         result = None
+        if idle_s:
+            sync(device)
+            time.sleep(idle_s)
         t0 = time.thread_time()
         result = fn(x)
         out.append(time.thread_time() - t0)
         del x
     del result
     return out
-
-
-def timed_idle(fn, items: list, idle_s: float, device: str) -> tuple[list[float], dict[str, float]]:
-    """timed_loop's calls with the thread idle for ``idle_s`` (asleep) before each, as the service
-    sleeps on its queue between batches; and the engine split of those calls."""
-    out, items = [], items[::-1]
-    before = mtc_loader.stats()
-    n = len(items)
-    result = None
-    while items:
-        x = items.pop()
-        result = None
-        sync(device)
-        time.sleep(idle_s)
-        t0 = time.thread_time()
-        result = fn(x)
-        out.append(time.thread_time() - t0)
-        del x
-    del result
-    after = mtc_loader.stats()
-    split = {k[10:]: (after[k] - before[k]) / n / 1e6 for k in STAGES} if "unpacks" in before else {}
-    return out, split
 
 
 class _Tiny(torch.utils.data.Dataset):
@@ -209,7 +199,7 @@ def torch_floor(leaves: int, n: int, idle_s: float, device: str) -> dict[str, fl
     sizes = [4] * leaves
     split = lambda _: base.unsafe_split_with_sizes(sizes)  # noqa: E731
     out = {"views hot": timed_loop(split, list(range(n))),
-           "views idle": timed_idle(split, list(range(n)), idle_s, device)[0]}
+           "views idle": timed_loop(split, list(range(n)), idle_s, device)}
     loader = torch.utils.data.DataLoader(_Tiny(), batch_size=8, num_workers=2, collate_fn=_tiny_collate)
     it = iter(loader)
     take = _next_of(it)
@@ -259,12 +249,13 @@ def cprofile_service(batches: list, dev: str, cpu: bool) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
-def engine_split(fn, items, device) -> dict[str, float]:
+def engine_split(run: Callable[[], Any], device: str) -> dict[str, float]:
+    """The engine's unpack split (ms per unpack) over what ``run()`` does."""
     before = mtc_loader.stats()
     if "unpacks" not in before:  # an engine without the unpack counters
+        run()
         return {}
-    for x in items:
-        fn(x)
+    run()
     sync(device)
     after = mtc_loader.stats()
     n = after["unpacks"] - before["unpacks"]
@@ -342,24 +333,24 @@ def main() -> int:
     for b in fresh()[:4]:
         b.start_copy(dev).get()
     put("start_copy(dev).get()", med(timed(lambda b: b.start_copy(dev).get(), fresh())))
-    for k, v in engine_split(lambda b: b.start_copy(dev).get(), fresh(), dev).items():
+    batches = fresh()
+
+    def unpack_all() -> None:
+        for b in batches:
+            b.start_copy(dev).get()
+
+    for k, v in engine_split(unpack_all, dev).items():
         put(f"  engine {k}", v)
     if not cpu:
         put("start_side_copy(dev).get()", med(timed(lambda b: mtc_loader.start_side_copy(b, dev).get(), fresh())))
     put("PackedBatch.to(dev), hot loop", med(timed_loop(lambda b: b.to(dev), fresh())))
     sync(dev)
     put("  per leaf (us)", res["PackedBatch.to(dev), hot loop"] * 1e3 / leaves)
-    for label, pin in (("", False), (", thread pinned to one CPU", True)):
-        saved = os.sched_getaffinity(0)
-        if pin:
-            os.sched_setaffinity(threading.get_native_id(), {sorted(saved)[-1]})
-        try:
-            times, split = timed_idle(lambda b: b.to(dev), fresh(), a.idle_ms / 1e3, dev)
-        finally:
-            os.sched_setaffinity(threading.get_native_id(), saved)
-        put(f"PackedBatch.to(dev), {a.idle_ms:g} ms asleep before each{label}", med(times))
-        for k, v in split.items():
-            put(f"  engine {k}", v)
+    idle: list[float] = []
+    split = engine_split(lambda: idle.extend(timed_loop(lambda b: b.to(dev), fresh(), a.idle_ms / 1e3, dev)), dev)
+    put(f"PackedBatch.to(dev), {a.idle_ms:g} ms asleep before each", med(idle))
+    for k, v in split.items():
+        put(f"  engine {k}", v)
     for k, v in torch_floor(leaves, n, a.idle_ms / 1e3, dev).items():
         put(f"torch floor: {k}", v)
     path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())

@@ -35,35 +35,26 @@ _NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS, _STRUCTSEQ, _SAME, _REGISTERED, _
 _DISALLOW_INSTANTIATION = 1 << 7  # Py_TPFLAGS_DISALLOW_INSTANTIATION
 
 
-class _LeafSlot:
-    """The place of a tensor in a packed batch's skeleton (pickled by reference)."""
+class _Slot:
+    """A placeholder in a packed batch's skeleton, pickled by reference (its module-level name):
+    ``LEAF``, the place of a tensor; ``ATOM``, the place of a per-batch atom (a str, int, float,
+    bool, None or bytes that is not a dict key) in the structure that batches of one shape
+    share."""
 
-    __slots__ = ()
+    __slots__ = ("_name",)
 
-    def __reduce__(self) -> str:
-        return "LEAF"
-
-    def __repr__(self) -> str:
-        return "<leaf>"
-
-
-LEAF = _LeafSlot()
-
-
-class _AtomSlot:
-    """The place of a per-batch atom (a str, int, float, bool, None or bytes that is not a dict
-    key) in the structure that batches of one shape share (pickled by reference)."""
-
-    __slots__ = ()
+    def __init__(self, name: str) -> None:
+        self._name = name
 
     def __reduce__(self) -> str:
-        return "ATOM"
+        return self._name
 
     def __repr__(self) -> str:
-        return "<atom>"
+        return f"<{self._name.lower()}>"
 
 
-ATOM = _AtomSlot()
+LEAF = _Slot("LEAF")
+ATOM = _Slot("ATOM")
 
 
 class _Registration(NamedTuple):
