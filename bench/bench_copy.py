@@ -397,6 +397,7 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int =
 
 
 CEILING_THREADS = (1, 2, 4, 8, 16)
+WINDOW_BYTES = 512 << 10  # per thread, for the ceiling's cache-resident copy
 
 
 def _median_rate(nbytes: int, secs: list[float]) -> float:
@@ -411,9 +412,12 @@ def measure_ceiling(device: torch.device, nbytes: int = 256 << 20, reps: int = 7
       pinned memory of ``n`` threads (the engine's ``_memcpy_bench``: memcpy, and streaming
       stores), and ``torch_copy_gbps[n]``: ``pinned.copy_(pageable)`` with
       ``torch.set_num_threads(n)`` (torch's intra-op pool, as in ``pin_memory()``);
+    - ``window_gbps``: the helpers' number of threads copying with memcpy into a pinned window
+      of ``WINDOW_BYTES`` each, reused (the destination stays in the cache): the copy rate
+      without the writes to memory;
     - ``dma_gbps``: H2D from pinned memory alone; ``overlap``: the same DMA while the helpers'
-      number of threads copy pageable -> pinned (both rates, memcpy and streaming stores): how
-      much the staging copy and the DMA slow each other through memory bandwidth;
+      number of threads copy pageable -> pinned (memcpy, streaming stores, and the cached
+      window): how much the staging copy and the DMA slow each other through memory bandwidth;
     - ``register_gbps``: ``cudaHostRegister`` + ``cudaHostUnregister`` of a pageable source in
       place (16 MB and 256 MB), as bytes per second of that work.
     """
@@ -428,6 +432,12 @@ def measure_ceiling(device: torch.device, nbytes: int = 256 << 20, reps: int = 7
             for n in CEILING_THREADS:
                 secs = engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, n, reps, nt)
                 out[key][n] = _median_rate(nbytes, secs[1:])
+    helpers = (os.cpu_count() or 4) - 2 if (os.cpu_count() or 4) > 3 else 1
+    helpers = int(os.environ.get("MTC_HELPER_THREADS", helpers))
+    if engine is not None:
+        secs = engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, helpers, reps, 0,
+                                    WINDOW_BYTES)
+        out["window_gbps"] = _median_rate(nbytes, secs[1:])
     threads_before = torch.get_num_threads()
     out["torch_threads_default"] = threads_before
     out["torch_copy_gbps"] = {}
@@ -465,14 +475,13 @@ def measure_ceiling(device: torch.device, nbytes: int = 256 << 20, reps: int = 7
         secs.append(start.elapsed_time(end) / 1e3)
     out["dma_gbps"] = _median_rate(nbytes, secs)
     if engine is not None:
-        helpers = (os.cpu_count() or 4) - 2 if (os.cpu_count() or 4) > 3 else 1
-        helpers = int(os.environ.get("MTC_HELPER_THREADS", helpers))
         out["overlap"] = {"threads": helpers}
-        for key, nt in (("memcpy", 0), ("memcpy_nt", 1)):
+        for key, nt, window in (("memcpy", 0, 0), ("memcpy_nt", 1, 0), ("window", 0, WINDOW_BYTES)):
             copy_secs, dma_rates = [], []
             for _ in range(3):
                 dma(4)  # about 20 ms of DMA: the copies below run inside it
-                copy_secs += engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, helpers, 2, nt)
+                copy_secs += engine._memcpy_bench(dst.data_ptr(), src.data_ptr(), nbytes, helpers, 2,
+                                                  nt, window)
                 busy = not end.query()
                 end.synchronize()
                 dma_rates.append(4 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
@@ -509,10 +518,16 @@ def print_ceiling(c: dict) -> None:
         if key in c:
             print(f"  {label:<34}" + "".join(f"{c[key][n]:>8.2f}" for n in CEILING_THREADS))
     print(f"  torch intra-op threads by default: {c['torch_threads_default']}")
+    if "window_gbps" in c:
+        print(f"  memcpy into a reused {WINDOW_BYTES >> 10} KiB window per thread "
+              f"(cache-resident), {c.get('overlap', {}).get('threads', '?')} threads: "
+              f"{c['window_gbps']:.2f}")
     print(f"  H2D DMA from pinned, alone: {c['dma_gbps']:.2f}")
     ov = c.get("overlap")
     if ov:
-        for key in ("memcpy", "memcpy_nt"):
+        for key in ("memcpy", "memcpy_nt", "window"):
+            if key + "_gbps" not in ov:
+                continue
             print(f"  {key} with {ov['threads']} threads during a pinned H2D DMA: copy "
                   f"{ov[key + '_gbps']:.2f}, DMA {ov['dma_with_' + key + '_gbps']:.2f}"
                   f"{'' if ov[key + '_inside_dma'] else ' (the copy outlasted the DMA)'}")

@@ -6,11 +6,13 @@
 The engine reads its tuning switches at every large copy, so the variants run round-robin in
 one process against ``pin_memory().to(non_blocking=True)`` on the same data:
 
-- ``MTC_H2D_PIECE_BYTES``: bytes per pinned slab and DMA (default 4 MiB, halved down to 1 MiB
-  while there are fewer than two pieces per helper);
-- ``MTC_H2D_TASK_BYTES``: bytes per helper task inside a piece (default 512 KiB; the piece
-  size: one helper per piece);
-- ``MTC_STAGE_NT``: streaming stores in the staging copy (default 1);
+- ``MTC_H2D_RING``: slabs of the staging ring, reused in turn (default 16); 0: the windowed
+  pipeline, where every piece takes its own slab from the pool;
+- ``MTC_H2D_PIECE_BYTES``: bytes per pinned slab and DMA (ring: 2 MiB; windows: 4 MiB, halved
+  down to 1 MiB while there are fewer than two pieces per helper);
+- ``MTC_H2D_TASK_BYTES``: bytes per helper task inside a piece (ring: 256 KiB; windows: 512
+  KiB; the piece size: one helper per piece);
+- ``MTC_STAGE_NT``: streaming stores in the staging copy (ring: 0; windows: 1);
 - ``MTC_H2D_WINDOW``: pieces per window, two windows in flight (default 2 x helpers).
 
 The pinned cap is raised to 4 GiB, so that the variants' slabs (one size class per piece size)
@@ -36,22 +38,25 @@ import mtc_loader  # noqa: E402
 from workloads import WORKLOADS, count_tensors  # noqa: E402
 
 MB = 1 << 20
+W0 = {"MTC_H2D_RING": "0"}  # the windowed pipeline
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
-    "one_helper_per_piece": {"MTC_H2D_TASK_BYTES": "0", "MTC_STAGE_NT": "0"},
-    "no_nt": {"MTC_STAGE_NT": "0"},
-    "task1M": {"MTC_H2D_TASK_BYTES": str(MB)},
-    # small windows: the slabs in flight (and reused) stay within the last-level cache
-    "p2M_w8_t256K_nt0": {"MTC_H2D_PIECE_BYTES": str(2 * MB), "MTC_H2D_WINDOW": "8",
-                         "MTC_H2D_TASK_BYTES": str(256 << 10), "MTC_STAGE_NT": "0"},
-    "p2M_w8_t256K_nt1": {"MTC_H2D_PIECE_BYTES": str(2 * MB), "MTC_H2D_WINDOW": "8",
-                         "MTC_H2D_TASK_BYTES": str(256 << 10)},
-    "p1M_w16_t256K_nt0": {"MTC_H2D_PIECE_BYTES": str(MB), "MTC_H2D_WINDOW": "16",
-                          "MTC_H2D_TASK_BYTES": str(256 << 10), "MTC_STAGE_NT": "0"},
-    "p8M_w4_t512K_nt0": {"MTC_H2D_PIECE_BYTES": str(8 * MB), "MTC_H2D_WINDOW": "4",
-                         "MTC_STAGE_NT": "0"},
+    "windows": W0,
+    "windows_no_nt": {**W0, "MTC_STAGE_NT": "0"},
+    "windows_p2M_w4_t256K_nt0": {**W0, "MTC_H2D_PIECE_BYTES": str(2 * MB), "MTC_H2D_WINDOW": "4",
+                                 "MTC_H2D_TASK_BYTES": str(256 << 10), "MTC_STAGE_NT": "0"},
+    # the ring: R slabs reused in turn, a few MiB in flight that stay in the cache
+    "ring8": {"MTC_H2D_RING": "8"},
+    "ring8_t128K": {"MTC_H2D_RING": "8", "MTC_H2D_TASK_BYTES": str(128 << 10)},
+    "ring24": {"MTC_H2D_RING": "24"},
+    "ring32": {"MTC_H2D_RING": "32"},
+    "ring16_p1M_t128K": {"MTC_H2D_PIECE_BYTES": str(MB), "MTC_H2D_TASK_BYTES": str(128 << 10)},
+    "ring8_p4M_t512K": {"MTC_H2D_RING": "8", "MTC_H2D_PIECE_BYTES": str(4 * MB),
+                        "MTC_H2D_TASK_BYTES": str(512 << 10)},
+    "ring16_t128K": {"MTC_H2D_TASK_BYTES": str(128 << 10)},
+    "ring16_nt": {"MTC_STAGE_NT": "1"},
 }
-KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT", "MTC_H2D_WINDOW")
+KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT", "MTC_H2D_WINDOW", "MTC_H2D_RING")
 
 
 def set_env(env: dict[str, str]) -> None:
@@ -106,8 +111,11 @@ def main() -> None:
                 del out
         set_env({})
         res = {}
-        helpers = mtc_loader.stats().get("helper_threads")
-        print(f"[{wname}] {nbytes / MB:.0f} MiB, helpers {helpers}, {a.rounds} rounds")
+        st = mtc_loader.stats()
+        helpers = st.get("helper_threads")
+        print(f"[{wname}] {nbytes / MB:.0f} MiB, helpers {helpers}, {a.rounds} rounds; pinned "
+              f"slabs held {st['pinned_slabs_held']} ({st['pinned_bytes_held'] / MB:.0f} MiB, "
+              f"every variant's size class)")
         for name, s in samples.items():
             ms = sorted(x * 1e3 for x in s)
             med = statistics.median(ms)

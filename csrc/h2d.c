@@ -12,6 +12,11 @@
 
 #include "hostcopy.h"
 
+/* Slabs of the staging ring (MTC_H2D_RING; 0: the windowed pipeline): 16 of
+ * 2 MiB. A ring of 8 MiB or 16 MiB ran at half the speed on the GPU machine
+ * (the helpers wait for slabs, the DMA for pieces), 32 MiB and 64 MiB alike. */
+#define MTC_H2D_RING_SLABS 16
+
 /* A size from the environment (tuning and benchmarks), else dflt. */
 static size_t _env_size(const char *name, size_t dflt)
 {
@@ -135,7 +140,8 @@ int mtc_h2d_chunk(mtc_run *r, const mtc_op *op)
 typedef struct _piece {
     CUdeviceptr dst;
     size_t n;
-    mtc_slab *slab;
+    mtc_slab *slab;          /* NULL in a cancelled ring: its tasks copy nothing */
+    mtc_flag free;           /* ring: its slab may be written (the slab's previous DMA is done) */
     mtc_flag done;           /* set by the piece's last task */
     _Atomic uint32_t left;   /* tasks of the piece not finished */
     uint32_t task0;          /* its tasks: [task0, next piece's task0) */
@@ -156,8 +162,11 @@ typedef struct _task {
 static void _piece_task(void *arg, uint32_t i)
 {
     _task *t = &((_task *)arg)[i];
-    char *dst = (char *)t->piece->slab->ptr + t->off;
-    if (t->file) /* pread on this helper: the parts of one file are read in parallel */
+    mtc_slab *slab = t->piece->slab;
+    char *dst = slab ? (char *)slab->ptr + t->off : NULL;
+    if (!dst)
+        ; /* a cancelled ring */
+    else if (t->file) /* pread on this helper: the parts of one file are read in parallel */
         t->err = mtc_uring_pread_range(t->file, t->foff, t->n, dst, &t->ferr);
     else if (t->nt)
         mtc_memcpy_nt(dst, t->src, t->n);
@@ -230,6 +239,7 @@ static int _plan_pipe(_pipe *pp, const mtc_item *items, const mtc_op *ops, uint3
             p->n = (size_t)it->nbytes - off < piece ? (size_t)it->nbytes - off : piece;
             p->leaf = it->leaf;
             p->task0 = t;
+            mtc_flag_init(&p->free);
             mtc_flag_init(&p->done);
             uint32_t parts = 0;
             for (size_t o = 0; o < p->n; o += task, t++, parts++)
@@ -259,7 +269,124 @@ static void _finish_piece(_pipe *pp, uint32_t i, CUstream s)
     p->slab = NULL;
 }
 
-/* Staged large copies: pieces through pinned slabs (see _piece). */
+/* The windowed pipeline: every piece gets its own slab from the pool, two
+ * windows of pp->W pieces in flight. */
+static void _run_windows(_pipe *pp, CUstream s, uint32_t helpers)
+{
+    uint32_t W = pp->W, nwin = (pp->np + W - 1) / W;
+    mtc_batch batch[2];
+    _submit_window(pp, 0, helpers ? &batch[0] : NULL);
+    for (uint32_t w = 0; w < nwin; w++) {
+        if (w + 1 < nwin) _submit_window(pp, w + 1, helpers ? &batch[(w + 1) & 1] : NULL);
+        uint32_t a = w * W, b = a + W < pp->np ? a + W : pp->np;
+        for (uint32_t i = a; i < b; i++) _finish_piece(pp, i, s);
+        if (helpers) mtc_batch_wait(&batch[w & 1]);
+    }
+}
+
+/* The ring: R slabs taken once and reused in turn (piece i in slab i % R), so
+ * that the staged bytes in flight stay a few MiB and in the cache. The
+ * helpers' plain stores and the DMA's reads of them then hit the cache, and a
+ * staged byte costs memory one read of its source instead of a read, a write
+ * and the DMA's read. Every task is handed to the helpers at once; the tasks of
+ * piece i wait for its `free` flag, which the transfer thread sets once the DMA
+ * of piece i - R (the same slab) completed. */
+typedef struct _ring {
+    mtc_slab **slab;
+    CUevent *fence;          /* slab k's fence, recorded after each DMA from it */
+    uint32_t R;
+    uint32_t next;           /* pieces [0, next) are free */
+    uint32_t issued;         /* pieces [0, issued) had their DMA issued */
+} _ring;
+
+/* Frees the pieces whose slab's previous DMA completed: with block, waits
+ * until piece `upto` is free. 0, or a driver error. */
+static int _ring_free(_pipe *pp, _ring *g, uint32_t upto, int block)
+{
+    while (g->next < pp->np && g->next < g->issued + g->R) {
+        CUevent f = g->fence[g->next % g->R];
+        CUresult q = block && g->next <= upto ? mtc_cu.cuEventSynchronize(f) : mtc_cu.cuEventQuery(f);
+        if (q == MTC_CUDA_ERROR_NOT_READY) return 0;
+        if (q != MTC_CUDA_SUCCESS) return mtc_cu_rc(q);
+        mtc_flag_set(&pp->pc[g->next++].free);
+    }
+    return 0;
+}
+
+static void _ring_task(void *arg, uint32_t i)
+{
+    /* Spin a while before sleeping: a slab usually frees within a DMA of one
+     * piece, and a helper woken from the futex starts tens of microseconds late. */
+    mtc_futex_wait_while(&((_task *)arg)[i].piece->free.v, 0, 2048, -1);
+    _piece_task(arg, i);
+}
+
+/* Issues the ring's DMAs in piece order; after an error the pieces not yet
+ * free copy nothing. Returns once every task finished. */
+static void _run_ring(_pipe *pp, _ring *g, CUstream s)
+{
+    _piece *pc = pp->pc;
+    for (uint32_t i = 0; i < pp->np; i++) pc[i].slab = g->slab[i % g->R];
+    for (g->next = 0; g->next < pp->np && g->next < g->R; g->next++) mtc_flag_set(&pc[g->next].free);
+    mtc_batch batch;
+    mtc_batch_submit(&batch, _ring_task, pp->tk, pp->nt);
+    for (uint32_t i = 0; i < pp->np && !pp->err; i++) {
+        _piece *p = &pc[i];
+        int rc = _ring_free(pp, g, i, 1);
+        /* while the piece is copied, free the next ones as their DMAs complete */
+        while (!rc && mtc_flag_wait(&p->done, 20000) != 0) rc = _ring_free(pp, g, i, 0);
+        if (rc) {
+            pp->err = mtc_run_fail(pp->r, rc, p->leaf, "waiting for a staging copy");
+            break;
+        }
+        uint32_t te = i + 1 < pp->np ? pc[i + 1].task0 : pp->nt;
+        for (uint32_t t = p->task0; t < te && !pp->err; t++)
+            if (pp->tk[t].err) pp->err = mtc_run_fail_file(pp->r, pp->tk[t].err, p->leaf, &pp->tk[t].ferr);
+        if (!pp->err && !(pp->err = _dma_h2d(pp->r, p->dst, p->slab->ptr, p->n, s, p->leaf)) &&
+            (pp->err = mtc_cu_rc(mtc_cu.cuEventRecord(g->fence[i % g->R], s))))
+            mtc_run_fail(pp->r, pp->err, p->leaf, "recording a staging fence");
+        g->issued = i + 1;
+    }
+    /* cancel what did not start: no slab, free at once */
+    for (uint32_t k = g->next; k < pp->np; k++) {
+        pc[k].slab = NULL;
+        mtc_flag_set(&pc[k].free);
+    }
+    mtc_batch_wait(&batch);
+}
+
+/* Takes the ring's R slabs and their fences; runs it; gives them back fenced
+ * after its last DMA. */
+static void _h2d_ring(_pipe *pp, CUstream s, size_t piece, uint32_t R)
+{
+    mtc_slab *slab[64];
+    CUevent fence[64];
+    _ring g = {.slab = slab, .fence = fence, .R = R};
+    int32_t leaf0 = pp->pc[0].leaf;
+    uint32_t got = 0;
+    for (; got < R && !pp->err; got++) {
+        void *f;
+        if ((pp->err = mtc_slab_alloc(pp->pool, piece, &slab[got]))) {
+            mtc_run_fail(pp->r, pp->err, leaf0, "allocating pinned staging memory");
+            break;
+        }
+        if ((pp->err = mtc_slab_fence(pp->pool, slab[got], &f))) {
+            mtc_run_fail(pp->r, pp->err, leaf0, "creating a staging fence");
+            got++;
+            break;
+        }
+        fence[got] = (CUevent)f;
+    }
+    if (!pp->err) _run_ring(pp, &g, s);
+    for (uint32_t k = 0; k < got; k++) {
+        int rc = _release_after(pp->r, pp->pool, slab[k], s, leaf0);
+        if (rc && !pp->err) pp->err = rc;
+    }
+}
+
+/* Staged large copies: pieces through pinned slabs (see _piece), by the ring
+ * (MTC_H2D_RING slabs; 0: the windowed pipeline), or by windows where there
+ * are no helpers. */
 static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t total)
 {
     mtc_job *j = r->job;
@@ -271,41 +398,52 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
 
     uint32_t helpers = (uint32_t)mtc_pool_size();
-    /* Pieces large enough that the per-piece DMA and fence stay cheap, small
-     * enough that the first DMA starts early and every helper gets two:
-     * 1 to 4 MiB. Tasks of 512 KiB keep every helper on the first pieces. */
-    size_t piece = _env_size("MTC_H2D_PIECE_BYTES", MTC_PIECE_BYTES);
+    size_t ring = helpers ? _env_size("MTC_H2D_RING", MTC_H2D_RING_SLABS) : 0;
+    if (ring > 64) ring = 64;
+    size_t piece, task;
+    int nt;
+    if (ring) {
+        /* Ring: slabs small enough that R of them stay in the cache, tasks
+         * that spread a piece over several helpers, plain stores (streaming
+         * ones would send the bytes to memory). */
+        piece = _env_size("MTC_H2D_PIECE_BYTES", (size_t)2 << 20);
+        task = _env_size("MTC_H2D_TASK_BYTES", (size_t)256 << 10);
+        nt = _env_size("MTC_STAGE_NT", 0) != 0;
+    } else {
+        /* Windows: pieces large enough that the per-piece DMA and fence stay
+         * cheap, small enough that the first DMA starts early and every
+         * helper gets two: 1 to 4 MiB. Tasks of 512 KiB keep every helper on
+         * the first pieces; streaming stores. */
+        piece = _env_size("MTC_H2D_PIECE_BYTES", MTC_PIECE_BYTES);
+        while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
+        task = _env_size("MTC_H2D_TASK_BYTES", (size_t)512 << 10);
+        nt = _stage_nt();
+    }
     if (piece < 65536) piece = 65536;
-    while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
-    size_t task = _env_size("MTC_H2D_TASK_BYTES", (size_t)512 << 10);
     if (!task || task > piece) task = piece;
     if (task < 65536) task = 65536;
-    int nt = _stage_nt();
     _pipe pp = {.r = r, .pool = pool};
     if (_plan_pipe(&pp, j->items, ops, nops, piece, task, nt)) {
         free(pp.pc);
         free(pp.tk);
         return mtc_run_fail(r, -ENOMEM, leaf0, "planning the staged copy");
     }
-    uint32_t W = helpers ? 2 * helpers : 1;
-    size_t wenv = _env_size("MTC_H2D_WINDOW", 0); /* pieces per window */
-    if (wenv) W = wenv < 4096 ? (uint32_t)wenv : 4096;
-    /* Two windows of slabs are held at once: keep them within half the cap,
-     * or the pool's backpressure would wait on slabs only this run releases. */
+    /* The slabs held at once stay within a quarter of the cap, or the pool's
+     * backpressure would wait on slabs only this run releases. */
     size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
-    if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
-    if (W > pp.np) W = pp.np;
-    pp.W = W;
     MTC_COUNT(pieces, pp.np);
-    uint32_t nwin = (pp.np + W - 1) / W;
-    mtc_batch batch[2];
     int64_t t0 = mtc_now_ns();
-    _submit_window(&pp, 0, helpers ? &batch[0] : NULL);
-    for (uint32_t w = 0; w < nwin; w++) {
-        if (w + 1 < nwin) _submit_window(&pp, w + 1, helpers ? &batch[(w + 1) & 1] : NULL);
-        uint32_t a = w * W, b = a + W < pp.np ? a + W : pp.np;
-        for (uint32_t i = a; i < b; i++) _finish_piece(&pp, i, s);
-        if (helpers) mtc_batch_wait(&batch[w & 1]);
+    if (ring) {
+        if (ring > cap_pieces) ring = cap_pieces > 2 ? cap_pieces : 2;
+        _h2d_ring(&pp, s, piece, (uint32_t)ring);
+    } else {
+        uint32_t W = helpers ? 2 * helpers : 1;
+        size_t wenv = _env_size("MTC_H2D_WINDOW", 0); /* pieces per window */
+        if (wenv) W = wenv < 4096 ? (uint32_t)wenv : 4096;
+        if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
+        if (W > pp.np) W = pp.np;
+        pp.W = W;
+        _run_windows(&pp, s, helpers);
     }
     MTC_COUNT(ns_stage, mtc_now_ns() - t0);
     free(pp.pc);

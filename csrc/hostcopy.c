@@ -364,7 +364,7 @@ void mtc_memcpy_nt(void *dst, const void *src, size_t nbytes)
 typedef struct _bench {
     char *dst;
     const char *src;
-    size_t n;
+    size_t n, window;
     int threads, reps, nt;
     int abort;              /* written before `go` is set: the threads exit at once */
     mtc_flag go;            /* set once every thread was started (or one failed to) */
@@ -378,6 +378,15 @@ static void _bench_share(_bench *b, int i)
     /* 4 KiB-aligned shares, the last one takes the rest */
     size_t per = (b->n / (size_t)b->threads) & ~(size_t)4095;
     size_t off = per * (size_t)i, len = i == b->threads - 1 ? b->n - off : per;
+    if (b->window) {
+        char *d = b->dst + (size_t)i * b->window;
+        for (size_t o = 0; o < len; o += b->window) {
+            size_t k = len - o < b->window ? len - o : b->window;
+            if (b->nt) mtc_memcpy_nt(d, b->src + off + o, k);
+            else memcpy(d, b->src + off + o, k);
+        }
+        return;
+    }
     if (b->nt) mtc_memcpy_nt(b->dst + off, b->src + off, len);
     else memcpy(b->dst + off, b->src + off, len);
 }
@@ -396,10 +405,11 @@ static void *_bench_main(void *arg)
 }
 
 int mtc_memcpy_bench(void *dst, const void *src, size_t nbytes, int threads, int reps, int nt,
-                     double *secs)
+                     size_t window, double *secs)
 {
     if (threads < 1 || threads > 64 || reps < 1) return -EINVAL;
-    _bench b = {.dst = dst, .src = src, .n = nbytes, .threads = threads, .reps = reps, .nt = nt};
+    _bench b = {.dst = dst, .src = src, .n = nbytes, .window = window, .threads = threads, .reps = reps,
+                .nt = nt};
     mtc_flag_init(&b.go);
     pthread_t th[64];
     _bench_thread ts[64];

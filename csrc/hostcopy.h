@@ -99,9 +99,14 @@ void mtc_memcpy_nt(void *dst, const void *src, size_t nbytes);
  * own, not the helpers) each copy their contiguous share of nbytes from src to
  * dst, `reps` times, with memcpy (nt 0) or mtc_memcpy_nt (nt 1). secs[r] is
  * rep r's time from the common start to the last thread's end. 0 or -errno.
+ *
+ * window > 0: thread i copies its share window bytes at a time, every time
+ * into the same dst + i * window (dst holds threads * window bytes), so that
+ * the destination stays in the cache: the copy rate without the write to
+ * memory. 0: dst is nbytes long, as src.
  */
 int mtc_memcpy_bench(void *dst, const void *src, size_t nbytes, int threads, int reps, int nt,
-                     double *secs);
+                     size_t window, double *secs);
 
 /* Piece size for splitting large copies, bytes. */
 #define MTC_PIECE_BYTES ((size_t)4 << 20)

@@ -214,15 +214,16 @@ static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* _memcpy_bench(dst, src, nbytes, threads, reps, nt) -> [seconds per rep]: the
- * aggregate host copy bandwidth of `threads` threads (bench/bench_copy.py's
- * ceiling; dst and src are raw addresses the caller keeps alive). Returns a
+/* _memcpy_bench(dst, src, nbytes, threads, reps, nt, window=0) -> [seconds per
+ * rep]: the aggregate host copy bandwidth of `threads` threads (bench/bench_copy.py's
+ * ceiling; dst and src are raw addresses the caller keeps alive; with a window,
+ * dst holds threads * window bytes: see mtc_memcpy_bench). Returns a
  * new reference, or NULL with an exception set. */
 static PyObject *engine_memcpy_bench(PyObject *module, PyObject *args)
 {
-    unsigned long long dst, src, n;
+    unsigned long long dst, src, n, window = 0;
     int threads, reps, nt;
-    if (!PyArg_ParseTuple(args, "KKKiii", &dst, &src, &n, &threads, &reps, &nt)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKKiii|K", &dst, &src, &n, &threads, &reps, &nt, &window)) return NULL;
     if (threads < 1 || threads > 64 || reps < 1 || reps > 10000) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: _memcpy_bench needs 1 <= threads <= 64, 1 <= reps <= 10000");
         return NULL;
@@ -231,7 +232,8 @@ static PyObject *engine_memcpy_bench(PyObject *module, PyObject *args)
     if (!secs) return PyErr_NoMemory();
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = mtc_memcpy_bench((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n, threads, reps, nt, secs);
+    rc = mtc_memcpy_bench((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n, threads, reps, nt,
+                          (size_t)window, secs);
     Py_END_ALLOW_THREADS
     PyObject *out = NULL;
     if (rc) {
@@ -391,7 +393,7 @@ static PyMethodDef engine_methods[] = {
     {"trim", engine_trim, METH_NOARGS, "Free idle pinned slabs; returns bytes freed."},
     {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
     {"_memcpy_bench", engine_memcpy_bench, METH_VARARGS,
-     "_memcpy_bench(dst, src, nbytes, threads, reps, nt) -> [seconds]: host copy bandwidth probe."},
+     "_memcpy_bench(dst, src, nbytes, threads, reps, nt, window=0) -> [seconds]: host copy bandwidth probe."},
     {"event_record", (PyCFunction)(void (*)(void))engine_event_record, METH_FASTCALL,
      "event_record(device, stream): a pooled event recorded on a raw stream (GIL held)."},
     {"event_release", (PyCFunction)(void (*)(void))engine_event_release, METH_FASTCALL,

@@ -117,18 +117,27 @@ def test_large_tensors_staged_in_pieces():
     assert mtc_loader.stats()["pieces"] > 0
 
 
+_WINDOWS = {"MTC_H2D_RING": "0"}
+
+
 @pytest.mark.parametrize("knobs", [
     {},
-    {"MTC_STAGE_NT": "0"},
-    {"MTC_H2D_TASK_BYTES": "0"},
-    {"MTC_H2D_PIECE_BYTES": str(1 << 20), "MTC_H2D_TASK_BYTES": str(96 << 10), "MTC_H2D_WINDOW": "1"},
-    {"MTC_H2D_PIECE_BYTES": str(3 << 20), "MTC_H2D_TASK_BYTES": str(1 << 20), "MTC_H2D_WINDOW": "5"},
+    {"MTC_STAGE_NT": "1"},
+    {"MTC_H2D_RING": "2", "MTC_H2D_PIECE_BYTES": str(1 << 20), "MTC_H2D_TASK_BYTES": str(96 << 10)},
+    {"MTC_H2D_RING": "3", "MTC_H2D_PIECE_BYTES": str(64 << 10), "MTC_H2D_TASK_BYTES": "0"},
+    {"MTC_H2D_RING": "64", "MTC_H2D_PIECE_BYTES": str(3 << 20), "MTC_H2D_TASK_BYTES": str(1 << 20)},
+    _WINDOWS,
+    {**_WINDOWS, "MTC_STAGE_NT": "0"},
+    {**_WINDOWS, "MTC_H2D_TASK_BYTES": "0"},
+    {**_WINDOWS, "MTC_H2D_PIECE_BYTES": str(1 << 20), "MTC_H2D_TASK_BYTES": str(96 << 10), "MTC_H2D_WINDOW": "1"},
+    {**_WINDOWS, "MTC_H2D_PIECE_BYTES": str(3 << 20), "MTC_H2D_TASK_BYTES": str(1 << 20), "MTC_H2D_WINDOW": "5"},
 ], ids=lambda k: ",".join(f"{n[4:]}={v}" for n, v in k.items()) or "defaults")
 def test_large_tensors_split_across_helpers(knobs, monkeypatch):
     """Large leaves staged piece by piece, each piece split into tasks over the helpers, with
-    streaming stores or memcpy: sources at odd addresses (views at byte offsets 1 and 13),
-    sizes that are no multiple of a task, a piece or 16 bytes, and windows down to one piece
-    arrive exactly."""
+    streaming stores or memcpy, through the ring of slabs reused in turn (down to two slabs, and
+    64 KiB pieces that reuse each slab dozens of times) or the windowed pipeline: sources at odd
+    addresses (views at byte offsets 1 and 13), sizes that are no multiple of a task, a piece or
+    16 bytes, and windows down to one piece arrive exactly, three times in a row."""
     for name, value in knobs.items():  # read by the engine at every large copy
         monkeypatch.setenv(name, value)
     g = torch.Generator().manual_seed(62)
@@ -136,11 +145,12 @@ def test_large_tensors_split_across_helpers(knobs, monkeypatch):
     data = [raw[1:], raw[13:(9 << 20) + 5], random_tensor(torch.float32, (2_500_003,), g),
             random_tensor(torch.int16, (4 << 20,), g)]
     before = mtc_loader.stats()["pieces"]
-    out = start_copy(data, "cuda:0").get()
-    torch.cuda.synchronize()
-    for o, r in zip(out, data):
-        assert_bitwise(o, r.to("cuda:0"))
-    assert mtc_loader.stats()["pieces"] - before >= 4
+    for _ in range(3):
+        out = start_copy(data, "cuda:0").get()
+        torch.cuda.synchronize()
+        for o, r in zip(out, data):
+            assert_bitwise(o, r.to("cuda:0"))
+    assert mtc_loader.stats()["pieces"] - before >= 12
 
 
 _HUGE_SLABS = r'''

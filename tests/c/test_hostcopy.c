@@ -167,11 +167,22 @@ static void test_memcpy_nt(void)
     for (size_t i = 0; i < n; i++) a[i] = (unsigned char)(i * 7 + 3);
     for (int nt = 0; nt < 2; nt++) {
         memset(b, 0, n + 1);
-        CHECK(mtc_memcpy_bench(b + 1, a, n - 1, 3, 2, nt, secs) == 0);
+        CHECK(mtc_memcpy_bench(b + 1, a, n - 1, 3, 2, nt, 0, secs) == 0);
         CHECK(memcmp(a, b + 1, n - 1) == 0 && b[0] == 0 && b[n] == 0);
         CHECK(secs[0] > 0 && secs[1] > 0);
     }
-    CHECK(mtc_memcpy_bench(b, a, n, 0, 1, 0, secs) == -EINVAL);
+    /* a window: each thread's last window of its share ends up at dst + i * window */
+    size_t win = (size_t)64 << 10, per = ((n / 3) & ~(size_t)4095);
+    for (int nt = 0; nt < 2; nt++) {
+        memset(b, 0, n + 1);
+        CHECK(mtc_memcpy_bench(b, a, n, 3, 1, nt, win, secs) == 0);
+        for (int i = 0; i < 3; i++) {
+            size_t len = i == 2 ? n - 2 * per : per, last = (len - 1) / win * win;
+            CHECK(memcmp(b + (size_t)i * win, a + (size_t)i * per + last, len - last) == 0);
+        }
+        CHECK(b[3 * win] == 0);
+    }
+    CHECK(mtc_memcpy_bench(b, a, n, 0, 1, 0, 0, secs) == -EINVAL);
     free(a);
     free(b);
 }
