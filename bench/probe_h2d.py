@@ -3,7 +3,7 @@
     MTC_HELPER_THREADS=N python3 bench/probe_h2d.py [--device cuda:0] [--rounds 15]
                                                     [--only 16x16MB 256x64KB]
 
-The engine reads its tuning switches at every large copy, so the variants run round-robin in
+The engine reads its tuning switches at every large copy, so the variants run in a new random order every round in
 one process against ``pin_memory().to(non_blocking=True)`` on the same data:
 
 - ``MTC_H2D_RING``: slabs of the staging ring, reused in turn (default 16); 0: the windowed
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -54,6 +55,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "ring8_p4M_t512K": {"MTC_H2D_RING": "8", "MTC_H2D_PIECE_BYTES": str(4 * MB),
                         "MTC_H2D_TASK_BYTES": str(512 << 10)},
     "ring16_t128K": {"MTC_H2D_TASK_BYTES": str(128 << 10)},
+    "ring32_t128K": {"MTC_H2D_RING": "32", "MTC_H2D_TASK_BYTES": str(128 << 10)},
     "ring16_nt": {"MTC_STAGE_NT": "1"},
 }
 KNOBS = ("MTC_H2D_PIECE_BYTES", "MTC_H2D_TASK_BYTES", "MTC_STAGE_NT", "MTC_H2D_WINDOW", "MTC_H2D_RING")
@@ -100,9 +102,11 @@ def main() -> None:
             if not all(torch.equal(o, r) for o, r in zip(out, ref)):
                 sys.exit(f"{wname}: {name} differs from .to()")
         samples: dict[str, list[float]] = {name: [] for name, _, _ in methods}
-        for r in range(a.rounds):
-            k = r % len(methods)
-            for name, env, fn in methods[k:] + methods[:k]:
+        rng = random.Random(0)
+        for _ in range(a.rounds):
+            # a new order every round: a variant that runs right after pin_memory() meets a cache
+            # full of its dirty lines, and in a fixed rotation that would always be the same one
+            for name, env, fn in rng.sample(methods, len(methods)):
                 set_env(env)
                 t0 = time.perf_counter()
                 out = fn()
