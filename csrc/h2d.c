@@ -419,7 +419,15 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         task = _env_size("MTC_H2D_TASK_BYTES", (size_t)512 << 10);
         nt = _stage_nt();
     }
+    /* The slabs held at once stay within a quarter of the cap, or the pool's
+     * backpressure would wait on slabs only this run releases (or, with two
+     * runs on one device, on each other's): under a small cap the pieces
+     * shrink until two of them fit in that quarter. */
+    size_t cap = mtc_engine_pinned_cap();
+    while (piece > 65536 && cap / (4 * piece) < 2) piece /= 2;
     if (piece < 65536) piece = 65536;
+    if (!ring && cap < 2 * piece) /* two windows of one piece could never be held */
+        return mtc_run_fail(r, -E2BIG, leaf0, "allocating pinned staging memory");
     if (!task || task > piece) task = piece;
     if (task < 65536) task = 65536;
     _pipe pp = {.r = r, .pool = pool};
@@ -428,13 +436,13 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         free(pp.tk);
         return mtc_run_fail(r, -ENOMEM, leaf0, "planning the staged copy");
     }
-    /* The slabs held at once stay within a quarter of the cap, or the pool's
-     * backpressure would wait on slabs only this run releases. */
-    size_t cap_pieces = mtc_engine_pinned_cap() / (4 * piece);
+    size_t cap_pieces = cap / (4 * piece);
     MTC_COUNT(pieces, pp.np);
     int64_t t0 = mtc_now_ns();
     if (ring) {
-        if (ring > cap_pieces) ring = cap_pieces > 2 ? cap_pieces : 2;
+        /* a slab more than the pieces would never be written */
+        if (ring > pp.np) ring = pp.np;
+        if (ring > cap_pieces) ring = cap_pieces ? cap_pieces : 1;
         _h2d_ring(&pp, s, piece, (uint32_t)ring);
     } else {
         uint32_t W = helpers ? 2 * helpers : 1;

@@ -384,6 +384,32 @@ def test_arena_full_in_worker_then_works_after_consuming():
 
 @pytest.mark.cuda
 @requires_cuda
+@pytest.mark.parametrize("ring", ["16", "0"])
+def test_large_tensors_under_a_pinned_cap_of_a_few_slabs(ring, monkeypatch):
+    """Under a cap that holds one 2 MiB staging slab but not the ring's two (or the windowed
+    pipeline's two windows), the pieces shrink and the copy completes exactly, instead of
+    waiting for room that only its own slabs take; so do two copies at once on one device."""
+    monkeypatch.setenv("MTC_H2D_RING", ring)
+    torch.cuda.synchronize()
+    mtc_loader.trim()
+    mtc_loader.configure(pinned_cap_bytes=3 << 20)
+    g = torch.Generator().manual_seed(8)
+    data = [torch.rand((5 << 20) + 3, generator=g), torch.randint(0, 255, (9 << 20,), dtype=torch.uint8,
+                                                                   generator=g)]
+    side = torch.cuda.Stream()
+    for _ in range(2):
+        a = start_copy(data, "cuda:0")
+        with torch.cuda.stream(side):
+            b = start_copy(data[::-1], "cuda:0", use_background_thread=False)
+        out_a, out_b = a.get(), b.get()
+        torch.cuda.synchronize()
+        assert_tree_bitwise(out_a, tree_to(data, "cuda:0"))
+        assert_tree_bitwise(out_b, tree_to(data[::-1], "cuda:0"))
+    assert mtc_loader.stats()["pinned_bytes_held"] <= 3 << 20
+
+
+@pytest.mark.cuda
+@requires_cuda
 def test_pinned_cap_reached_waits_instead_of_growing():
     torch.cuda.synchronize()
     mtc_loader.trim()
