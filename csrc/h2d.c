@@ -13,8 +13,9 @@
 #include "hostcopy.h"
 
 /* Slabs of the staging ring (MTC_H2D_RING; 0: the windowed pipeline): 16 of
- * 2 MiB. A ring of 8 MiB or 16 MiB ran at half the speed on the GPU machine
- * (the helpers wait for slabs, the DMA for pieces), 32 MiB and 64 MiB alike. */
+ * 2 MiB. On the GPU machine a ring of 8 MiB ran at half the speed (the
+ * helpers wait for slabs, the DMA for pieces), one of 16 MiB at half or full
+ * speed from one process to the next, and 32 MiB and 64 MiB alike. */
 #define MTC_H2D_RING_SLABS 16
 
 /* A size from the environment (tuning and benchmarks), else dflt. */
@@ -285,7 +286,7 @@ static void _run_windows(_pipe *pp, CUstream s, uint32_t helpers)
 }
 
 /* The ring: R slabs taken once and reused in turn (piece i in slab i % R), so
- * that the staged bytes in flight stay a few MiB and in the cache. The
+ * that the staged bytes in flight stay within tens of MiB and in the cache. The
  * helpers' plain stores and the DMA's reads of them then hit the cache, and a
  * staged byte costs memory one read of its source instead of a read, a write
  * and the DMA's read. Every task is handed to the helpers at once; the tasks of
