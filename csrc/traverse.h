@@ -69,7 +69,7 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t);
 /* Releases everything t owns and zeroes it. */
 void mtc_tree_clear(mtc_tree *t);
 
-/* Builds the output structure; outputs[i] (borrowed) replaces leaf i, and
+/* rebuild.c: builds the output structure; outputs[i] (borrowed) replaces leaf i, and
  * atoms[i] (borrowed; t->natoms of them, NULL when there are none) the
  * per-batch atom i. Returns a new reference, or NULL with an exception set. */
 PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs, PyObject *const *atoms);
