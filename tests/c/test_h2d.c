@@ -390,15 +390,19 @@ static void test_pool_holds_ring(void)
 
 /* Two rings at once on one pool and one set of helpers: one job on the
  * transfer thread, one inline on this thread, each on its own stream. */
-static void test_two_rings(void)
+static void test_two_rings(const char *name, const cfg *c, size_t cap, int max_in_flight, int64_t wait_ns)
 {
-    snprintf(g_case, sizeof g_case, "two rings at once");
-    apply(&(cfg){.ring = "2", .piece = "65536", .delay_max_us = 30});
+    snprintf(g_case, sizeof g_case, "%s", name);
+    apply(c);
     CUstream s2;
     CHECK_EQ(mtc_cuda_set_device(0), 0);
     CHECK_EQ(mtc_cu.cuStreamCreate(&s2, MTC_CU_STREAM_NON_BLOCKING), MTC_CUDA_SUCCESS);
     const int nb = (int)NSRC(SRCS_BIG), nm = (int)NSRC(SRCS_MID);
     uint8_t **da = dev_alloc(SRCS_BIG, nb), **db = dev_alloc(SRCS_MID, nm);
+    if (cap) {
+        trim_all(g_stream);
+        CHECK_EQ(mtc_engine_set_pinned_cap(cap), 0);
+    }
     fk->reset_stats();
     for (int rep = 0; rep < g_reps; rep++) {
         dev_fill(SRCS_BIG, nb, da);
@@ -406,7 +410,7 @@ static void test_two_rings(void)
         mtc_job *a = h2d_job(SRCS_BIG, nb, da, g_stream), *b = h2d_job(SRCS_MID, nm, db, s2);
         CHECK_EQ(mtc_job_submit(a), 0);
         mtc_job_run(b);
-        CHECK_EQ(mtc_job_wait(a, WAIT_NS), 0);
+        if (mtc_job_wait(a, wait_ns)) FAILF("%s: the job on the transfer thread hung", name);
         CHECK_EQ(a->err, 0);
         CHECK_EQ(b->err, 0);
         mtc_job_release(a);
@@ -420,10 +424,11 @@ static void test_two_rings(void)
     fake_cuda_stats f;
     fk->get_stats(&f);
     check_driver_clean(&f);
-    CHECK(f.max_htod_in_flight <= 4);
+    if (max_in_flight) CHECK(f.max_htod_in_flight <= (uint64_t)max_in_flight);
+    if (cap) CHECK_EQ(mtc_engine_set_pinned_cap((size_t)1 << 30), 0);
     dev_free(da, nb);
     dev_free(db, nm);
-    printf("  %-44s %d reps\n", "two rings at once", g_reps);
+    printf("  %-60s %d reps\n", name, g_reps);
 }
 
 /* Jobs queued back to back with no wait for the stream between them: a job
@@ -711,42 +716,6 @@ static void test_small_cap(const char *name, const cfg *c, size_t cap, int want_
     dev_free(dev, n);
 }
 
-/* Two rings at once on one device under a cap of 5 MiB: each holds at most a
- * quarter of it, so neither waits for the other's slabs. */
-static void test_small_cap_two_rings(void)
-{
-    snprintf(g_case, sizeof g_case, "two rings at once, cap of 5 MiB");
-    apply(&(cfg){.delay_max_us = 20});
-    CUstream s2;
-    CHECK_EQ(mtc_cuda_set_device(0), 0);
-    CHECK_EQ(mtc_cu.cuStreamCreate(&s2, MTC_CU_STREAM_NON_BLOCKING), MTC_CUDA_SUCCESS);
-    const int nb = (int)NSRC(SRCS_BIG), nm = (int)NSRC(SRCS_MID);
-    uint8_t **da = dev_alloc(SRCS_BIG, nb), **db = dev_alloc(SRCS_MID, nm);
-    trim_all(g_stream);
-    CHECK_EQ(mtc_engine_set_pinned_cap(5 * MIB), 0);
-    for (int rep = 0; rep < g_reps; rep++) {
-        dev_fill(SRCS_BIG, nb, da);
-        dev_fill(SRCS_MID, nm, db);
-        mtc_job *a = h2d_job(SRCS_BIG, nb, da, g_stream), *b = h2d_job(SRCS_MID, nm, db, s2);
-        CHECK_EQ(mtc_job_submit(a), 0);
-        mtc_job_run(b);
-        if (mtc_job_wait(a, 20LL * 1000000000LL)) FAILF("two rings under a cap of 5 MiB hung");
-        CHECK_EQ(a->err, 0);
-        CHECK_EQ(b->err, 0);
-        mtc_job_release(a);
-        mtc_job_release(b);
-        sync_stream(g_stream);
-        sync_stream(s2);
-        for (int k = 0; k < nb; k++) check_bytes(SRCS_BIG, k, da, 0, SRCS_BIG[k].n);
-        for (int k = 0; k < nm; k++) check_bytes(SRCS_MID, k, db, 0, SRCS_MID[k].n);
-        check_pool_idle();
-    }
-    CHECK_EQ(mtc_engine_set_pinned_cap((size_t)1 << 30), 0);
-    dev_free(da, nb);
-    dev_free(db, nm);
-    printf("  %-60s %d reps\n", "two rings at once, cap of 5 MiB", g_reps);
-}
-
 /* The fake driver's controls, from the libcuda.so.1 the engine loaded. */
 static void bind_fake(void)
 {
@@ -793,7 +762,8 @@ int main(void)
     test_slow_dma();
     test_one_helper();
     test_pool_holds_ring();
-    test_two_rings();
+    /* each ring holds at most its 2 slabs: 4 copies in flight */
+    test_two_rings("two rings at once", &(cfg){.ring = "2", .piece = "65536", .delay_max_us = 30}, 0, 4, WAIT_NS);
     test_files();
     /* slow DMA: the next job stages into the slabs well before their last DMAs run */
     test_back_to_back("back to back, ring 2, slow DMA",
@@ -806,7 +776,8 @@ int main(void)
     test_small_cap("ring default, cap of 160 KiB", &(cfg){.delay_max_us = 20}, 160 << 10, 0);
     test_small_cap("windows, cap of 1.5 MiB", &(cfg){.ring = "0", .delay_max_us = 20}, 3 * MIB / 2, 0);
     test_small_cap("windows, cap of 96 KiB", &(cfg){.ring = "0", .delay_max_us = 20}, 96 << 10, -E2BIG);
-    test_small_cap_two_rings();
+    /* each holds at most a quarter of the cap, so neither waits for the other's slabs */
+    test_two_rings("two rings at once, cap of 5 MiB", &(cfg){.delay_max_us = 20}, 5 * MIB, 0, 20LL * 1000000000LL);
 
     snprintf(g_case, sizeof g_case, "teardown");
     mtc_engine_shutdown();
