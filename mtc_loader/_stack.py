@@ -4,117 +4,178 @@ Inside a DataLoader worker, torch's ``default_collate`` stacks each group of sam
 a **new shared-memory segment** (so that the stacked tensor can cross to the main process by
 file descriptor). Under :class:`~mtc_loader.PackedCollate` that segment is pure cost: the
 batch is copied into the arena right after, and the segment is dropped. Its pages are new on
-every batch, so the stack pays a page fault and the kernel's zeroing for every 4 KiB (in
-bench/bench_train.py's GPU-bound loop, 66 MB of images per batch, this was most of the wait for
-an epoch's first batch: docs/benchmarks.md).
+every batch, so the stack pays a page fault and the kernel's zeroing for every 4 KiB.
 
 While a ``PackedCollate`` call runs on a thread, the tensors that ``default_collate`` (or any
 collate function that goes through ``default_collate_fn_map``, as a user's function that calls
-``default_collate`` on parts of a sample does) stacks are written into this thread's
-:class:`_Scratch` instead: a few CPU buffers kept from one batch to the next, bump-allocated
-per call, so after the first batch their pages are warm. The stacked tensors are views of that
-memory: they are valid until the batch is packed, which is all ``PackedCollate`` needs, and the
-memory is reused by the next call on the same thread.
+``default_collate`` on parts of a sample does) stacks are written into blocks of this process's
+:class:`_Pool` instead: after the first batch, the blocks a batch takes are those the previous
+batch gave back, and their pages are warm.
 
-A stacked tensor can outlive its batch: inside an object the packer does not open (a user's class
-around a ``default_collate`` result travels in the batch's skeleton, pickled whole, and pickling
-a CPU tensor moves its storage into shared memory in place), or kept by the ``collate_fn`` (a
-cache, a global). So when a call ends, each buffer's storage is checked for references other than
-the scratch's own; a buffer still referenced is **retired**: the scratch drops it (whoever holds
-the views keeps that memory) and the next call stacks into a fresh buffer. Nothing a user holds
-ever aliases memory that is reused. A retirement is the slow path (fresh pages on the next call,
-and the pickling of the whole buffer): it is counted (``PackedCollate.stats()["scratch_retired"]``)
-and warned about once per process. Outside a ``PackedCollate`` call (or for
-tensors it cannot stack that way: mixed dtypes, which ``torch.stack`` promotes; tensors that
-require grad; nested, sparse, quantized, non-contiguous or non-CPU tensors; subclasses) the
-original function runs unchanged.
+**When a block is reused.** Each stacked tensor is its own block, handed to torch through a numpy
+array that only that tensor's storage holds (``torch.from_numpy``: the storage keeps the array
+and drops it when torch frees the storage). The block goes back to the pool when that array is
+deallocated, and only then: a weak reference's callback on the array. Anything that can reach the
+memory holds the storage (tensors and views of it, ``untyped_storage()`` objects, numpy arrays
+made with ``.numpy()``, memoryviews of those, DLPack capsules, a C extension holding any of
+them), and the storage holds the array, so a block is reused only once nothing references its
+memory. A stacked tensor that outlives its batch (inside an object the packer does not open, or
+kept by the ``collate_fn``) keeps its own block, and only that block: the next batch takes a
+fresh one for it. Those are counted (``PackedCollate.stats()["scratch_retired"]``) and warned
+about once per process. Outside a ``PackedCollate`` call (or for tensors it cannot stack that
+way: mixed dtypes, which ``torch.stack`` promotes; tensors that require grad; nested, sparse,
+quantized, non-contiguous or non-CPU tensors; subclasses) the original function runs unchanged.
 
-Registered in ``default_collate_fn_map`` (torch's documented way to extend ``default_collate``)
-on import, like FileTensor's collate (files.py), in place of torch's own ``collate_tensor_fn``
-only: a program that put its own function there keeps it, inside PackedCollate too.
+**How much is kept.** The free blocks a process keeps are bounded by the most that one call
+stacked; they are released when the last ``PackedCollate`` that stacked in this process is
+garbage-collected, and by :func:`mtc_loader.trim`.
+
+The hook is an entry in ``default_collate_fn_map`` (torch's documented way to extend
+``default_collate``), in place of torch's own ``collate_tensor_fn`` only while a
+``PackedCollate`` call runs in the process (the first call to start puts it there, the last to
+end puts torch's back); other threads meanwhile get torch's function through it. A program that
+put its own function there keeps it, inside PackedCollate too.
 """
 from __future__ import annotations
 
+import collections
+import mmap
+import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 __all__: list[str] = []
 
 _ALIGN = 64  # every stacked tensor starts on a cache line
-_MIN_BUFFER = 1 << 20
+_SMALL = 4096  # blocks up to this size come in multiples of _ALIGN; larger ones in eighths of a power of two
+_MAPPED = 256 << 10  # blocks from this size on are mappings of their own: freeing one returns its pages
 
-# torch's count of the references to a storage (c10's intrusive use count); where this torch lacks
-# it, nothing is stacked into scratch (_register)
-_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
-
-# buffers retired in this process (still referenced after their call), and whether it was said
+# stacked tensors that outlived their batch in this process, and whether it was said
 RETIRED = [0]
 _WARNED = [False]
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    assert _use_count is not None  # (_register)
-    return _use_count(t.untyped_storage()._cdata)
+def size_class(nbytes: int) -> int:
+    """The block size that serves a request of ``nbytes``: at most 12.5% more above 4 KiB, so
+    that batches whose stacked tensors differ a little in size still find their blocks."""
+    if nbytes <= _SMALL:
+        return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    grain = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // grain) * grain
 
 
-# what a tensor that nothing else refers to counts (itself, and the storage object made to ask)
-_UNSHARED = _storage_uses(torch.empty(1, dtype=torch.uint8)) if _use_count is not None else 0
-
-
-def _referenced_elsewhere(buf: torch.Tensor) -> bool:
-    """Whether anything but ``buf`` itself holds ``buf``'s storage (a view made by a stack, or a
-    numpy array over one)."""
-    return _storage_uses(buf) > _UNSHARED
-
-
-class _Scratch:
-    """Bump allocation over CPU uint8 buffers, reset per PackedCollate call. A call that needed
-    more than the buffers hold adds a buffer; the next call then finds one buffer as large as
-    everything the previous call took (so the steady state is one buffer, the high-water mark of
-    one batch's stacked tensors)."""
-
-    __slots__ = ("buffers", "index", "offset", "taken", "peak")
+class _Pool:
+    """This process's stacking blocks: free ones by size, and the ones handed out, each watched
+    through a weak reference to the numpy array that only its tensor's storage holds."""
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.index = self.offset = self.taken = self.peak = 0
+        self.lock = threading.Lock()
+        self.free: list[tuple[int, np.ndarray]] = []  # (size class, block), oldest first
+        self.free_bytes = 0
+        self.limit = 0  # the most one call stacked: what the free blocks may hold
+        # the blocks handed out, by the id of the weak reference that watches each (it holds the
+        # reference, so the id stays its own; a numpy array cannot key a weak reference's hash)
+        self.out: dict[int, tuple[weakref.ref[np.ndarray], int, np.ndarray]] = {}
+        # weak references whose array died: appended by the callback (any thread, maybe inside
+        # a lock of ours: a deque's append needs none), drained under the lock
+        self.returned: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
+        self.users = 0  # PackedCollate instances that stacked in this process and are alive
+        self.allocated = 0  # blocks made (not taken from the free list): for the tests
 
-    def begin(self) -> None:
-        if len(self.buffers) > 1 or (self.buffers and self.buffers[0].numel() < self.peak):
-            self.buffers = [torch.empty(self.peak, dtype=torch.uint8)]
-        self.index = self.offset = self.taken = 0
+    def _drain(self) -> None:
+        while self.returned:
+            entry = self.out.pop(id(self.returned.popleft()), None)
+            if entry is None:  # handed out before a fork (the child's pool starts empty)
+                continue
+            self.free.append((entry[1], entry[2]))
+            self.free_bytes += entry[1]
+        while self.free_bytes > self.limit and self.free:
+            cls, _ = self.free.pop(0)
+            self.free_bytes -= cls
 
-    def end(self, failed: bool = False) -> None:
-        """Ends a call: retires the buffers that something outside still references (their
-        views escaped the batch), so that the next call never writes into memory a user holds.
-        ``failed``: the call raised (its traceback's frames may hold stacked tensors): counted,
-        not warned about."""
-        self.peak = max(self.peak, self.taken)
-        kept = [buf for buf in self.buffers if not _referenced_elsewhere(buf)]
-        retired = len(self.buffers) - len(kept)
-        if retired:
-            self.buffers = kept
-            self.index = len(kept)  # (nothing takes before the next begin())
-            _retired(retired, warn=not failed)
+    def take(self, nbytes: int, call: "_Call") -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` bytes over a block of its own, aligned to a cache line."""
+        cls = size_class(nbytes)
+        with self.lock:
+            self._drain()
+            block = None
+            for i in range(len(self.free) - 1, -1, -1):
+                if self.free[i][0] == cls:
+                    block = self.free.pop(i)[1]
+                    self.free_bytes -= cls
+                    break
+            if block is None:
+                if cls >= _MAPPED:  # a private mapping, page-aligned: unmapped when the block goes
+                    block = np.frombuffer(mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
+                else:
+                    block = np.empty(cls + _ALIGN, dtype=np.uint8)
+                self.allocated += 1
+            start = -block.ctypes.data % _ALIGN
+            view = block[start:start + nbytes]  # the array only this tensor's storage will hold
+            ref = weakref.ref(view, self.returned.append)
+            self.out[id(ref)] = (ref, cls, block)
+            call.refs.append(ref)
+            call.taken += cls
+        return torch.from_numpy(view)
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 view of ``nbytes`` bytes, aligned to a cache line."""
-        size = -(-nbytes // _ALIGN) * _ALIGN
-        self.taken += size
-        while self.index < len(self.buffers):
-            buf = self.buffers[self.index]
-            if self.offset + size <= buf.numel():
-                view = buf[self.offset:self.offset + nbytes]
-                self.offset += size
-                return view
-            self.index, self.offset = self.index + 1, 0
-        buf = torch.empty(max(size, _MIN_BUFFER), dtype=torch.uint8)
-        self.buffers.append(buf)
-        self.index, self.offset = len(self.buffers) - 1, size
-        return buf[:nbytes]
+    def end(self, call: "_Call") -> int:
+        """Ends a call: the number of its blocks still referenced (their tensors outlived the batch)."""
+        escaped = sum(1 for ref in call.refs if ref() is not None)
+        with self.lock:
+            self.limit = max(self.limit, call.taken)
+            self._drain()
+        return escaped
+
+    def release(self) -> int:
+        """Drops the free blocks; returns their bytes."""
+        with self.lock:
+            self._drain()
+            freed = self.free_bytes
+            self.free.clear()
+            self.free_bytes = 0
+            self.limit = 0
+        return freed
+
+    def user_gone(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.users = 0
+            self.release()
+
+
+_POOL = _Pool()
+_USERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    """A forked child starts with an empty pool of its own (the parent's lock may have been held
+    by another thread at the fork; blocks the parent handed out are not the child's to reuse)."""
+    global _POOL, _USERS
+    _POOL = _Pool()
+    _USERS = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def release() -> int:
+    """Frees this process's idle stacking blocks (:func:`mtc_loader.trim`); returns the bytes."""
+    return _POOL.release()
+
+
+class _Call:
+    """One PackedCollate call's blocks."""
+
+    __slots__ = ("refs", "taken")
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[np.ndarray]] = []
+        self.taken = 0
 
 
 def _retired(n: int, warn: bool) -> None:
@@ -124,9 +185,9 @@ def _retired(n: int, warn: bool) -> None:
 
 
 def warn_escaped() -> None:
-    """Emits the once-per-process warning about a retired buffer, if one is due on this thread.
-    Called by PackedCollate after its batch is packed and accounted for, so that a warning turned
-    into an error (``-W error``) leaks nothing."""
+    """Emits the once-per-process warning about a stacked tensor that outlived its batch, if one is
+    due on this thread. Called by PackedCollate after its batch is packed and accounted for, so
+    that a warning turned into an error (``-W error``) leaks nothing."""
     if not getattr(_TLS, "warn", False):
         return
     _TLS.warn = False
@@ -138,7 +199,7 @@ def warn_escaped() -> None:
         "referenced after the batch was packed: inside an object PackedCollate does not open (a "
         "class of yours around a default_collate result; it travels pickled in the batch's "
         "skeleton, not through the arena), or kept by the collate_fn. It keeps its own memory, "
-        "and this process stacks the next batch into fresh memory (slower: see "
+        "and this process stacks the next batch's tensor into fresh memory (slower: see "
         "PackedCollate.stats()['scratch_retired']). Return such data in lists, tuples, dicts or "
         "dataclasses, or register its class with mtc_loader.register_container, to keep the "
         "fast path.", RuntimeWarning, stacklevel=3)
@@ -148,25 +209,34 @@ _TLS = threading.local()
 
 
 class stacking_into_scratch:
-    """Context manager: while it is active on this thread, default_collate stacks into the
-    thread's scratch memory (see the module's docstring)."""
+    """Context manager: while it is active on this thread, default_collate stacks into this
+    process's pool of warm blocks (see the module's docstring). ``user`` is the PackedCollate
+    that stacks: the free blocks are kept while one is alive."""
 
-    __slots__ = ("outer",)
+    __slots__ = ("outer", "user")
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
 
     def __enter__(self) -> None:
         self.outer = getattr(_TLS, "active", None)
-        if self.outer is not None:  # a PackedCollate inside a collate_fn: share the outer call's memory
+        if self.outer is not None:  # a PackedCollate inside a collate_fn: one call, the outer one
             return
-        scratch = getattr(_TLS, "scratch", None)
-        if scratch is None:
-            scratch = _TLS.scratch = _Scratch()
-        scratch.begin()
-        _TLS.active = scratch
+        _install()
+        pool = _POOL
+        if self.user not in _USERS:
+            _USERS.add(self.user)
+            pool.users += 1
+            weakref.finalize(self.user, pool.user_gone)
+        _TLS.active = _Call()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self.outer is None:
-            scratch, _TLS.active = _TLS.active, None
-            scratch.end(failed=exc_type is not None)
+            call, _TLS.active = _TLS.active, None
+            _uninstall()
+            escaped = _POOL.end(call)
+            if escaped:
+                _retired(escaped, warn=exc_type is None)
 
 
 def _stackable(batch: Any) -> bool:
@@ -184,29 +254,65 @@ def _stackable(batch: Any) -> bool:
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def collate_tensor_into_scratch(batch: Any, *, collate_fn_map: Optional[dict[Any, Any]] = None) -> Any:
-        scratch = getattr(_TLS, "active", None)
-        if scratch is None or not _stackable(batch):
+        call = getattr(_TLS, "active", None)
+        if call is None or not _stackable(batch):
             return original(batch, collate_fn_map=collate_fn_map)
         elem = batch[0]
         nbytes = len(batch) * elem.numel() * elem.element_size()
-        out = scratch.take(nbytes).view(elem.dtype).view(len(batch), *elem.shape)
+        out = _POOL.take(nbytes, call).view(elem.dtype).view(len(batch), *elem.shape)
         return torch.stack(batch, 0, out=out)
 
     collate_tensor_into_scratch._mtc_original = original  # type: ignore[attr-defined]
     return collate_tensor_into_scratch
 
 
-def _register() -> None:
-    """Wraps torch's own tensor collate in default_collate_fn_map; an entry a program put there
-    itself is left alone (PackedCollate then stacks with it, as default_collate would)."""
+# PackedCollate calls running in this process, and the wrapper they put in default_collate_fn_map
+_HOOK_LOCK = threading.Lock()
+_HOOK: dict[str, Any] = {"calls": 0, "wrapper": None}
+
+
+def _install() -> None:
+    """Puts the wrapper in place of torch's own tensor collate in default_collate_fn_map while
+    PackedCollate calls run; an entry a program put there itself is left alone (PackedCollate
+    then stacks with it, as default_collate would)."""
     try:
         from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
     except ImportError:  # older torch: no registry; default_collate stacks as it always has
         return
-    if _use_count is None:  # no way to tell whether a stacked tensor outlived its batch
+    with _HOOK_LOCK:
+        _HOOK["calls"] += 1
+        if _HOOK["calls"] == 1 and default_collate_fn_map.get(torch.Tensor) is collate_tensor_fn:
+            if _HOOK["wrapper"] is None:
+                _HOOK["wrapper"] = _wrap(collate_tensor_fn)
+            default_collate_fn_map[torch.Tensor] = _HOOK["wrapper"]
+
+
+def _uninstall() -> None:
+    """The last PackedCollate call to end puts torch's function back (unless the program replaced
+    the entry meanwhile: then its own stays)."""
+    try:
+        from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+    except ImportError:
         return
-    if default_collate_fn_map.get(torch.Tensor) is collate_tensor_fn:
-        default_collate_fn_map[torch.Tensor] = _wrap(collate_tensor_fn)
+    with _HOOK_LOCK:
+        _HOOK["calls"] -= 1
+        if _HOOK["calls"] == 0 and _HOOK["wrapper"] is not None \
+                and default_collate_fn_map.get(torch.Tensor) is _HOOK["wrapper"]:
+            default_collate_fn_map[torch.Tensor] = collate_tensor_fn
 
 
-_register()
+def _reset_hook_after_fork() -> None:
+    """A forked child runs no PackedCollate call yet (whatever its parent's other threads were
+    doing): torch's function goes back, and the first call of the child installs the wrapper."""
+    global _HOOK_LOCK
+    _HOOK_LOCK = threading.Lock()
+    _HOOK["calls"] = 0
+    try:
+        from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+    except ImportError:
+        return
+    if _HOOK["wrapper"] is not None and default_collate_fn_map.get(torch.Tensor) is _HOOK["wrapper"]:
+        default_collate_fn_map[torch.Tensor] = collate_tensor_fn
+
+
+os.register_at_fork(after_in_child=_reset_hook_after_fork)

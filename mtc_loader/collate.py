@@ -321,14 +321,16 @@ class PackedCollate:
     the main process.
 
     While ``collate_fn`` runs, the CPU tensors that ``default_collate`` stacks (directly, or
-    inside a collate function of yours that calls it) are written into memory that this worker
-    keeps from one batch to the next, instead of a new shared-memory segment per batch: after
-    the first batch, stacking costs no page faults. Those stacked tensors are views of that memory and valid until the batch is
-    packed. A stacked tensor that outlives the batch (inside an object the packer does not open,
-    such as a class of yours around a ``default_collate`` result, or kept by ``collate_fn``) keeps
-    that memory for itself, and the next batch stacks into fresh memory: correct, but the slow path
-    this avoids, counted in :meth:`stats` (``scratch_retired``) and warned about once. The worker
-    keeps as much of it as one batch's stacked tensors take.
+    inside a collate function of yours that calls it) are written into blocks of memory that the
+    process keeps from one batch to the next, instead of a new shared-memory segment per batch:
+    after the first batch, stacking costs no page faults. Each stacked tensor has a block of its
+    own, reused only once torch has freed the tensor's storage (nothing references that memory
+    any more). A stacked tensor that outlives the batch (inside an object the packer does not
+    open, such as a class of yours around a ``default_collate`` result, or kept by
+    ``collate_fn``) keeps its block, and the next batch stacks that tensor into fresh memory:
+    correct, but the slow path this avoids, counted in :meth:`stats` (``scratch_retired``) and
+    warned about once. The process keeps at most as many idle blocks as one batch stacked, until
+    the last ``PackedCollate`` that stacked in it goes or :func:`mtc_loader.trim` is called.
 
     Args:
         collate_fn: The collate function to wrap.
@@ -356,9 +358,9 @@ class PackedCollate:
         self.containers = _tree.CARRIED
 
     def __call__(self, samples: list[Any]) -> PackedBatch:
-        # the tensors default_collate stacks go to this thread's warm scratch memory rather than
-        # a new shared-memory segment per batch (_stack.py); they are packed before it is reused
-        with stacking_into_scratch():
+        # the tensors default_collate stacks go to this process's warm blocks rather than
+        # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
+        with stacking_into_scratch(self):
             batch = self.collate_fn(samples)
             off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align, self.timeout)
             del batch
@@ -372,8 +374,8 @@ class PackedCollate:
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state, atoms)
 
     def stats(self) -> dict[str, int]:
-        """The arena's counters, and ``scratch_retired``: the stacking buffers this process left
-        to tensors that outlived their batch (see the class's docstring; 0 on the fast path)."""
+        """The arena's counters, and ``scratch_retired``: the stacked tensors of this process that
+        outlived their batch (see the class's docstring; 0 on the fast path)."""
         out = self.arena.stats()
         out["scratch_retired"] = RETIRED[0]
         return out

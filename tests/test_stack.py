@@ -88,21 +88,28 @@ def test_default_collate_outside_packed_collate_is_unchanged():
     assert getattr(_stack._TLS, "active", None) is None
 
 
-def test_registered_once_and_delegates(monkeypatch):
+def test_hook_only_while_a_call_runs_and_delegates(monkeypatch):
+    """torch's own function is in default_collate_fn_map except while a PackedCollate call runs
+    (import changes nothing); a program's own entry is left alone, inside the call too."""
     from torch.utils.data._utils.collate import collate_tensor_fn
-    fn = default_collate_fn_map[torch.Tensor]
-    assert fn._mtc_original is collate_tensor_fn
-    _stack._register()  # idempotent: the original is never wrapped twice
-    assert default_collate_fn_map[torch.Tensor] is fn
+    assert default_collate_fn_map[torch.Tensor] is collate_tensor_fn
+    seen = {}
+
+    def spy(samples):
+        seen["fn"] = default_collate_fn_map[torch.Tensor]
+        return default_collate(samples)
+
+    mtc_loader.PackedCollate(spy, arena_bytes=ARENA)([torch.ones(3), torch.ones(3)]).to("cpu")
+    assert seen["fn"]._mtc_original is collate_tensor_fn
+    assert default_collate_fn_map[torch.Tensor] is collate_tensor_fn
 
     def mine(batch, *, collate_fn_map=None):  # a program's own entry is left alone
         return torch.stack(batch).neg()
 
     monkeypatch.setitem(default_collate_fn_map, torch.Tensor, mine)
-    _stack._register()
-    assert default_collate_fn_map[torch.Tensor] is mine
     out = mtc_loader.PackedCollate(arena_bytes=ARENA)([torch.ones(3), torch.ones(3)]).to("cpu")
     assert torch.equal(out, -torch.ones(2, 3))
+    assert default_collate_fn_map[torch.Tensor] is mine
     x = [torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.float32)]
     assert default_collate(x).dtype == torch.float32
 
@@ -143,23 +150,34 @@ def test_unstackable_tensors_take_the_original_path():
     assert torch.equal(pc(arrays).to("cpu"), torch.from_numpy(np.stack(arrays)))
 
 
-def test_scratch_grows_then_is_one_buffer():
-    s = _stack._Scratch()
-    s.begin()
-    a = s.take(100)
-    b = s.take(3 << 20)  # larger than the first buffer: a second one
+def test_size_classes():
+    assert [_stack.size_class(n) for n in (0, 1, 64, 65, 4096)] == [64, 64, 64, 128, 4096]
+    for n in (4097, 5000, 100_000, 3 << 20, (3 << 20) + 1, 123_456_789):
+        c = _stack.size_class(n)
+        assert n <= c <= n * 1.125 + 1, (n, c)
+        assert _stack.size_class(c) == c  # a class is its own class
+
+
+def test_blocks_are_reused_only_when_their_tensors_are_gone():
+    """Each stacked tensor has a block of its own; it goes back to the pool when its storage is
+    freed, and only then."""
+    pool, call = _stack._Pool(), _stack._Call()
+    a = pool.take(100, call)
+    b = pool.take(3 << 20, call)
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and a.numel() == 100
-    assert len(s.buffers) == 2
-    del a, b  # (views still held at the end of a call would retire their buffers)
-    s.end()
-    s.begin()  # one buffer that holds everything the last call took
-    assert len(s.buffers) == 1 and s.buffers[0].numel() >= 64 + (3 << 20)
-    base = s.buffers[0].data_ptr()
-    assert s.take(100).data_ptr() == base and s.take(3 << 20).data_ptr() == base + 128
-    s.end()
-    s.begin()
-    assert s.buffers[0].data_ptr() == base  # reused, not reallocated
-    assert s.take(0).numel() == 0
+    pa, pb = a.data_ptr(), b.data_ptr()
+    kept = b[10:].untyped_storage()  # a storage object: enough to keep the block
+    del a, b
+    assert pool.end(call) == 1  # b's block is still referenced
+    call = _stack._Call()
+    assert pool.take(100, call).data_ptr() == pa  # a's block, warm
+    c = pool.take(3 << 20, call)
+    assert c.data_ptr() != pb  # b's is still held
+    del kept
+    pool.end(call)
+    call = _stack._Call()
+    assert pool.take(3 << 20, call).data_ptr() in (pb, c.data_ptr())
+    assert pool.take(0, call).numel() == 0
 
 
 def test_exception_in_collate_fn_leaves_scratch_inactive():
@@ -280,17 +298,28 @@ def test_stacked_tensor_kept_by_the_collate_fn_keeps_its_values():
     _KEPT.clear()
 
 
+def collate_recording(samples):
+    out = default_collate(samples)
+    _PTRS.append(out.data_ptr())
+    return out
+
+
+_PTRS: list = []
+
+
 def test_scratch_reused_when_nothing_escapes():
-    """The fast path stays: a batch whose stacked tensors are all packed leaves the scratch
-    memory to the next batch (the same buffer, no retirement)."""
-    pc = mtc_loader.PackedCollate(arena_bytes=ARENA)
+    """The fast path stays: a batch whose stacked tensors are all packed leaves its blocks to the
+    next batch (the same memory, nothing new allocated, nothing retired)."""
+    _PTRS.clear()
+    pc = mtc_loader.PackedCollate(collate_recording, arena_bytes=ARENA)
     before = pc.stats()["scratch_retired"]
     for k in range(6):
         samples = [torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]
         assert torch.equal(pc(samples).to("cpu"), torch.stack(samples))
         if k == 1:
-            base = _stack._TLS.scratch.buffers[0].data_ptr()
-    assert _stack._TLS.scratch.buffers[0].data_ptr() == base
+            allocated = _stack._POOL.allocated
+    assert len(set(_PTRS[1:])) == 1
+    assert _stack._POOL.allocated == allocated
     assert pc.stats()["scratch_retired"] == before
 
 
@@ -357,3 +386,134 @@ def test_escape_warning_as_an_error_leaks_no_region(monkeypatch):
             pc([torch.full((3, 8, 8), i) for i in range(4)])
     assert pc.stats()["slots_in_use"] == in_use
     assert getattr(_stack._TLS, "active", None) is None
+
+
+# ------------------------------------------------ whatever holds the memory keeps it from reuse
+
+def _keep_storage(t):
+    return t.untyped_storage()
+
+
+def _keep_typed_storage(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        return t.storage()
+
+
+def _keep_numpy(t):
+    return t.numpy()
+
+
+def _keep_memoryview(t):
+    return memoryview(t.numpy())
+
+
+def _keep_dlpack(t):
+    return torch.utils.dlpack.to_dlpack(t)
+
+
+def _keep_view_of_numpy(t):
+    return t.numpy()[1:].view(np.uint8)
+
+
+def _read_back(kind, kept):
+    """The int64 values of what was kept, read through the kept object itself."""
+    if kind == "storage":
+        return torch.tensor([], dtype=torch.int64).set_(kept)
+    if kind == "typed_storage":
+        return torch.tensor([], dtype=torch.int64).set_(kept.untyped())
+    if kind == "dlpack":
+        return torch.utils.dlpack.from_dlpack(kept)
+    if kind == "memoryview":
+        return torch.from_numpy(np.asarray(kept))
+    if kind == "view_of_numpy":
+        return torch.from_numpy(kept.view(np.int64))
+    return torch.from_numpy(kept)
+
+
+_KEEPERS = {"storage": _keep_storage, "typed_storage": _keep_typed_storage, "numpy": _keep_numpy,
+            "memoryview": _keep_memoryview, "dlpack": _keep_dlpack, "view_of_numpy": _keep_view_of_numpy}
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+@pytest.mark.parametrize("kind", sorted(_KEEPERS))
+def test_memory_kept_in_any_form_is_never_reused(kind):
+    """A collate_fn that keeps the stacked tensor's memory through any object (a storage, a numpy
+    array, a memoryview, a DLPack capsule), the tensor itself dropped: every kept object still
+    shows its own batch's values after later batches were stacked."""
+    kept = []
+
+    def collate(samples):
+        out = default_collate(samples)
+        kept.append(_KEEPERS[kind](out))
+        return out
+
+    pc = mtc_loader.PackedCollate(collate, arena_bytes=ARENA)
+    for k in range(6):
+        samples = [torch.full((3, 8, 8), i) for i in range(4 * k, 4 * k + 4)]
+        assert torch.equal(pc(samples).to("cpu"), torch.stack(samples))
+    for k, obj in enumerate(kept):
+        got = _read_back(kind, obj).flatten()
+        want = (_expected(k)[1:] if kind == "view_of_numpy" else _expected(k)).flatten()
+        assert torch.equal(got, want), (kind, k, got[:4])
+
+
+def collate_keeping_labels(samples):
+    """Keeps each batch's 4-element label tensor (a logger, a class-balance counter)."""
+    out = default_collate(samples)
+    _KEPT.append(out["label"])
+    return out
+
+
+class ImageAndLabel(Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        return {"img": torch.full((3, 256, 256), i % 256, dtype=torch.uint8).expand(4, 3, 256, 256).contiguous(),
+                "label": torch.tensor(i)}
+
+
+@pytest.mark.filterwarnings(ESCAPE_WARNING)
+def test_a_kept_small_tensor_keeps_only_its_own_memory():
+    """Ten kept label tensors of 4 elements hold ten small blocks, not ten batches of images."""
+    _KEPT.clear()
+    pool = _stack._POOL
+    pc = mtc_loader.PackedCollate(collate_keeping_labels, arena_bytes=ARENA)
+    for b in DataLoader(ImageAndLabel(), batch_size=4, collate_fn=pc):
+        b.to("cpu")
+    assert len(_KEPT) == 10
+    for k, labels in enumerate(_KEPT):
+        assert torch.equal(labels, torch.arange(4 * k, 4 * k + 4))
+    held = sum(cls for ref, cls, _ in pool.out.values() if ref() is not None)
+    assert held <= 10 * 64, held  # (3 MiB of images per batch)
+    _KEPT.clear()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no RssAnon")
+
+
+def test_scratch_of_the_main_process_is_released():
+    """num_workers=0: the blocks a 128 MiB batch was stacked into stay warm while its
+    PackedCollate lives, and are freed by mtc_loader.trim() or when it goes."""
+    import gc
+    samples = [torch.ones(8 << 20) for _ in range(4)]  # one stacked tensor of 128 MiB
+    base = _rss_anon()
+    pc = mtc_loader.PackedCollate(arena_bytes=160 << 20)
+    out = pc(samples).to("cpu")
+    assert torch.equal(out[3], samples[3])
+    del out
+    assert _rss_anon() - base > 100 << 20  # kept for the next batch
+    assert mtc_loader.trim() >= 128 << 20
+    assert _rss_anon() - base < 16 << 20
+    out = pc(samples).to("cpu")
+    del out
+    del pc
+    gc.collect()
+    assert _rss_anon() - base < 16 << 20
