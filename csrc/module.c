@@ -114,10 +114,13 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
 /* _forget_types(): empties the per-type classification cache, so that a
  * container registered after its type was first met takes effect (the
  * traversal asks _tree.classify again). Traversals hold the GIL between a
- * cache lookup and the use of its answer, so none sees a half-cleared cache. */
+ * cache lookup and the use of its answer, so none sees a half-cleared cache;
+ * the generation tells a traversal whose classify call ran across this one
+ * (other threads ran meanwhile) not to keep its answer. */
 static PyObject *engine_forget_types(PyObject *module, PyObject *unused)
 {
     mtc_state *st = mtc_get_state(module);
+    st->type_gen++;
     if (st->type_cache) PyDict_Clear(st->type_cache);
     Py_RETURN_NONE;
 }

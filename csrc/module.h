@@ -18,6 +18,11 @@
 #define MTC_DT_FLOAT   0x1  /* may carry the negative bit (is_neg) */
 #define MTC_DT_COMPLEX 0x2  /* may carry the conjugate bit (is_conj) */
 
+/* The per-type classification cache holds its types strongly (a dict keyed by the type), so it
+ * is bounded: a program that makes classes per batch (namedtuples, dataclasses) would otherwise
+ * keep every one alive. At the bound it starts over; real programs meet far fewer container types. */
+#define MTC_TYPE_CACHE_MAX 512
+
 typedef struct mtc_state {
     PyTypeObject *handle_type;
     int ready;                   /* _setup() ran */
@@ -38,7 +43,8 @@ typedef struct mtc_state {
     int np_zerocopy[32];         /* torch.from_numpy accepts this type_num */
 
     /* Python helpers of mtc_loader._tree */
-    PyObject *type_cache;        /* {type: kind} for non-exact types */
+    PyObject *type_cache;        /* {type: kind} for non-exact types, at most MTC_TYPE_CACHE_MAX */
+    uint64_t type_gen;           /* bumped by _forget_types: an answer computed across it is not kept */
     PyObject *classify;          /* type -> kind */
     PyObject *flatten;           /* obj -> (children list, context) */
     PyObject *unflatten;         /* (context, values list) -> obj */

@@ -598,20 +598,29 @@ static int _cycle_error(const mtc_tree *t, int32_t node)
     return -1;
 }
 
-/* Classifies a non-exact type through the per-type cache. Returns a kind or -1. */
+/* Classifies a non-exact type through the per-type cache. Returns a kind or -1.
+ * classify runs Python code, during which another thread may change the
+ * registrations (and bump type_gen): its answer is then used for this object
+ * but not kept. Nothing between the generation check and the insert can run
+ * another thread (a type hashes and compares by identity). The cache holds its
+ * types strongly, so it is bounded (module.h's MTC_TYPE_CACHE_MAX). */
 static int _classify(mtc_state *st, PyObject *obj)
 {
     PyObject *tp = (PyObject *)Py_TYPE(obj);
     PyObject *k = PyDict_GetItemWithError(st->type_cache, tp);
-    if (!k) {
-        if (PyErr_Occurred()) return -1;
-        k = PyObject_CallOneArg(st->classify, tp);
-        if (!k) return -1;
-        int rc = PyDict_SetItem(st->type_cache, tp, k);
-        Py_DECREF(k); /* the cache holds it */
-        if (rc) return -1;
-    }
-    return (int)PyLong_AsLong(k);
+    if (k) return (int)PyLong_AsLong(k);
+    if (PyErr_Occurred()) return -1;
+    uint64_t gen = st->type_gen;
+    k = PyObject_CallOneArg(st->classify, tp);
+    if (!k) return -1;
+    int kind = (int)PyLong_AsLong(k);
+    int rc = 0;
+    /* (clearing may free types, whose weak references' callbacks may run other threads: the
+     * generation is read after it) */
+    if (PyDict_GET_SIZE(st->type_cache) >= MTC_TYPE_CACHE_MAX) PyDict_Clear(st->type_cache);
+    if (gen == st->type_gen) rc = PyDict_SetItem(st->type_cache, tp, k);
+    Py_DECREF(k);
+    return rc ? -1 : kind;
 }
 
 /* Visits one object: adds its node, a leaf, or pushes a frame. */

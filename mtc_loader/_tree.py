@@ -18,6 +18,7 @@ import copy as _copy
 import dataclasses
 import os
 import pickle
+import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -66,11 +67,18 @@ class _Registration(NamedTuple):
 
 
 # register_container's registrations by class, and the registration each type met so far
-# resolved to (along its MRO; torch's pytree for an exact type): both read under the GIL
+# resolved to (along its MRO; torch's pytree for an exact type; None: none): a memo of
+# _lookup, complete for every type it holds, read under the GIL
 _REGISTRY: dict[type, _Registration] = {}
-_RESOLVED: dict[type, _Registration] = {}
+_RESOLVED: dict[type, Optional[_Registration]] = {}
 # the engine's kind of each type met by element_kind (the mmengine registrations ask it)
 _KINDS: dict[type, int] = {}
+# Both memos hold their types strongly: bounded (as the engine's cache is), so that classes
+# made per batch (namedtuples, dataclasses) are not kept alive. A change of the registrations
+# bumps the generation under the lock; an answer computed across a change is used, not kept.
+_MAX_TYPES = 512
+_LOCK = threading.Lock()
+_GEN = [0]
 
 # handled by the C traversal before it asks classify: a registration would never be consulted
 _NATIVE = (list, tuple, dict, str, bytes, int, float, bool, type(None))
@@ -91,6 +99,38 @@ def _torch_node(tp: type) -> Optional[_Registration]:
     return _Registration(tp, node.flatten_fn, node.unflatten_fn, None, _TORCH)
 
 
+def _lookup(tp: type) -> Optional[_Registration]:
+    """The registration instances of ``tp`` are walked with: register_container's along the MRO,
+    else torch's pytree node of the exact type (but for the list, tuple and dict subclasses and
+    the dataclasses, which are walked as such)."""
+    reg = _resolve(tp)
+    if reg is None and not issubclass(tp, (list, tuple, dict)) and not dataclasses.is_dataclass(tp):
+        reg = _torch_node(tp)
+    return reg
+
+
+def _memo(table: dict[type, Any], tp: type, value: Any, gen: int) -> None:
+    """Keeps ``value`` for ``tp`` unless the registrations changed since ``gen`` was read."""
+    with _LOCK:
+        if gen == _GEN[0]:
+            if len(table) >= _MAX_TYPES:
+                table.clear()
+            table[tp] = value
+
+
+def _registration(tp: type) -> Optional[_Registration]:
+    """:func:`_lookup`'s answer, memoized. Never guessed from a memo another thread has just
+    emptied: a miss looks the registrations up again."""
+    try:
+        return _RESOLVED[tp]
+    except KeyError:
+        pass
+    gen = _GEN[0]
+    reg = _lookup(tp)
+    _memo(_RESOLVED, tp, reg, gen)
+    return reg
+
+
 def classify(tp: type) -> int:
     """How the traversal treats instances of ``tp`` (a type that is not exactly list/tuple/dict)."""
     if issubclass(tp, torch.Tensor):
@@ -99,17 +139,7 @@ def classify(tp: type) -> int:
         return NDARRAY
     if issubclass(tp, FileTensor):
         return FILE
-    reg = _resolve(tp)
-    if reg is not None:
-        _RESOLVED[tp] = reg
-        return GENERIC
-    if issubclass(tp, (list, tuple, dict)):
-        return GENERIC
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return GENERIC
-    reg = _torch_node(tp)
-    if reg is not None:
-        _RESOLVED[tp] = reg
+    if _registration(tp) is not None or issubclass(tp, (list, tuple, dict)) or dataclasses.is_dataclass(tp):
         return GENERIC
     return LEAF_KIND
 
@@ -118,18 +148,22 @@ def element_kind(tp: type) -> int:
     """:func:`classify`'s answer for ``tp``, cached here until the registrations change."""
     k = _KINDS.get(tp)
     if k is None:
+        gen = _GEN[0]
         if tp in _NATIVE:
             k = GENERIC if tp in (list, tuple, dict) else LEAF_KIND
         else:
             k = classify(tp)
-        _KINDS[tp] = k
+        _memo(_KINDS, tp, k, gen)
     return k
 
 
 def _forget() -> None:
-    """Every type is classified anew: after a registration changed."""
-    _RESOLVED.clear()
-    _KINDS.clear()
+    """Every type is classified anew: after a registration changed. The generation moves first,
+    so that no answer computed from the old registrations is kept after this."""
+    with _LOCK:
+        _GEN[0] += 1
+        _RESOLVED.clear()
+        _KINDS.clear()
     _engine._forget_types()
 
 
@@ -320,7 +354,7 @@ def _is_structseq(obj: Any) -> bool:
 
 def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """Children of a container, and ``(context, path segments)`` to rebuild it and name them."""
-    reg = _RESOLVED.get(type(obj))
+    reg = _registration(type(obj))
     if reg is not None:
         return _flatten_registered(reg, obj)
     if _is_structseq(obj):
@@ -344,12 +378,8 @@ def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         keys = list(obj.keys())
         return [obj[k] for k in keys], ((_DICT, obj, keys), [f"[{k!r}]" for k in keys])
     if not dataclasses.is_dataclass(obj):
-        # its registration went away after the engine classified the type: resolve it anew
-        reg = _resolve(type(obj)) or _torch_node(type(obj))
-        if reg is None:
-            raise TypeError(f"{_qualname(type(obj))} is no longer a registered container")
-        _RESOLVED[type(obj)] = reg
-        return _flatten_registered(reg, obj)
+        # its registration went away after the engine classified the type
+        raise TypeError(f"{_qualname(type(obj))} is no longer a registered container")
     names = [f.name for f in dataclasses.fields(obj)]
     return [getattr(obj, n) for n in names], ((_DATACLASS, obj, names), [f".{n}" for n in names])
 
@@ -432,7 +462,7 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
                 "bytewise; convert it (e.g. .to(torch.uint8)) first")
         raise RuntimeError(f"mtc_loader: cannot read the tensor at {path}: {exc}") from exc
     if exc is not None:  # a container whose flatten raised
-        reg = _RESOLVED.get(type(leaf))
+        reg = _registration(type(leaf))
         if reg is None:
             who = "flattening it"
         elif reg.source == _REGISTERED:

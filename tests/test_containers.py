@@ -290,3 +290,83 @@ def test_unflatten_errors_say_what_unflatten_must_do():
             mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([Thing()])
     finally:
         mtc_loader.unregister_container(Thing)
+
+
+# ------------------------------------------------------- registrations changing under a copy
+
+class Tagged(list):
+    """A list subclass with a registration: it comes back built by its unflatten (tagged)."""
+
+
+def _tagged_flatten(t):
+    return list(t), None
+
+
+def _tagged_unflatten(values, context):
+    t = Tagged(values)
+    t.rebuilt_by = "unflatten"
+    return t
+
+
+class Unrelated:
+    pass
+
+
+def test_registering_unrelated_classes_never_changes_a_walk():
+    """One thread registers and unregisters an unrelated class in a loop while another copies a
+    registered list subclass: every copy is rebuilt by its registered unflatten."""
+    import sys
+    import threading
+    mtc_loader.register_container(Tagged, _tagged_flatten, _tagged_unflatten)
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            mtc_loader.register_container(Unrelated, lambda u: ([], None), lambda v, c: Unrelated())
+            mtc_loader.unregister_container(Unrelated)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    t = threading.Thread(target=churn)
+    t.start()
+    wrong = 0
+    try:
+        data = [Tagged([torch.ones(2), torch.zeros(3)]) for _ in range(4)]
+        for _ in range(1500):
+            out = mtc_loader.start_copy(data, "cpu").get()
+            wrong += sum(getattr(x, "rebuilt_by", None) != "unflatten" for x in out)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+        mtc_loader.unregister_container(Tagged)
+    assert wrong == 0, f"{wrong} elements rebuilt by the built-in list handling"
+
+
+def test_classes_met_by_the_walk_are_not_kept_alive():
+    """Classes made per batch (namedtuples, dataclasses, plain pass-through classes): the caches
+    of the engine and of _tree hold at most a bounded number of them."""
+    import dataclasses
+    import gc
+    import weakref
+    refs = []
+    for i in range(3 * _tree._MAX_TYPES):
+        NT = collections.namedtuple(f"NT{i}", "a b")
+
+        @dataclasses.dataclass
+        class DC:
+            x: torch.Tensor
+
+        class Plain:
+            pass
+
+        batch = {"nt": NT(torch.ones(1), 2), "dc": DC(torch.zeros(1)), "plain": Plain()}
+        out = mtc_loader.start_copy(batch, "cpu").get()
+        assert type(out["nt"]) is NT and type(out["dc"]) is DC and out["plain"] is batch["plain"]
+        _tree.element_kind(NT)
+        refs += [weakref.ref(NT), weakref.ref(DC), weakref.ref(Plain)]
+        del NT, DC, Plain, batch, out
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 2 * _tree._MAX_TYPES, f"{alive} of {len(refs)} classes still alive"
+    assert all(r() is None for r in refs[:3 * 10])  # the first ones are long gone
