@@ -61,13 +61,16 @@ _BOOKKEEPING = ("_metainfo_fields", "_data_fields")
 
 def _is_child(value: Any, key: str, obj: Any) -> bool:
     """Whether a data field is walked: what ``BaseDataElement.to`` moves (values with a ``to``:
-    tensors, data elements, registered containers such as box classes). Placeholders of a packed
-    batch's skeleton stand for tensors."""
+    tensors, data elements, registered containers such as box classes), and file-backed tensors
+    (:class:`~mtc_loader.FileTensor`, read and placed as a tensor would be). Placeholders of a
+    packed batch's skeleton stand for tensors."""
     if type(value) is _TENSOR or value is LEAF:
         return True
+    kind = _tree.element_kind(type(value))
+    if kind == _tree.FILE:
+        return True  # read into the batch's memory like a tensor, wherever it sits
     if not hasattr(value, "to"):
         return False  # numpy arrays, lists, strings: BaseDataElement.to keeps them as they are
-    kind = _tree.element_kind(type(value))
     if kind in _MOVED_KINDS or kind == _tree.GENERIC:
         return True
     raise TypeError(

@@ -375,3 +375,30 @@ def test_clear_import_error_without_mmengine():
             "try:\n    import mtc_loader.mmengine\nexcept ImportError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "mtc_loader.mmengine needs mmengine (pip install mmengine)" in r.stdout, r.stderr
+
+
+def test_file_tensor_in_a_data_field_is_read(tmp_path):
+    """A FileTensor in a data element's data field is read like one in ``inputs``: through
+    mtc_packed_collate (0 and 2 workers) and start_copy, the model gets the file's values."""
+    values = np.arange(24, dtype=np.float32).reshape(6, 4)
+    path = tmp_path / "boxes.bin"
+    values.tofile(path)
+    gt = BaseDataElement(metainfo={"idx": 0})
+    gt.bboxes = mtc_loader.FileTensor(str(path), torch.float32, (6, 4))
+    gt.labels = torch.arange(6)
+    sample = {"inputs": mtc_loader.FileTensor(str(path), torch.float32, (6, 4)), "data_samples": gt}
+    want = torch.from_numpy(values)
+    out = mtc_loader.start_copy(gt, "cpu").get()
+    assert type(out) is BaseDataElement and isinstance(out.bboxes, torch.Tensor)
+    assert_bitwise(out.bboxes, want)
+    out = mm.packed_collate([sample, sample]).unpack("cpu")
+    for ds in out["data_samples"]:
+        assert isinstance(ds.bboxes, torch.Tensor), type(ds.bboxes)
+        assert_bitwise(ds.bboxes, want)
+    assert all(isinstance(x, torch.Tensor) for x in out["inputs"])
+    collate = mm.PackedPseudoCollate()
+    collate.arm(32 << 20)
+    dl = torch.utils.data.DataLoader([sample] * 4, batch_size=2, num_workers=2, collate_fn=collate)
+    for batch in dl:
+        for ds in batch.unpack("cpu")["data_samples"]:
+            assert_bitwise(ds.bboxes, want)
