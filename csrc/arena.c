@@ -391,6 +391,11 @@ static int _pid_dead(uint32_t pid)
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
+int mtc_arena_creator_gone(const mtc_arena *a)
+{
+    return _pid_dead(a->hdr->creator_pid);
+}
+
 static int _reclaimable(uint32_t pid, uint32_t keep, uint32_t only)
 {
     if (!pid || pid == keep) return 0;

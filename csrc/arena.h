@@ -132,6 +132,10 @@ int mtc_arena_free(mtc_arena *a, uint64_t off, uint32_t owner);
  * reaped: a worker that died); returns the number of slots freed. `keep` is
  * never reclaimed. */
 uint64_t mtc_arena_reclaim_dead(mtc_arena *a, uint32_t keep);
+/* 1 when the process that created the arena (the one that consumes its
+ * regions: the training process) has exited or is a zombie, else 0. A worker
+ * that waits for room calls it between slices: room would never come. */
+int mtc_arena_creator_gone(const mtc_arena *a);
 /* Frees every slot owned by `owner`; returns slots freed. */
 uint64_t mtc_arena_reclaim_owner(mtc_arena *a, uint32_t owner);
 void mtc_arena_get_stats(mtc_arena *a, mtc_arena_stats *out);

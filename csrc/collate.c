@@ -263,8 +263,10 @@ static int _pack_too_big(mtc_arena *a, int64_t payload, int rc)
 
 /* Takes a region of `payload` bytes for this process, waiting up to timeout_ns
  * (< 0: forever) with the GIL released, in slices: a signal (Ctrl-C) ends the
- * wait with its exception, as in get(). 0 and *off, or -1 with an error that
- * says which arena size to configure. */
+ * wait with its exception, as in get(), and so does the exit of the process
+ * that consumes the arena (a worker whose training process died would
+ * otherwise wait forever for room). 0 and *off, or -1 with an error that says
+ * which arena size to configure. */
 static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns, uint32_t me, uint64_t *off)
 {
     mtc_arena_wait w;
@@ -276,6 +278,14 @@ static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns,
         Py_END_ALLOW_THREADS
         if (rc != -EAGAIN) break;
         if (PyErr_CheckSignals()) return -1;
+        if (me != a->hdr->creator_pid && mtc_arena_creator_gone(a)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: the process that created this PackedCollate's arena (pid %u, "
+                         "the training process) has exited while process %u waited for room in it; "
+                         "no room will come, so this process stops packing",
+                         (unsigned)a->hdr->creator_pid, (unsigned)me);
+            return -1;
+        }
     }
     if (!rc) return 0;
     if (rc == -E2BIG || rc == -ETIMEDOUT) return _pack_too_big(a, payload, rc);

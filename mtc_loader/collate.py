@@ -337,7 +337,8 @@ class PackedCollate:
         arena_bytes: Size of the shared arena. It must hold every batch in flight: about
             ``(num_workers * prefetch_factor + PrefetchLoader depth + 2)`` batches.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
-            says which size to configure (negative: wait forever).
+            says which size to configure (negative: wait forever; a worker whose training
+            process has exited stops waiting either way).
         min_packed_alignment_bytes: Alignment of every tensor in the region (a power of two).
     """
 

@@ -813,3 +813,61 @@ def test_sparse_tensor_mid_structure_cuda():
     assert_clean()
     follow_up("cuda:0")
 
+
+
+_ORPHANS = """
+import os, sys, time, torch, mtc_loader
+from torch.utils.data import DataLoader
+
+class Big(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.full((64 << 10,), i, dtype=torch.int32)  # 256 KiB: four slots of the arena
+
+if __name__ == "__main__":
+    pc = mtc_loader.PackedCollate(arena_bytes=1 << 20, timeout=-1)  # room for 4 batches: workers wait
+    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=sys.argv[1])
+    it = iter(dl)
+    kept = [next(it) for _ in range(3)]  # held: the arena stays full
+    print(" ".join(str(w.pid) for w in it._workers), flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_workers_waiting_for_room_exit_with_their_training_process(ctx, tmp_path):
+    """timeout=-1: a worker waiting for room in a full arena notices that the training process
+    is gone (SIGTERM, no clean-up) and exits, instead of waiting forever as an orphan."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = tmp_path / "train.py"  # a file: spawn workers import its dataset class from it
+    script.write_text(textwrap.dedent(_ORPHANS))
+    p = subprocess.Popen([sys.executable, str(script), ctx], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    try:
+        line = p.stdout.readline()
+        workers = [int(x) for x in line.split()]
+        assert len(workers) == 2, line
+        time.sleep(1.0)  # the workers are now waiting for room
+        assert all(_alive(w) for w in workers)
+        p.send_signal(signal.SIGTERM)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [w for w in workers if _alive(w)]
+        for w in left:
+            os.kill(w, signal.SIGKILL)
+        assert not left, f"workers {left} outlived their training process"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdout.close()
