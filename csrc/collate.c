@@ -383,7 +383,8 @@ static int _pack_describe(mtc_state *st, const mtc_tree *t, const mtc_plan *p, P
     PyObject **slots = NULL;
     size_t lsize = mtc_layout_size(t->leaves, t->nleaves, p);
     if (!(*layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lsize))) goto error;
-    int rc = mtc_layout_encode(t->leaves, t->nleaves, t->shape, p, (uint8_t *)PyBytes_AS_STRING(*layout), lsize);
+    int rc = mtc_layout_encode(t->leaves, t->nleaves, t->shape, t->ostrides, p,
+                               (uint8_t *)PyBytes_AS_STRING(*layout), lsize);
     if (rc) {
         PyErr_Format(PyExc_SystemError, "mtc_loader: layout encoding failed (%d)", rc);
         goto error;
@@ -636,6 +637,7 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, cons
     memset(&lt, 0, sizeof lt);
     lt.leaves = L->leaves;
     lt.shape = L->shape;
+    lt.ostrides = L->ostrides;
     PyObject *chunks[1] = {chunk};
     int rc = -1;
     int64_t t0 = mtc_now_ns();

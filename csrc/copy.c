@@ -15,21 +15,49 @@
 
 #include "cuda.h"
 #include "handle.h"
+#include "hostcopy.h"
 #include "outputs.h"
 #include "nvtx.h"
 
-/* Replaces leaves that need a contiguous source by contiguous copies
- * (tensor.contiguous() / numpy ascontiguousarray); returns how many. */
+/* A numpy array in torch's layout for it: a new array with the output
+ * strides of leaf i (MTC_LEAF_STRIDED, not a block), gathered here. New
+ * reference, or NULL with an exception. */
+static PyObject *_numpy_dense(const mtc_tree *t, uint32_t i)
+{
+    const mtc_leaf *l = &t->leaves[i];
+    PyArrayObject *a = (PyArrayObject *)t->objs[i];
+    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    if (l->ndim > NPY_MAXDIMS) return PyErr_SetString(PyExc_SystemError, "mtc_loader: numpy ndim"), NULL;
+    for (int32_t d = 0; d < l->ndim; d++) {
+        dims[d] = (npy_intp)t->shape[l->dims + d];
+        strides[d] = (npy_intp)(t->ostrides[l->dims + d] * l->elsize);
+    }
+    PyArray_Descr *descr = PyArray_DESCR(a);
+    Py_INCREF(descr);
+    PyObject *c = PyArray_NewFromDescr(&PyArray_Type, descr, l->ndim, dims, strides, NULL, 0, NULL);
+    if (!c) return NULL;
+    mtc_copy_strided_to(PyArray_DATA((PyArrayObject *)c), &t->ostrides[l->dims], (const void *)l->data, l->ndim,
+                        &t->shape[l->dims], &t->strides[l->dims], l->elsize);
+    return c;
+}
+
+/* Replaces leaves that need their bytes in one block (a DMA or a plain copy
+ * reads them) by dense copies in the layout tensor.to() gives them:
+ * tensor.clone() (preserve_format: dense strides in the order of the
+ * tensor's own), for numpy the same layout (_numpy_dense) or a row-major
+ * copy where torch cannot hold the array's strides. Returns how many. */
 static int _make_contiguous(mtc_state *st, mtc_tree *t, const mtc_plan *p)
 {
     int n = 0;
     for (uint32_t i = 0; i < t->nleaves; i++) {
         if (!t->leaves[i].needs_contig) continue;
         PyObject *old = t->objs[i], *c;
-        if (t->leaves[i].flags & MTC_LEAF_NUMPY)
-            c = (PyObject *)PyArray_GETCONTIGUOUS((PyArrayObject *)old);
+        if (!(t->leaves[i].flags & MTC_LEAF_NUMPY))
+            c = PyObject_CallMethod(old, "clone", NULL);
+        else if (t->leaves[i].flags & MTC_LEAF_STRIDED)
+            c = _numpy_dense(t, i);
         else
-            c = PyObject_VectorcallMethod(st->s_contiguous, &old, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            c = (PyObject *)PyArray_GETCONTIGUOUS((PyArrayObject *)old);
         if (!c) return -1;
         t->objs[i] = c;
         Py_DECREF(old);
@@ -50,11 +78,14 @@ void mtc_item_of_leaf(mtc_item *it, const mtc_tree *t, uint32_t i, uintptr_t dst
     it->dev = l->dev;
     it->leaf = (int32_t)i;
     it->file = (l->flags & MTC_LEAF_FILE) ? (const void *)l->data : NULL;
-    if (l->flags & MTC_LEAF_CONTIGUOUS) {
+    it->dst_strides = NULL;
+    if (l->flags & MTC_LEAF_BLOCK) { /* one block, laid out as the output */
         it->shape = it->strides = NULL;
     } else {
         it->shape = &t->shape[l->dims];
         it->strides = &t->strides[l->dims];
+        /* gathered in the order of the output's strides */
+        if (l->flags & MTC_LEAF_STRIDED) it->dst_strides = &t->ostrides[l->dims];
     }
 }
 
@@ -70,6 +101,7 @@ typedef struct {
     PyObject **chunk_t;     /* uint8 tensor of each chunk */
     uintptr_t *chunk_base;  /* start of each chunk: its tensor's data_ptr */
     PyObject *dev_obj;      /* torch.device of the target */
+    PyObject *proto;        /* a tensor whose new_empty_strided makes strided outputs, or NULL */
     mtc_job *job;           /* NULL when nothing needs copying, or once submitted */
     uint32_t oi, ii;        /* ops and items filled so far */
 } _copy;
@@ -85,6 +117,7 @@ static void _copy_clear(_copy *c)
     PyMem_Free(c->chunk_t);
     PyMem_Free(c->chunk_base);
     Py_XDECREF(c->dev_obj);
+    Py_XDECREF(c->proto);
     mtc_plan_free(&c->plan);
 }
 
@@ -290,7 +323,11 @@ static int _alloc_own_outputs(_copy *c)
             PyObject *shape = mtc_out_shape(t, l, 0);
             if (!shape) return -1;
             int pin = l->action == MTC_ACT_D2H && c->o.staging;
-            c->outputs[i] = mtc_out_empty(st, shape, st->dtypes[l->dtype], pin ? st->device_cpu : c->dev_obj, pin);
+            PyObject *dev = pin ? st->device_cpu : c->dev_obj;
+            if (l->flags & MTC_LEAF_STRIDED) /* the strides tensor.to() gives it */
+                c->outputs[i] = mtc_out_empty_strided(st, shape, t, l, dev, pin, &c->proto);
+            else
+                c->outputs[i] = mtc_out_empty(st, shape, st->dtypes[l->dtype], dev, pin);
             Py_DECREF(shape);
             if (!c->outputs[i]) return -1;
             uintptr_t dst;

@@ -34,8 +34,8 @@ static void _stage_item(char *base, const mtc_item *it, int nt)
 {
     if (it->file) return; /* read by mtc_run_read_files */
     if (it->shape)
-        mtc_copy_strided(base + it->dst, (const void *)it->src, it->ndim, it->shape, it->strides,
-                         it->elsize);
+        mtc_copy_strided_to(base + it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
+                            it->strides, it->elsize);
     else if (it->nbytes && nt)
         mtc_memcpy_nt(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
     else if (it->nbytes)

@@ -303,6 +303,35 @@ void mtc_copy_strided(void *dst, const void *src, int ndim, const int64_t *shape
     mtc_copy_strided_range(dst, src, ndim, shape, strides, elsize, 0, total);
 }
 
+void mtc_copy_strided_to(void *dst, const int64_t *dst_strides, const void *src, int ndim,
+                         const int64_t *shape, const int64_t *strides, int64_t elsize)
+{
+    if (!dst_strides) {
+        mtc_copy_strided(dst, src, ndim, shape, strides, elsize);
+        return;
+    }
+    /* The dims of size >= 2 (at most 62 when there are elements: see
+     * mtc_copy_strided_range), outermost in the destination first. */
+    int64_t sh[64], sd[64], key[64], total = elsize;
+    int m = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 0) return;
+        if (shape[d] == 1) continue;
+        /* 2^63 bytes or more: cannot be a copy's (refused before) */
+        if (m == 64 || __builtin_mul_overflow(total, shape[d], &total)) return;
+        int j = m++;
+        for (; j > 0 && key[j - 1] < dst_strides[d]; j--) {
+            sh[j] = sh[j - 1];
+            sd[j] = sd[j - 1];
+            key[j] = key[j - 1];
+        }
+        sh[j] = shape[d];
+        sd[j] = strides[d];
+        key[j] = dst_strides[d];
+    }
+    mtc_copy_strided_range(dst, src, m, sh, sd, elsize, 0, total);
+}
+
 typedef struct _pcopy { char *dst; const char *src; size_t n, piece; } _pcopy;
 
 static void _pcopy_task(void *arg, uint32_t i)

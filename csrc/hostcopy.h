@@ -82,6 +82,15 @@ void mtc_copy_strided(void *dst, const void *src, int ndim, const int64_t *shape
 void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t *shape,
                             const int64_t *strides, int64_t elsize, int64_t begin, int64_t end);
 
+/*
+ * Copies a strided host array into a dense destination whose element
+ * strides are dst_strides (a permutation of a dense layout, strides.h): the
+ * source is walked in the destination's order, so the destination is
+ * written front to back. dst_strides NULL: row-major, as mtc_copy_strided.
+ */
+void mtc_copy_strided_to(void *dst, const int64_t *dst_strides, const void *src, int ndim,
+                         const int64_t *shape, const int64_t *strides, int64_t elsize);
+
 /* Copies nbytes, split over the helpers when large. */
 void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes);
 

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "strides.h"
+
 typedef struct _rd { const uint8_t *p, *end; int bad; } _rd;
 
 static uint64_t _get(_rd *r, int n)
@@ -36,17 +38,19 @@ static void _put(_wr *w, uint64_t v, int n)
 size_t mtc_layout_size(const mtc_leaf *leaves, uint32_t n, const mtc_plan *p)
 {
     size_t s = 4 + 2 + 2 + 4 + 4 + 8 + 8;
-    for (uint32_t i = 0; i < n; i++) s += 4 + 8 * (size_t)leaves[i].ndim;
+    for (uint32_t i = 0; i < n; i++)
+        s += 4 + 8 * (size_t)leaves[i].ndim * ((leaves[i].flags & MTC_LEAF_STRIDED) ? 2 : 1);
     for (uint32_t g = 0; g < p->nsegs; g++) s += 1 + 3 + 4 + 4 * 8 + (size_t)p->segs[g].count * 12;
     return s;
 }
 
-int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, const mtc_plan *p,
-                      uint8_t *buf, size_t len)
+int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, const int64_t *ostrides,
+                      const mtc_plan *p, uint8_t *buf, size_t len)
 {
     if (n && p->nchunks != 1) return -EINVAL;
     for (uint32_t i = 0; i < n; i++)
-        if (leaves[i].action != MTC_ACT_PACK) return -EINVAL;
+        if (leaves[i].action != MTC_ACT_PACK || ((leaves[i].flags & MTC_LEAF_STRIDED) && !ostrides))
+            return -EINVAL;
     _wr w = {buf, buf + len, 0};
     _put(&w, MTC_LAYOUT_MAGIC, 4);
     _put(&w, MTC_LAYOUT_VERSION, 2);
@@ -56,9 +60,13 @@ int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, 
     _put(&w, n ? (uint64_t)p->chunks[0].payload : 0, 8);
     _put(&w, n ? (uint64_t)p->chunks[0].align : 1, 8);
     for (uint32_t i = 0; i < n; i++) {
-        _put(&w, leaves[i].dtype, 2);
-        _put(&w, (uint64_t)leaves[i].ndim, 2);
-        for (int32_t d = 0; d < leaves[i].ndim; d++) _put(&w, (uint64_t)shape[leaves[i].dims + d], 8);
+        const mtc_leaf *l = &leaves[i];
+        int strided = (l->flags & MTC_LEAF_STRIDED) != 0;
+        _put(&w, l->dtype, 2);
+        _put(&w, (uint64_t)l->ndim | (strided ? MTC_LAYOUT_STRIDED : 0), 2);
+        for (int32_t d = 0; d < l->ndim; d++) _put(&w, (uint64_t)shape[l->dims + d], 8);
+        if (strided)
+            for (int32_t d = 0; d < l->ndim; d++) _put(&w, (uint64_t)ostrides[l->dims + d], 8);
     }
     for (uint32_t g = 0; g < p->nsegs; g++) {
         const mtc_seg *s = &p->segs[g];
@@ -83,6 +91,7 @@ void mtc_layout_free(mtc_layout *l)
     free(l->leaves);
     free(l->shape);
     free(l->strides);
+    free(l->ostrides);
     mtc_plan_free(&l->plan);
     memset(l, 0, sizeof *l);
 }
@@ -116,13 +125,38 @@ static int _decode_header(_rd *r, size_t len, uint64_t region_bytes, uint32_t *n
     return 0;
 }
 
-/* Leaf i: dtype and shape, contiguous byte strides, at most `payload` bytes.
- * Grows L's dims arrays (capacity *cap_dims). 0, -EINVAL or -ENOMEM. */
+/* Carried strides of leaf l (MTC_LAYOUT_STRIDED): non-negative, a dense,
+ * non-overlapping layout of its dims, so that its bytes are one block of
+ * nbytes at its offset. Into L->ostrides, and as byte strides into
+ * L->strides (saturated on a dim of size <= 1, or of an empty leaf, where
+ * they address nothing).
+ * 0 or -EINVAL. */
+static int _decode_strides(_rd *r, mtc_layout *L, mtc_leaf *l, int64_t numel)
+{
+    int64_t *os = &L->ostrides[L->ndims], *bs = &L->strides[L->ndims];
+    const int64_t *sh = &L->shape[L->ndims];
+    for (int32_t d = 0; d < l->ndim; d++) {
+        os[d] = (int64_t)_get(r, 8);
+        if (r->bad || os[d] < 0) return -EINVAL;
+        if (_mul(os[d], l->elsize, &bs[d])) {
+            if (sh[d] > 1 && numel) return -EINVAL;
+            bs[d] = INT64_MAX;
+        }
+    }
+    if (!mtc_strides_dense(sh, os, l->ndim)) return -EINVAL;
+    l->flags = MTC_LEAF_DENSE | MTC_LEAF_STRIDED;
+    return 0;
+}
+
+/* Leaf i: dtype and shape, row-major byte strides or carried ones (the
+ * output's), at most `payload` bytes. Grows L's dims arrays (capacity
+ * *cap_dims). 0, -EINVAL or -ENOMEM. */
 static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, int ndtypes, int64_t payload,
                         uint32_t *cap_dims)
 {
     mtc_leaf *l = &L->leaves[i];
-    uint64_t dt = _get(r, 2), nd = _get(r, 2);
+    uint64_t dt = _get(r, 2), nd = _get(r, 2), strided = nd & MTC_LAYOUT_STRIDED;
+    nd &= ~(uint64_t)MTC_LAYOUT_STRIDED;
     if (r->bad || dt >= (uint64_t)ndtypes || nd > MTC_MAX_NDIM || elsize[dt] < 1) return -EINVAL;
     if (L->ndims + nd > *cap_dims) {
         while (L->ndims + nd > *cap_dims) *cap_dims *= 2;
@@ -132,6 +166,9 @@ static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, in
         int64_t *t = realloc(L->strides, *cap_dims * sizeof *t);
         if (!t) return -ENOMEM;
         L->strides = t;
+        int64_t *o = realloc(L->ostrides, *cap_dims * sizeof *o);
+        if (!o) return -ENOMEM;
+        L->ostrides = o;
     }
     l->dtype = (uint16_t)dt;
     l->elsize = (uint16_t)elsize[dt];
@@ -148,6 +185,11 @@ static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, in
         L->shape[L->ndims + d] = v;
     }
     if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) return -EINVAL;
+    if (strided) {
+        if (_decode_strides(r, L, l, numel)) return -EINVAL;
+        L->ndims += (uint32_t)nd;
+        return 0;
+    }
     /* Byte strides fit when the leaf has bytes (they are at most nbytes);
      * a zero-size leaf may have dims whose strides do not (torch.empty(0,
      * 2**60, 4) is a tensor): saturated, they address nothing. */
@@ -173,6 +215,8 @@ static int _check_member(const mtc_layout *L, const mtc_seg *s, const mtc_leaf *
 {
     const mtc_leaf *pr = &L->leaves[s->proto];
     if (l->dtype != pr->dtype || l->ndim != pr->ndim) return -EINVAL;
+    /* a leaf with strides of its own is viewed alone, with them */
+    if ((l->flags & MTC_LEAF_STRIDED) && (s->kind != MTC_SEG_UNIFORM || s->count != 1)) return -EINVAL;
     for (int32_t d = 1; d < l->ndim; d++)
         if (L->shape[l->dims + d] != L->shape[pr->dims + d]) return -EINVAL;
     /* The chunk base is aligned to `align`; a view of the dtype needs its
@@ -268,11 +312,12 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
     uint32_t cap_dims = 16;
     L->shape = malloc(cap_dims * sizeof *L->shape);
     L->strides = malloc(cap_dims * sizeof *L->strides);
+    L->ostrides = malloc(cap_dims * sizeof *L->ostrides);
     mtc_plan *p = &L->plan;
     p->segs = calloc(nsegs ? nsegs : 1, sizeof *p->segs);
     p->members = calloc(n ? n : 1, sizeof *p->members);
     p->chunks = calloc(1, sizeof *p->chunks);
-    if (!L->leaves || !L->shape || !L->strides || !p->segs || !p->members || !p->chunks) goto error;
+    if (!L->leaves || !L->shape || !L->strides || !L->ostrides || !p->segs || !p->members || !p->chunks) goto error;
     p->nchunks = n ? 1 : 0;
     p->chunks[0].payload = payload;
     p->chunks[0].align = align;

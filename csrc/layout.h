@@ -13,7 +13,15 @@
  * Format (little-endian, packed):
  *   u32 magic 'MTCL', u16 version, u16 reserved, u32 nleaves, u32 nsegs,
  *   i64 payload, i64 align
- *   nleaves x { u16 dtype, u16 ndim, i64 dims[ndim] }
+ *   nleaves x { u16 dtype, u16 ndim | flag, i64 dims[ndim], [i64 strides[ndim]] }
+ *     flag 0x8000: the leaf's output strides (elements) follow its dims. A
+ *     leaf dense in another order than row-major (channels_last, a
+ *     transpose), or with a dim of size 0 or 1 whose stride is not
+ *     torch.empty's, is packed as it lies and carries its strides; they
+ *     must describe a dense, non-overlapping layout (strides.h), and the
+ *     leaf must be alone in a UNIFORM segment. Without the flag the leaf is
+ *     row-major and takes no more bytes than that.
+
  *   nsegs   x { u8 kind, u8[3] 0, u32 count, i64 offset, i64 bytes, i64 rows,
  *               i64 row_bytes, count x { u32 leaf, i64 slot } }
  *
@@ -31,22 +39,26 @@
 #define MTC_LAYOUT_VERSION 1u
 #define MTC_LAYOUT_MAX_LEAVES (1u << 22)
 #define MTC_LAYOUT_MAX_ALIGN 4096
+#define MTC_LAYOUT_STRIDED 0x8000u /* in a leaf's ndim: its strides follow its dims */
 
 typedef struct mtc_layout {
     mtc_leaf *leaves;  /* dtype, elsize, ndim, dims, nbytes, seg, slot set; dev = CPU */
     uint32_t nleaves;
     int64_t *shape;    /* dims of all leaves */
-    int64_t *strides;  /* contiguous byte strides */
+    int64_t *strides;  /* byte strides: row-major, or the carried ones */
+    int64_t *ostrides; /* element strides of MTC_LEAF_STRIDED leaves (carried), else unset */
     uint32_t ndims;
     mtc_plan plan;     /* one chunk: payload, align; segments; members */
 } mtc_layout;
 
 /* Bytes needed to encode leaves[0..n) placed by plan p (one chunk). */
 size_t mtc_layout_size(const mtc_leaf *leaves, uint32_t n, const mtc_plan *p);
-/* Encodes into buf (len from mtc_layout_size). 0, -EINVAL (not one chunk,
- * or a leaf not packed), -ENOSPC. */
-int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, const mtc_plan *p,
-                      uint8_t *buf, size_t len);
+/* Encodes into buf (len from mtc_layout_size); the strides of
+ * MTC_LEAF_STRIDED leaves come from ostrides (elements, at each leaf's dims;
+ * may be NULL when there is no such leaf). 0, -EINVAL (not one chunk, a
+ * leaf not packed, or strided leaves and no ostrides), -ENOSPC. */
+int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, const int64_t *ostrides,
+                      const mtc_plan *p, uint8_t *buf, size_t len);
 /*
  * Decodes and validates an untrusted layout. elsize[code] gives the element
  * size of each of the ndtypes dtype codes. region_bytes bounds the chunk

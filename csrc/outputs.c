@@ -29,6 +29,44 @@ PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObjec
     return PyObject_Vectorcall(st->torch_empty, args, 1, pin ? st->kw_dtype_device_pin : st->kw_dtype_device);
 }
 
+/* The output strides of leaf l (elements) from dimension `from` on, as a
+ * tuple. New reference. */
+static PyObject *_out_strides(const mtc_tree *t, const mtc_leaf *l, int from)
+{
+    PyObject *s = PyTuple_New(l->ndim - from);
+    if (!s) return NULL;
+    for (int d = from; d < l->ndim; d++) {
+        PyObject *v = PyLong_FromLongLong(t->ostrides[l->dims + d]);
+        if (!v) {
+            Py_DECREF(s);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(s, d - from, v);
+    }
+    return s;
+}
+
+PyObject *mtc_out_empty_strided(mtc_state *st, PyObject *shape, const mtc_tree *t, const mtc_leaf *l,
+                                PyObject *device, int pin, PyObject **proto)
+{
+    if (!*proto) {
+        PyObject *zero = Py_BuildValue("(i)", 0);
+        if (!zero) return NULL;
+        *proto = mtc_out_empty(st, zero, st->uint8, st->device_cpu, 0);
+        Py_DECREF(zero);
+        if (!*proto) return NULL;
+    }
+    PyObject *stride = _out_strides(t, l, 0), *name = PyUnicode_FromString("new_empty_strided"), *v = NULL;
+    if (stride && name) {
+        PyObject *args[6] = {*proto, shape, stride, st->dtypes[l->dtype], device, Py_True};
+        v = PyObject_VectorcallMethod(name, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                      pin ? st->kw_dtype_device_pin : st->kw_dtype_device);
+    }
+    Py_XDECREF(stride);
+    Py_XDECREF(name);
+    return v;
+}
+
 int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out)
 {
     PyObject *v = PyObject_VectorcallMethod(st->s_data_ptr, &tensor, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -104,7 +142,8 @@ bad:
 /* typed.as_strided(size, stride, offset): the view of a segment straight at
  * its place in the chunk, with no slice or reshape before it. Its dims are
  * proto's dims from `from` on, contiguous, with strides as torch's view()
- * makes them (a dim of 0 counts as 1), behind a leading dim of `lead` rows
+ * makes them (a dim of 0 counts as 1), or proto's output strides for a
+ * MTC_LEAF_STRIDED proto, behind a leading dim of `lead` rows
  * when lead >= 0, `lead_stride` elements apart (or contiguous with the rest
  * when lead_stride < 0). offset: elements of the dtype from the storage's
  * start. New reference, or NULL. */
@@ -116,10 +155,11 @@ static PyObject *_strided(mtc_state *st, const mtc_tree *t, const mtc_leaf *prot
     PyObject *v = NULL;
     if (!size || !stride || !off) goto out;
     int64_t st_el = 1;
+    int own = (proto->flags & MTC_LEAF_STRIDED) != 0;
     for (int d = nd - 1; d >= 0; d--) {
         int64_t dim = t->shape[proto->dims + from + d];
         PyTuple_SET_ITEM(size, d + at, PyLong_FromLongLong(dim));
-        PyTuple_SET_ITEM(stride, d + at, PyLong_FromLongLong(st_el));
+        PyTuple_SET_ITEM(stride, d + at, PyLong_FromLongLong(own ? t->ostrides[proto->dims + from + d] : st_el));
         st_el *= dim > 1 ? dim : 1; /* members have bytes: the product fits */
     }
     if (at) {

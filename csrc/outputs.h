@@ -20,10 +20,20 @@ PyObject *mtc_out_shape(const mtc_tree *t, const mtc_leaf *l, int from);
 /* torch.empty(shape, dtype=dtype, device=device[, pin_memory=True]). New reference. */
 PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObject *device, int pin);
 
+/* A new tensor of leaf l's shape (the tuple `shape`), dtype and output
+ * strides (t->ostrides: MTC_LEAF_STRIDED) on `device` (pinned when pin),
+ * what tensor.to() makes: proto.new_empty_strided(...), where *proto is an
+ * empty uint8 tensor made on first use (the caller releases it). New
+ * reference. */
+PyObject *mtc_out_empty_strided(mtc_state *st, PyObject *shape, const mtc_tree *t, const mtc_leaf *l,
+                                PyObject *device, int pin, PyObject **proto);
+
 /* tensor.data_ptr() into *out. 0 or -1. */
 int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 
 /* Creates the output views of every segment of plan p over the chunk tensors
+ * (a leaf with MTC_LEAF_STRIDED, alone in its segment, is viewed with its
+ * output strides, t->ostrides)
  * chunk_t (1-D uint8, each at offset 0 of its own storage, since the views are
  * made with as_strided at storage offsets, and each chunk_skip[c] + the plan's
  * payload of chunk c bytes long; chunk c starts chunk_skip[c] bytes

@@ -60,7 +60,8 @@ static inline int64_t _max_chunk(const mtc_plan_opts *o)
 
 static uint8_t _action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *needs_contig)
 {
-    int contiguous = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
+    /* a DMA or a plain memcpy reads one block: a contiguous or dense source */
+    int contiguous = (l->flags & MTC_LEAF_BLOCK) != 0;
     int small = l->nbytes <= o->pack_limit && l->nbytes <= _max_chunk(o);
     *needs_contig = 0;
     if (o->target == MTC_DEV_CPU) {
@@ -99,7 +100,8 @@ typedef struct _group {
 
 static uint64_t _key_hash(const mtc_leaf *l, const int64_t *shape)
 {
-    uint64_t h = 1469598103934665603ull ^ ((uint64_t)l->dtype << 8) ^ (uint64_t)l->ndim;
+    uint64_t h = 1469598103934665603ull ^ ((uint64_t)l->dtype << 8) ^ (uint64_t)l->ndim ^
+                 ((uint64_t)(l->flags & MTC_LEAF_STRIDED) << 40);
     for (int32_t d = 1; d < l->ndim; d++) {
         h ^= (uint64_t)shape[l->dims + d];
         h *= 1099511628211ull;
@@ -109,7 +111,9 @@ static uint64_t _key_hash(const mtc_leaf *l, const int64_t *shape)
 
 static int _key_eq(const mtc_leaf *a, const mtc_leaf *b, const int64_t *shape)
 {
-    if (a->dtype != b->dtype || a->ndim != b->ndim || a->elsize != b->elsize) return 0;
+    if (a->dtype != b->dtype || a->ndim != b->ndim || a->elsize != b->elsize ||
+        (a->flags & MTC_LEAF_STRIDED) != (b->flags & MTC_LEAF_STRIDED))
+        return 0;
     for (int32_t d = 1; d < a->ndim; d++)
         if (shape[a->dims + d] != shape[b->dims + d]) return 0;
     return 1;
@@ -212,6 +216,9 @@ static int _place_group(_layout *L, const uint32_t *idx, uint32_t count, int uni
         row_bytes = 0;
         single = 1;
     }
+    /* Leaves with strides of their own: one segment each, viewed with those
+     * strides (a segment's shared views are row-major) */
+    if (proto->flags & MTC_LEAF_STRIDED) single = 1;
     /* SPLIT: member start rows are multiples of m, so that their byte offset
      * (row * row_bytes) is a multiple of align. */
     int64_t m = row_bytes ? align / _gcd(align, row_bytes) : 1;
@@ -392,6 +399,7 @@ int mtc_plan_valid(const mtc_plan *p, const mtc_leaf *leaves, uint32_t n, const 
         const mtc_seg *s = &p->segs[l->seg];
         const mtc_leaf *pr = &leaves[s->proto];
         if (pr->dtype != l->dtype || pr->ndim != l->ndim) return 0;
+        if ((l->flags & MTC_LEAF_STRIDED) && (s->kind != MTC_SEG_UNIFORM || s->count != 1)) return 0;
         if (s->kind == MTC_SEG_UNIFORM && s->count > 1)
             for (int32_t d = 0; d < l->ndim; d++)
                 if (shape[l->dims + d] != shape[pr->dims + d]) return 0;

@@ -41,6 +41,16 @@
 #define MTC_LEAF_NUMPY      0x2  /* a numpy.ndarray, not a torch.Tensor */
 #define MTC_LEAF_ZEROCOPY   0x4  /* numpy array that torch.from_numpy can wrap as is */
 #define MTC_LEAF_FILE       0x8  /* bytes in files (a FileTensor): `data` is its spec (uring.h), read, never copied */
+/* Dense and non-overlapping in another order (strides.h): its nbytes bytes at
+ * `data` are all of it, laid out as its output (copied as one block) */
+#define MTC_LEAF_DENSE      0x10
+/* Its output's strides are not torch.empty(shape)'s: they are in the
+ * binding layer's output strides (elements; the tree's and the layout's
+ * `ostrides`), and the leaf is packed in a segment of its own. A leaf that
+ * is neither CONTIGUOUS nor DENSE is gathered in the order of those strides. */
+#define MTC_LEAF_STRIDED    0x20
+/* Its bytes are one block in the order of its output: copied as is */
+#define MTC_LEAF_BLOCK      (MTC_LEAF_CONTIGUOUS | MTC_LEAF_DENSE)
 
 /* actions */
 enum {
@@ -68,7 +78,7 @@ typedef struct mtc_leaf {
     uint32_t flags;     /* MTC_LEAF_* */
     /* set by mtc_plan_build */
     uint8_t action;     /* MTC_ACT_* */
-    uint8_t needs_contig; /* action needs a contiguous source, and this one is not */
+    uint8_t needs_contig; /* action needs a block source (MTC_LEAF_BLOCK), and this one is not */
     int32_t seg;        /* MTC_ACT_PACK: segment index, else -1 */
     int64_t slot;       /* MTC_ACT_PACK: first row (SPLIT) or member index (UNIFORM) in its segment */
 } mtc_leaf;

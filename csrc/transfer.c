@@ -357,7 +357,8 @@ static void _op_host_copy(mtc_run *r, const mtc_op *op)
         const mtc_item *it = &j->items[op->first + k];
         if (it->file) continue; /* read below, all files in one batch */
         if (it->shape)
-            mtc_copy_strided((void *)it->dst, (const void *)it->src, it->ndim, it->shape, it->strides, it->elsize);
+            mtc_copy_strided_to((void *)it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
+                                it->strides, it->elsize);
         else if (it->nbytes)
             mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes);
         MTC_COUNT(bytes_host, it->nbytes);

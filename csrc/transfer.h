@@ -49,6 +49,8 @@ typedef struct mtc_item {
     int32_t dev;            /* device of a device source, else -1 */
     int32_t leaf;           /* for error messages */
     const void *file;       /* a file-backed source: its spec (uring.h), read instead of src; else NULL */
+    const int64_t *dst_strides; /* strided source: the destination's element strides (dense, in
+                                   another order: strides.h); NULL when row-major */
 } mtc_item;
 
 typedef struct mtc_op {

@@ -9,6 +9,7 @@
 #include <numpy/arrayobject.h>
 
 #include "files.h"
+#include "strides.h"
 #include <string.h>
 
 #include "cuda.h" /* MTC_MAX_DEVICES */
@@ -57,6 +58,7 @@ void mtc_tree_clear(mtc_tree *t)
     PyMem_Free(t->leaf_node);
     PyMem_Free(t->shape);
     PyMem_Free(t->strides);
+    PyMem_Free(t->ostrides);
     memset(t, 0, sizeof *t);
 }
 
@@ -172,6 +174,8 @@ static int _reserve_leaf(mtc_tree *t, int ndim)
     if (_grow((void **)&t->shape, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->shape)) return -1;
     cap_dims = t->cap_dims;
     if (_grow((void **)&t->strides, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->strides)) return -1;
+    cap_dims = t->cap_dims;
+    if (_grow((void **)&t->ostrides, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->ostrides)) return -1;
     t->cap_dims = cap_dims;
     return 0;
 }
@@ -262,8 +266,11 @@ static inline PyObject *_tcall(PyObject *obj, int exact, PyObject *descr, PyObje
 
 /* The dims of a tensor into the tree's next shape and stride slots (byte
  * strides: computed for a contiguous tensor, read otherwise), l->ndim and
- * l->dims set, *contiguous from is_contiguous(). 0; 1 when the tensor is
- * to be diagnosed; -1 with an exception. */
+ * l->dims set, *contiguous from is_contiguous(). The strides are read when
+ * the tensor is not contiguous or has a dim of size 0 or 1 (torch lets such
+ * a dim have any stride, and tensor.to() keeps it); then the output's layout
+ * (strides.h) sets MTC_LEAF_DENSE / MTC_LEAF_STRIDED and the output strides.
+ * 0; 1 when the tensor is to be diagnosed; -1 with an exception. */
 static int _read_dims(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, int exact, mtc_leaf *l,
                       int *contiguous)
 {
@@ -278,22 +285,24 @@ static int _read_dims(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, i
     l->ndim = (int32_t)PyTuple_GET_SIZE(shape);
     if (!(v = _tcall(obj, exact, st->m_is_contiguous, st->s_is_contiguous))) goto out;
     *contiguous = v == Py_True;
-    if (!*contiguous) {
-        if (!(stride = _tcall(obj, exact, st->m_stride, st->s_stride))) goto out;
-        if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l->ndim) goto out;
-    }
     if (_reserve_leaf(t, l->ndim)) {
         rc = -1;
         goto out;
     }
     l->dims = t->ndims;
     int64_t *sh = &t->shape[t->ndims], *sd = &t->strides[t->ndims];
+    int read = !*contiguous;
     for (int d = 0; d < l->ndim; d++) {
         /* symbolic sizes (jagged nested tensors) fail here and are diagnosed */
         sh[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
         if (sh[d] == -1 && PyErr_Occurred()) goto out;
+        if (sh[d] <= 1) read = 1;
     }
-    if (*contiguous) {
+    if (read) {
+        if (!(stride = _tcall(obj, exact, st->m_stride, st->s_stride))) goto out;
+        if (!PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l->ndim) goto out;
+    }
+    if (!read) {
         /* wraps only for an empty tensor (torch.empty(0, 2**62, 4)), whose
          * strides address nothing */
         int64_t acc = l->elsize;
@@ -302,13 +311,16 @@ static int _read_dims(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, i
             (void)__builtin_mul_overflow(acc, sh[d] > 1 ? sh[d] : 1, &acc);
         }
     } else {
+        int64_t *os = &t->ostrides[t->ndims];
         for (int d = 0; d < l->ndim; d++) {
             int64_t el = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
-            if (el == -1 && PyErr_Occurred()) goto out;
+            if ((el == -1 && PyErr_Occurred()) || el < 0) goto out; /* torch makes no negative stride */
+            os[d] = el;
             /* wraps only on a dim of size <= 1 (torch checks the storage
              * holds every element), where the stride addresses nothing */
             (void)__builtin_mul_overflow(el, (int64_t)l->elsize, &sd[d]);
         }
+        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
     }
     rc = 0;
 out:
@@ -431,13 +443,19 @@ static int _read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj
     l.data = (uintptr_t)PyArray_DATA(a);
     l.flags = MTC_LEAF_NUMPY;
     int zerocopy = PyArray_ISWRITEABLE(a) && PyArray_ISALIGNED(a) && st->np_zerocopy[tn];
+    int torch_strides = 1; /* torch.from_numpy would take the strides */
+    int64_t *os = &t->ostrides[t->ndims];
     for (int d = 0; d < ndim; d++) {
         t->shape[t->ndims + d] = PyArray_DIM(a, d);
         npy_intp s = PyArray_STRIDE(a, d);
         t->strides[t->ndims + d] = s;
-        if (s < 0 || s % l.elsize) zerocopy = 0; /* torch.from_numpy refuses these */
+        if (s < 0 || s % l.elsize) torch_strides = 0; /* torch.from_numpy refuses these */
+        else os[d] = s / l.elsize;
     }
-    if (zerocopy) l.flags |= MTC_LEAF_ZEROCOPY;
+    if (zerocopy && torch_strides) l.flags |= MTC_LEAF_ZEROCOPY;
+    /* the layout torch.from_numpy(a).to(device) has; an array torch cannot
+     * hold is copied row-major */
+    if (torch_strides) l.flags |= mtc_strides_leaf(&t->shape[t->ndims], os, ndim);
     t->leaves[t->nleaves] = l;
     return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
 }
@@ -498,7 +516,7 @@ int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
         PyObject *path = mtc_leaf_path(t, i);
         if (path) {
             PyErr_Format(PyExc_TypeError,
-                         "mtc_loader: %U is a tensor whose contiguous() returned a tensor of another "
+                         "mtc_loader: %U is a tensor whose clone() returned a tensor of another "
                          "shape, dtype or device; pass it as a plain contiguous tensor "
                          "(.as_subclass(torch.Tensor).contiguous())", path);
             Py_DECREF(path);

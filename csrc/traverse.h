@@ -49,6 +49,8 @@ typedef struct mtc_tree {
     uint32_t nleaves, cap_leaves;
     int64_t *shape;      /* dims of all leaves */
     int64_t *strides;    /* byte strides of all leaves */
+    int64_t *ostrides;   /* element strides of the outputs of MTC_LEAF_STRIDED leaves (strides.h);
+                            unset for the others */
     uint32_t ndims, cap_dims;
     int any_cuda;        /* a leaf lives on a CUDA device */
     int slots;           /* skeleton mode: the placeholder st->leaf_slot marks leaves (numbered

@@ -728,20 +728,21 @@ def test_configure_and_collate_options_name_the_option():
     assert torch.equal(pc([torch.ones(2)]).unpack()[0], torch.ones(2))
 
 
-# ------------------- sweep: a subclass's contiguous() that returns another shape (CUDA paths)
+# ------------------- sweep: a subclass's clone() that returns another shape (CUDA paths)
 
 
 @requires_cuda
-def test_subclass_contiguous_of_another_shape_is_refused_by_name():
-    # a large non-contiguous CPU tensor copied to CUDA is made contiguous first; the result is
-    # re-read in place of the leaf, over its dims: a tensor of more dims used to overwrite the
-    # next leaves' shapes
+def test_subclass_clone_of_another_shape_is_refused_by_name():
+    # a large CPU tensor that is not dense (a slice with gaps) copied to CUDA is first copied
+    # into a dense one (clone(), which keeps the layout .to() gives); the result is re-read in
+    # place of the leaf, over its dims: a tensor of more dims used to overwrite the next
+    # leaves' shapes
     class S(torch.Tensor):
-        def contiguous(self, *args, **kwargs):
+        def clone(self, *args, **kwargs):
             return torch.zeros(3, 5, 7, 9)
 
-    x = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024).t().as_subclass(S)
-    with pytest.raises(TypeError, match=r"^mtc_loader: data\[0\] is a tensor whose contiguous\(\) "
+    x = torch.arange(1 << 21, dtype=torch.float32).reshape(1024, 2048)[:, ::2].as_subclass(S)
+    with pytest.raises(TypeError, match=r"^mtc_loader: data\[0\] is a tensor whose clone\(\) "
                                         r"returned a tensor of another shape"):
         start_copy([x, torch.ones(3)], "cuda", use_pinned_staging=False)
 

@@ -17,13 +17,14 @@
  *  3. a leaf small enough for a pack (<= the pack limit and <= a chunk),
  *     with packing on, is packed where its route packs: CPU -> GPU always
  *     (the staging copy gathers strides), GPU -> CPU only with pinned
- *     staging and a contiguous source, GPU -> GPU never;
- *  4. anything else is one copy of its own, by route, from a contiguous
- *     source (needs_contig when it is not). */
+ *     staging and a source that is one block (contiguous or dense in
+ *     another order), GPU -> GPU never;
+ *  4. anything else is one copy of its own, by route, from a source that is
+ *     one block (needs_contig when it is not). */
 static inline uint8_t expected_action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *nc)
 {
     const int src_cpu = l->dev == MTC_DEV_CPU, dst_cpu = o->target == MTC_DEV_CPU;
-    const int contig = (l->flags & MTC_LEAF_CONTIGUOUS) != 0;
+    const int contig = (l->flags & (MTC_LEAF_CONTIGUOUS | MTC_LEAF_DENSE)) != 0; /* one block */
     *nc = 0;
     if (dst_cpu && (l->flags & MTC_LEAF_NUMPY))                                  /* 1 */
         return (l->flags & MTC_LEAF_ZEROCOPY) ? MTC_ACT_FROM_NUMPY : MTC_ACT_HOST_COPY;

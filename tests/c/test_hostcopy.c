@@ -92,6 +92,45 @@ static void test_strided(void)
     for (int i = 0; i < 12; i++) CHECK(dst[i] == i % 3);
 }
 
+/* A gather into a destination dense in another order (mtc_copy_strided_to):
+ * every element lands at its destination strides, the destination is filled
+ * exactly, size-1 dims (any stride on either side) are ignored. */
+static void test_strided_to(void)
+{
+    /* source: a (4, 1, 3, 5) int32 view with a step on its last dim and
+     * garbage on its size-1 dim, of a (4, 3, 10) array */
+    int32_t src[4 * 3 * 10];
+    for (int i = 0; i < 4 * 3 * 10; i++) src[i] = i;
+    int64_t shape[4] = {4, 1, 3, 5};
+    int64_t sstr[4] = {30 * 4, -77, 10 * 4, 2 * 4};
+    /* destination strides (elements): dims ordered (1, 3, 0) outermost to
+     * innermost, i.e. dim 0 innermost, dim 2 outermost; size-1 dim: 1000 */
+    int64_t dstr[4] = {1, 1000, 5 * 4, 4};
+    int32_t dst[60 + 4], ref[60];
+    memset(dst, 0xab, sizeof dst);
+    for (int a = 0; a < 4; a++)
+        for (int c = 0; c < 3; c++)
+            for (int e = 0; e < 5; e++) ref[a * dstr[0] + c * dstr[2] + e * dstr[3]] = src[a * 30 + c * 10 + e * 2];
+    mtc_copy_strided_to(dst, dstr, src, 4, shape, sstr, 4);
+    CHECK(memcmp(dst, ref, sizeof ref) == 0);
+    for (int i = 60; i < 64; i++) CHECK_EQ((uint32_t)dst[i], 0xababababu); /* nothing past the end */
+    /* NULL destination strides: row-major, as mtc_copy_strided */
+    int32_t rm[60], rm_ref[60];
+    mtc_copy_strided(rm_ref, src, 4, shape, sstr, 4);
+    mtc_copy_strided_to(rm, NULL, src, 4, shape, sstr, 4);
+    CHECK(memcmp(rm, rm_ref, sizeof rm) == 0);
+    /* a zero-size dim copies nothing */
+    int64_t shape0[2] = {3, 0}, s0[2] = {4, 4}, d0[2] = {1, 3};
+    memset(dst, 0xab, sizeof dst);
+    mtc_copy_strided_to(dst, d0, src, 2, shape0, s0, 4);
+    CHECK_EQ((uint32_t)dst[0], 0xababababu);
+    /* an expanded source (stride 0) into a transposed destination */
+    int64_t shapeb[2] = {4, 3}, sb[2] = {0, 4}, db[2] = {1, 4};
+    mtc_copy_strided_to(dst, db, src, 2, shapeb, sb, 4);
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) CHECK_EQ(dst[i + 4 * j], j);
+}
+
 /* Any ndim (torch allows more than 64): size-1 dims address nothing and are
  * dropped, so a copy of fewer than 2^63 bytes has at most 62 dims left. Here
  * 100 dims, 6 of them of size 2 with permuted strides, the others of size 1
@@ -193,6 +232,7 @@ int main(void)
     CHECK(mtc_pool_size() == 3);
     test_strided();
     test_strided_many_dims();
+    test_strided_to();
     test_memcpy_parallel();
     test_memcpy_nt();
     test_flags_in_order();

@@ -353,9 +353,9 @@ static void roundtrip_mode(const uint8_t *data, size_t size, int perturbed)
     size_t len = mtc_layout_size(leaves, n, &plan);
     uint8_t *buf = malloc(len);
     FZ_CHECK(buf);
-    rc = mtc_layout_encode(leaves, n, shape, &plan, buf, len);
+    rc = mtc_layout_encode(leaves, n, shape, NULL, &plan, buf, len);
     FZ_CHECK(rc == 0, "mtc_layout_encode: %d", rc);
-    FZ_CHECK(mtc_layout_encode(leaves, n, shape, &plan, buf, len - 1) == -ENOSPC, "encode into a short buffer");
+    FZ_CHECK(mtc_layout_encode(leaves, n, shape, NULL, &plan, buf, len - 1) == -ENOSPC, "encode into a short buffer");
     int64_t payload = n ? plan.chunks[0].payload : 0;
     uint64_t region = (uint64_t)payload + MTC_LAYOUT_MAX_ALIGN; /* module.c's unpack */
     mtc_layout L;
