@@ -14,7 +14,7 @@ from typing import Any, Generator, Iterable, Iterator
 from . import _engine
 from ._device import target_index
 from .handle import AsyncCopyHandle
-from .prefetch import PrefetchLoader
+from .prefetch import _RESUMABLE, _STATE_METHODS, PrefetchLoader, _not_resumable, _ResumablePrefetchLoader
 
 __all__ = ["OnDevice", "PrefetchingDataLoader"]
 
@@ -49,6 +49,12 @@ class PrefetchingDataLoader(PrefetchLoader):
     attribute it does not have itself (``sampler``, ``batch_sampler``, ``dataset``,
     ``worker_init_fn``, ...) is the DataLoader's, so that a framework can still set the sampler's
     epoch, size the epoch and seed the workers; it yields :class:`OnDevice` batches.
+
+    Over a stateful DataLoader (torchdata's ``StatefulDataLoader``) it has ``state_dict`` and
+    ``load_state_dict``, those of :class:`~mtc_loader.PrefetchLoader`: the position after the
+    last batch handed out, not the DataLoader's (which the service thread has moved ahead). Over
+    any other it has neither, as the DataLoader, so that Lightning and accelerate do not take it
+    for stateful.
     """
 
     def __getattr__(self, name: str) -> Any:
@@ -57,6 +63,8 @@ class PrefetchingDataLoader(PrefetchLoader):
         iterable = self.__dict__.get("iterable")
         if iterable is None or name.startswith("__"):
             raise AttributeError(name)
+        if name in _STATE_METHODS:  # the DataLoader's own would tell where the service has got to
+            raise _not_resumable(self, name)
         return getattr(iterable, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -79,6 +87,13 @@ class PrefetchingDataLoader(PrefetchLoader):
         finally:
             inner.close()  # stops the service thread now, not when the generator is collected
 
+
+class _ResumablePrefetchingDataLoader(PrefetchingDataLoader, _ResumablePrefetchLoader):
+    """A :class:`PrefetchingDataLoader` over a stateful DataLoader (``PrefetchingDataLoader(...)``
+    makes one)."""
+
+
+_RESUMABLE[PrefetchingDataLoader] = _ResumablePrefetchingDataLoader
 
 _OWN = frozenset(("iterable", "device", "depth", "options", "gil_switch_interval"))
 

@@ -54,6 +54,12 @@ def prefetch(loader: Any, device: Optional[Any] = None, depth: int = 2, **start_
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` for batches that are not
             packed.
 
+    Resuming: with ``DataLoaderConfiguration(use_stateful_dataloader=True)`` the prefetching
+    stand-in has the ``state_dict`` / ``load_state_dict`` of the position after the last batch
+    handed out (not where the prefetch thread has got to), which the shard records for each
+    batch it yields; ``accelerator.save_state`` saves it and ``accelerator.load_state`` (after
+    :func:`prefetch` or before it) resumes at the batch after the last one trained on.
+
     Returns:
         The same loader object. Its ``base_dataloader`` is a :class:`~mtc_loader.PrefetchLoader`
         (``loader.base_dataloader.stats()`` says whether the loop waited for data); calling

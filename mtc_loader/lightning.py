@@ -44,6 +44,12 @@ class PrefetchCallback(Callback):
     with plain ones (copied by :func:`~mtc_loader.start_copy`). :meth:`stats` gives the
     training loader's :meth:`~mtc_loader.PrefetchLoader.stats`.
 
+    Resuming: over torchdata's ``StatefulDataLoader`` the wrapped loader has ``state_dict`` /
+    ``load_state_dict`` (the position after the last batch handed out, not where the prefetch
+    thread has got to), which Lightning saves in its checkpoints and loads on
+    ``fit(..., ckpt_path=...)``: a run resumed mid-epoch goes on at the batch after the last one
+    the checkpoint had. Over a plain DataLoader it has neither, as the DataLoader.
+
     Args:
         depth: Finished batches kept ready per loader (>= 1).
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` for batches that are not

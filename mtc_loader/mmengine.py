@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 try:
     from mmengine.dataset import pseudo_collate
+    from mmengine.hooks import Hook
     from mmengine.model import BaseDataPreprocessor
     from mmengine.registry import FUNCTIONS, LOOPS, MODELS
     from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
@@ -47,7 +48,7 @@ from torch.utils.data import get_worker_info
 from . import _tree
 from ._tree import LEAF, register_container
 from .collate import Arena, PackedBatch, PackedCollate
-from .prefetch import PrefetchLoader
+from .prefetch import PrefetchLoader, _is_stateful
 
 __all__ = ["MTCDataPreprocessor", "MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "PackedPseudoCollate",
            "packed_collate"]
@@ -316,11 +317,11 @@ def _device_of(runner: Any) -> torch.device:
 
 
 class _Prefetching:
-    """The batches of an iterable, prefetched on the model's device; each one handed out is
-    marked for :class:`MTCDataPreprocessor` as on the device already."""
+    """The batches of an iterable (or of a PrefetchLoader), prefetched on the model's device; each
+    one handed out is marked for :class:`MTCDataPreprocessor` as on the device already."""
 
     def __init__(self, iterable: Any, device: torch.device, depth: int) -> None:
-        self.loader = PrefetchLoader(iterable, device, depth)
+        self.loader = iterable if isinstance(iterable, PrefetchLoader) else PrefetchLoader(iterable, device, depth)
         self.it = iter(self.loader)
 
     def __iter__(self) -> "_Prefetching":
@@ -337,12 +338,44 @@ class _Prefetching:
         self.it.close()  # type: ignore[attr-defined]  # a generator: stops the service thread
 
 
+_CKPT_KEY = "mtc_loader"  # the checkpoint's entry for the train loader's position
+
+
+class _LoaderStateHook(Hook):  # type: ignore[misc]
+    """Saves the position of the prefetching train loop's loader in every checkpoint (when its
+    DataLoader is stateful) and hands the saved one back to the loop on resume."""
+
+    priority = "VERY_LOW"
+
+    def __init__(self, loop: "MTCEpochBasedTrainLoop") -> None:
+        self.loop = loop
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
+        state = self.loop._loader_state()
+        if state is not None:
+            checkpoint[_CKPT_KEY] = state
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(_CKPT_KEY)
+        meta = checkpoint.get("meta") or {}
+        # applied only where runner.resume() puts the loop (a load_from leaves it at the start)
+        self.loop._saved_position = None if saved is None else dict(
+            saved, epoch=meta.get("epoch"), iter=meta.get("iter"))
+
+
 @LOOPS.register_module()
 class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``EpochBasedTrainLoop`` with the batches prefetched on the model's device by
     :class:`~mtc_loader.PrefetchLoader` (batch k+1 copied on the copy stream while step k
     trains). Hooks and the model receive each batch on the device. Works with packed batches
     (``mtc_packed_collate``: one DMA each) and with plain ones.
+
+    Resuming: over a stateful DataLoader (torchdata's ``StatefulDataLoader``, passed to the
+    Runner as ``train_dataloader=StatefulDataLoader(...)``), every checkpoint holds the position
+    after the last batch handed out (the loop's hook adds it under ``"mtc_loader"``), and
+    ``runner.resume`` / ``resume=True`` continue the epoch at the batch after the last one
+    trained on. Over a DataLoader that is not stateful, a checkpoint saved mid-epoch resumes at
+    the start of that epoch, as mmengine's own loop does.
 
     Config: ``train_cfg=dict(type="MTCEpochBasedTrainLoop", max_epochs=..., prefetch_depth=2)``.
     """
@@ -351,17 +384,49 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
                  **kwargs: Any) -> None:
         super().__init__(runner, dataloader, max_epochs, **kwargs)
         self.prefetch_depth = prefetch_depth
+        self._prefetch: Optional[PrefetchLoader] = None  # made at the first epoch, kept for all
+        self._done = 0  # batches of the current epoch handed out (0 once it has ended)
+        self._saved_position: Optional[dict[str, Any]] = None  # from the checkpoint resumed from
+        runner.register_hook(_LoaderStateHook(self))
+
+    def _loader(self) -> PrefetchLoader:
+        if self._prefetch is None or self._prefetch.iterable is not self.dataloader:
+            self._prefetch = PrefetchLoader(self.dataloader, _device_of(self.runner), self.prefetch_depth)
+        return self._prefetch
+
+    def _loader_state(self) -> Optional[dict[str, Any]]:
+        """What a checkpoint keeps of the loader: its state after the last batch handed out (the
+        one the step that saves has trained on) and how many batches of the epoch that makes;
+        None for a DataLoader that is not stateful."""
+        if not _is_stateful(self.dataloader):
+            return None
+        state = self._prefetch.state_dict() if self._prefetch is not None else self.dataloader.state_dict()
+        return {"train_dataloader": state, "batches_done": self._done}
+
+    def _resume_position(self, loader: PrefetchLoader) -> int:
+        """On the first epoch after ``runner.resume``: loads the saved state into the loader and
+        returns the index of the epoch's next batch (0 otherwise)."""
+        saved, self._saved_position = self._saved_position, None
+        if saved is None or (saved["epoch"], saved["iter"]) != (self._epoch, self._iter):
+            return 0
+        loader.load_state_dict(saved["train_dataloader"])
+        done: int = saved["batches_done"]
+        return done
 
     def run_epoch(self) -> None:
         self.runner.call_hook("before_train_epoch")
         self.runner.model.train()
-        batches = _Prefetching(self.dataloader, _device_of(self.runner), self.prefetch_depth)
+        loader = self._loader()
+        start = self._resume_position(loader)
+        batches = _Prefetching(loader, _device_of(self.runner), self.prefetch_depth)
         try:
-            for idx, data_batch in enumerate(batches):
+            for idx, data_batch in enumerate(batches, start):
+                self._done = idx + 1
                 self.run_iter(idx, data_batch)
                 del data_batch
         finally:
             batches.close()
+        self._done = 0
         self.runner.call_hook("after_train_epoch")
         self._epoch += 1
 

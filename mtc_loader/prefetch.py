@@ -14,6 +14,7 @@ loop.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -23,7 +24,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator as _AnIterator
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -80,7 +81,7 @@ class SideCopy:
     """A copy issued on the device's copy stream (:func:`start_side_copy`); :meth:`get` hands the
     result to the calling thread's current stream without a CPU synchronisation."""
 
-    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_keep", "_recorded", "_done")
+    __slots__ = ("_handle", "_index", "_result", "_event", "_buffers", "_keep", "_recorded", "_done", "_state")
 
     def __init__(self, handle: Any, index: int) -> None:
         # the engine's handle (an AsyncCopyHandle's, or one PackedBatch._start made)
@@ -95,6 +96,8 @@ class SideCopy:
         self._keep: Optional[list[torch.Tensor]] = None
         self._recorded: Optional[int] = None  # raw handle of the stream the buffers are recorded on
         self._done = False
+        # PrefetchLoader: the wrapped iterable's state_dict() right after this batch was taken
+        self._state: Any = _NO_STATE
 
     def ready(self) -> bool:
         """True when :meth:`get` would return without waiting for the CPU side of the copy (the
@@ -213,6 +216,18 @@ def _start(batch: Any, device: Any, options: dict[str, Any]) -> Any:
 # ------------------------------------------------------------------------------ the service
 
 _END = object()
+_NO_STATE = object()  # a batch of an iterable without state_dict (or no snapshot taken)
+_UNSET = object()  # PrefetchLoader._state before its first hand-out: the iterable's own state
+
+
+class _FailedSnapshot:
+    """The service's snapshot of the iterable's state when ``state_dict()`` raised: the batch is
+    handed out all the same, and ``PrefetchLoader.state_dict()`` raises while it is the last."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error.with_traceback(None)  # its frames would keep the iterator alive
 
 # NVTX and torch.profiler ranges (_trace), entered only when a tool is attached: the caller's wait
 # and hand-out in __next__, and the service thread's copy of one batch (in torch.profiler traces
@@ -268,8 +283,13 @@ class _Service:
 
     def __init__(self, iterable: Iterable[Any], index: int, device: Any, depth: int, options: dict[str, Any],
                  stats: dict[str, Any], switch_interval: Optional[float],
-                 consumer: Optional["torch.cuda.Stream"]) -> None:
+                 consumer: Optional["torch.cuda.Stream"], snapshot: Optional[Callable[[], Any]] = None,
+                 copy_snapshots: bool = False) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        # the iterable's state_dict (None: not stateful), called after each batch is taken and at
+        # the end; copy_snapshots: its result may change later (deep-copied then)
+        self.snapshot, self.copy_snapshots = snapshot, copy_snapshots
+        self.end_state: Any = _NO_STATE  # the snapshot taken when the iterable ended
         # an iterable whose iterations share one iterator: the service of its last epoch, which
         # this one waits for (a stopped epoch's thread may still be inside next() on it)
         self.key, self.previous = _claim(iterable, self)
@@ -342,8 +362,13 @@ class _Service:
             try:
                 batch = take()
             except StopIteration:
+                if self.snapshot is not None:
+                    self.end_state = self._snap()
                 return None, None, True
             self.stats["service_next_s"] += time.thread_time() - t0
+            # the position right after this batch, taken before the iterable moves on: what
+            # PrefetchLoader.state_dict() says once the caller has this batch
+            state = self._snap() if self.snapshot is not None else _NO_STATE
             if self.stopping:
                 del batch  # an unconsumed PackedBatch frees its region
                 return None, None, True
@@ -356,12 +381,21 @@ class _Service:
                 side = SideCopy(_start(batch, self.device, self.options), self.index)
                 del batch
                 side._finish(self.consumer)
+            side._state = state
             return side, None, False
         except BaseException as e:
             return None, e, False
         finally:
             if switch:
                 _SWITCH.exit()
+
+    def _snap(self) -> Any:
+        assert self.snapshot is not None
+        try:
+            state = self.snapshot()
+            return copy.deepcopy(state) if self.copy_snapshots else state
+        except Exception as e:  # raised by PrefetchLoader.state_dict() while it is the last
+            return _FailedSnapshot(e)
 
     def _wait_for_room(self) -> bool:
         with self.cond:
@@ -520,6 +554,57 @@ def _stop_all_services() -> None:
 threading._register_atexit(_stop_all_services)  # type: ignore[attr-defined]
 
 
+_L = TypeVar("_L", bound="PrefetchLoader")
+_STATE_METHODS = ("state_dict", "load_state_dict")
+
+
+def _is_stateful(iterable: Any) -> bool:
+    """Whether an iterable has a position to save (torchdata's ``StatefulDataLoader``, any object
+    with ``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(iterable, "state_dict", None)) and callable(getattr(iterable, "load_state_dict", None))
+
+
+def _snapshots_may_change(iterable: Any) -> bool:
+    """Whether what ``iterable.state_dict()`` returns may be changed by the iterable later (the
+    service then deep-copies each snapshot). A ``StatefulDataLoader`` builds new dicts on every
+    call (with workers, from states that crossed a pipe) and torch's and torchdata's samplers
+    return new ones; it puts in as they are what other samplers' ``state_dict()`` return and,
+    without workers, the dataset's."""
+    module = sys.modules.get("torchdata.stateful_dataloader")
+    loader_type = getattr(module, "StatefulDataLoader", None)
+    if loader_type is None or not isinstance(iterable, loader_type):
+        return True
+    parts = [getattr(iterable, "sampler", None), getattr(iterable, "batch_sampler", None)]
+    if not iterable.num_workers:
+        parts.append(iterable.dataset)
+    return any(callable(getattr(p, "state_dict", None))
+               and not type(p).__module__.startswith(("torch.", "torchdata.")) for p in parts)
+
+
+class _NotResumableError(AttributeError, TypeError):
+    """``state_dict`` / ``load_state_dict`` of a PrefetchLoader whose iterable has no state: a
+    TypeError for the caller, and an AttributeError, so that ``hasattr()`` (what Lightning and
+    accelerate probe) says the loader has none."""
+
+
+def _not_resumable(loader: "PrefetchLoader", name: str) -> _NotResumableError:
+    return _NotResumableError(
+        f"mtc_loader: {type(loader).__name__}.{name} needs an iterable with state_dict() and "
+        f"load_state_dict(), and this one wraps a {type(loader.__dict__.get('iterable')).__name__}, which has none; "
+        "to save and resume the position in an epoch, wrap torchdata's StatefulDataLoader "
+        "(from torchdata.stateful_dataloader import StatefulDataLoader; pip install torchdata) instead "
+        "of a DataLoader")
+
+
+class _Position:
+    """The wrapped iterable's state after the last batch handed out (what the hand-out swaps in)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: Any = _UNSET
+
+
 class PrefetchLoader:
     """Wraps a DataLoader (or any iterable of batches) and yields the batches on ``device``,
     copied ahead by a daemon thread on the device's copy stream.
@@ -540,6 +625,17 @@ class PrefetchLoader:
     and lets the DataLoader shut its workers down. :meth:`stats` says whether the loop waited for
     data.
 
+    **Resuming.** Over an iterable with ``state_dict()`` and ``load_state_dict()`` (torchdata's
+    ``StatefulDataLoader``), the loader has both too. ``state_dict()`` describes the position
+    after the last batch **handed out** to the caller, not where the thread has got to: the
+    thread takes the iterable's ``state_dict()`` right after taking each batch and the snapshot
+    travels with the batch (before the first batch: the iterable's own ``state_dict()``; after a
+    full epoch: its state at the end). ``load_state_dict(state)`` passes ``state`` to the
+    iterable; call it before iterating: the next epoch starts at the batch after the saved one.
+    Over an iterable without them the loader has neither (``hasattr`` says so, so frameworks
+    that probe for them do not take the loader for stateful); calling them raises a
+    ``TypeError`` that says to use ``StatefulDataLoader``.
+
     Args:
         iterable: The batches (e.g. a ``torch.utils.data.DataLoader``).
         device: Target device, e.g. ``"cuda"`` (the current device when iteration starts),
@@ -554,6 +650,14 @@ class PrefetchLoader:
             ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
             here, whatever the batches are.
     """
+
+    def __new__(cls: type[_L], *args: Any, **kwargs: Any) -> _L:
+        # over a stateful iterable: the class that has state_dict / load_state_dict (a class
+        # lacking them otherwise, since frameworks probe for them with hasattr or the class)
+        iterable = args[0] if args else kwargs.get("iterable")
+        if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
+            cls = _resumable_class(cls)
+        return object.__new__(cls)
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
                  gil_switch_interval: Optional[float] = 0.0005, **start_copy_options: Any) -> None:
@@ -571,6 +675,17 @@ class PrefetchLoader:
         self.gil_switch_interval = gil_switch_interval
         self.options = start_copy_options
         self._stats = _new_stats()
+        self._position = _Position()
+
+    if TYPE_CHECKING:  # present at run time only over a stateful iterable (see the class docstring)
+        def state_dict(self) -> Any: ...
+
+        def load_state_dict(self, state: Any) -> None: ...
+    else:
+        def __getattr__(self, name: str) -> Any:
+            if name in _STATE_METHODS:
+                raise _not_resumable(self, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -611,13 +726,17 @@ class PrefetchLoader:
         device = self.device if index < 0 else torch.device("cuda", index)
         stats = self._stats
         consumer = torch.cuda.current_stream(index) if index >= 0 else None
+        snapshot, copy_snapshots = None, False
+        if isinstance(self, _ResumablePrefetchLoader):
+            snapshot = self.iterable.state_dict  # type: ignore[attr-defined]
+            copy_snapshots = _snapshots_may_change(self.iterable)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
-                           self.gil_switch_interval, consumer)
+                           self.gil_switch_interval, consumer, snapshot, copy_snapshots)
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over
             # the yield would free the previous batch (hundreds of tensors) inside the next
             # __next__ instead of where the caller drops it.
-            hand = _HandOut(service, stats)
+            hand = _HandOut(service, stats, self._position)
             while hand.pending():
                 try:
                     yield hand.take()
@@ -627,6 +746,45 @@ class PrefetchLoader:
             # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
             # the caller now; that thread ends by itself (stop's docstring)
             service.stop(_STOP_JOIN_S)
+
+
+class _ResumablePrefetchLoader(PrefetchLoader):
+    """A :class:`PrefetchLoader` over a stateful iterable (``PrefetchLoader(...)`` makes one):
+    ``state_dict`` / ``load_state_dict`` of the position after the last batch handed out."""
+
+    def state_dict(self) -> Any:
+        """The wrapped iterable's state after the last batch handed out to the caller (the
+        iterable's own ``state_dict()`` before the first). A dict is a new one on every call (its
+        values are shared with the saved snapshot: treat them as read-only)."""
+        state = self._position.state
+        if state is _UNSET:
+            return self.iterable.state_dict()  # type: ignore[attr-defined]
+        if isinstance(state, _FailedSnapshot):
+            raise RuntimeError(f"mtc_loader: the {type(self.iterable).__name__}'s state_dict() raised right "
+                               "after the last batch handed out, so there is no position to save") from state.error
+        return dict(state) if type(state) is dict else state
+
+    def load_state_dict(self, state: Any) -> None:
+        """Passes ``state`` (from :meth:`state_dict`) to the wrapped iterable's ``load_state_dict``;
+        the next epoch (the next ``iter()``) starts after the batch it describes. Call it before
+        iterating, not during an epoch."""
+        self.iterable.load_state_dict(state)  # type: ignore[attr-defined]
+        # the position is the loaded one (a copy: the caller may reuse its dict); {} is
+        # StatefulDataLoader's "no state", for which the iterable's own state stands
+        self._position.state = _UNSET if isinstance(state, dict) and not state else copy.deepcopy(state)
+
+
+_RESUMABLE: dict[type, type] = {PrefetchLoader: _ResumablePrefetchLoader}
+
+
+def _resumable_class(cls: type[_L]) -> type[_L]:
+    """The class of a ``cls`` over a stateful iterable: ``cls`` with :class:`_ResumablePrefetchLoader`'s
+    methods (registered ones for this package's classes, made once for a subclass of the caller)."""
+    found = _RESUMABLE.get(cls)
+    if found is None:
+        found = _RESUMABLE[cls] = type(cls.__name__, (cls, _ResumablePrefetchLoader),
+                                       {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    return found
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -642,10 +800,10 @@ def _check_options(options: dict[str, Any]) -> None:
 class _HandOut:
     """The caller's side of one epoch: takes finished batches and counts the time it waited."""
 
-    __slots__ = ("service", "stats", "last", "done")
+    __slots__ = ("service", "stats", "last", "done", "position")
 
-    def __init__(self, service: _Service, stats: dict[str, Any]) -> None:
-        self.service, self.stats = service, stats
+    def __init__(self, service: _Service, stats: dict[str, Any], position: _Position) -> None:
+        self.service, self.stats, self.position = service, stats, position
         self.last: Optional[float] = None
         self.done = False
 
@@ -673,6 +831,8 @@ class _HandOut:
             raise error
         if side is _END:
             self.done = True
+            if self.service.end_state is not _NO_STATE:
+                self.position.state = self.service.end_state  # the iterable's state at its end
             raise _EpochEnd
         self.last = time.perf_counter()
         stats["wait_s"] += self.last - t0
@@ -689,6 +849,7 @@ class _HandOut:
             if fresh is not None:
                 self.service.consumer = fresh
         side._keep = None  # the temporary views go here, before the service is woken
+        self.position.state = side._state  # the iterable's position after this batch
         return side._result
 
 
