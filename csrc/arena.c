@@ -465,6 +465,24 @@ void mtc_arena_get_stats(mtc_arena *a, mtc_arena_stats *o)
     o->high_water = mtc_load_relaxed(&h->high_water);
 }
 
+void mtc_arena_usage(mtc_arena *a, uint32_t owner, mtc_arena_usage_t *u)
+{
+    memset(u, 0, sizeof *u);
+    for (uint32_t i = 0; i < a->nslots; i++) {
+        uint64_t s = mtc_load_relaxed(&a->hdr->slots[i]);
+        if (!s) continue;
+        int mine = (uint32_t)s == owner;
+        int head = (s & MTC_ARENA_HEAD) != 0;
+        if (mine) {
+            u->owner_slots++;
+            u->owner_regions += head;
+        } else {
+            u->other_slots++;
+            u->other_regions += head;
+        }
+    }
+}
+
 int mtc_arena_valid(mtc_arena *a)
 {
     uint64_t used = 0;

@@ -139,6 +139,13 @@ int mtc_arena_creator_gone(const mtc_arena *a);
 /* Frees every slot owned by `owner`; returns slots freed. */
 uint64_t mtc_arena_reclaim_owner(mtc_arena *a, uint32_t owner);
 void mtc_arena_get_stats(mtc_arena *a, mtc_arena_stats *out);
+/* Who holds the arena's slots now, for an error message (a racy snapshot of
+ * untrusted words, for messages only): the regions and slots
+ * owned by `owner`, and by every other process. */
+typedef struct mtc_arena_usage_t {
+    uint64_t owner_regions, owner_slots, other_regions, other_slots;
+} mtc_arena_usage_t;
+void mtc_arena_usage(mtc_arena *a, uint32_t owner, mtc_arena_usage_t *u);
 /* Invariant checker (tests; quiescent arena): 1 valid, 0 broken. */
 int mtc_arena_valid(mtc_arena *a);
 

@@ -250,14 +250,39 @@ static int _pack_too_big(mtc_arena *a, int64_t payload, int rc)
     mtc_arena_get_stats(a, &as);
     int64_t slot = (int64_t)as.slot_bytes;
     int64_t rounded = payload > INT64_MAX - slot ? payload : (payload + slot - 1) / slot * slot;
+    if (rc == -E2BIG) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "mtc_loader: the shared arena (%llu bytes) is too small for a packed batch of %lld "
+                     "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                     "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                     "(this batch rounded up to the arena's 64 KiB slots)",
+                     (unsigned long long)as.bytes, (long long)payload, (long long)rounded);
+        return -1;
+    }
+    /* full for too long: say who holds the room. The training process (the
+     * arena's creator) holds the batches it received and has not unpacked or
+     * dropped; a loop that keeps them fills an arena of any size. */
+    uint32_t creator = a->hdr->creator_pid;
+    mtc_arena_usage_t u;
+    mtc_arena_usage(a, creator, &u);
     PyErr_Format(PyExc_RuntimeError,
-                 "mtc_loader: the shared arena (%llu bytes, %llu in use) %s a packed batch of %lld "
-                 "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                 "mtc_loader: the shared arena (%llu bytes, %llu in use) stayed full too long to take a packed "
+                 "batch of %lld bytes: %llu batches (%llu bytes) are still held by the training process (pid "
+                 "%u: received, and not yet unpacked or dropped), %llu (%llu bytes) by other processes "
+                 "(DataLoader workers: packed, not yet received). %s"
+                 "ake it larger than its %llu bytes: PackedCollate(arena_bytes=...) of at least "
                  "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
                  "(this batch rounded up to the arena's 64 KiB slots)",
                  (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
-                 rc == -E2BIG ? "is too small for" : "stayed full too long to take", (long long)payload,
-                 (long long)rounded);
+                 (long long)payload, (unsigned long long)u.owner_regions,
+                 (unsigned long long)(u.owner_slots * as.slot_bytes), (unsigned)creator,
+                 (unsigned long long)u.other_regions, (unsigned long long)(u.other_slots * as.slot_bytes),
+                 u.owner_regions ? "A loop that keeps the PackedBatch objects it receives (in a list, or "
+                                   "referenced beyond its step) fills an arena of any size: unpack each one "
+                                   "(batch.to(device), or iterate a PrefetchLoader) and keep what it unpacks "
+                                   "to, or drop it. Otherwise, m"
+                                 : "M",
+                 (unsigned long long)as.bytes, (long long)rounded);
     return -1;
 }
 

@@ -241,12 +241,18 @@ void mtc_uring_spec_part(const mtc_file_spec *s, uint32_t k, mtc_file_part *part
  * has no offsets, so they are refused (-ESPIPE, what pread says of a pipe)
  * without blocking: opened O_NONBLOCK, checked, then made blocking again
  * (io_uring would return -EAGAIN for a non-blocking descriptor's reads
- * rather than wait for the device). A directory is -EISDIR. */
+ * rather than wait for the device). A directory is -EISDIR. A socket, which
+ * open() refuses with ENXIO, is -ESPIPE too. */
 static int _open_data(const char *path, int flags)
 {
     int fd = open(path, flags | O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return -errno;
     struct stat sb;
+    if (fd < 0) {
+        int e = errno;
+        /* a Unix socket cannot be opened at all (ENXIO): refused as what it is */
+        if (e == ENXIO && stat(path, &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISBLK(sb.st_mode)) return -ESPIPE;
+        return -e;
+    }
     int rc = 0;
     if (fstat(fd, &sb)) rc = -errno;
     else if (S_ISDIR(sb.st_mode)) rc = -EISDIR;

@@ -2,7 +2,7 @@
 engine's target index (-1 for the CPU)."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -22,6 +22,10 @@ def target_index(device: Union[str, torch.device, int]) -> int:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
+        meant = _meant(device)
+        if meant is not None:
+            raise ValueError(f"mtc_loader: invalid device {device!r}; did you mean {meant!r}? mtc_loader "
+                             "copies to 'cpu' and 'cuda[:N]'") from None
         raise ValueError(f"mtc_loader: invalid device {device!r}: {e}") from None
     if dev.type == "cpu":
         index = -1
@@ -49,3 +53,22 @@ def target_index(device: Union[str, torch.device, int]) -> int:
     if isinstance(device, (str, torch.device)):
         _TARGETS[device] = index
     return index
+
+
+# names of a GPU that torch does not know, and the device they mean
+_GPU_NAMES = ("gpu", "nvidia", "cuda")
+
+
+def _meant(device: Any) -> Optional[str]:
+    """The CUDA device a string such as ``"gpu"``, ``"GPU:1"`` or ``"cuda1"`` means, or None."""
+    if not isinstance(device, str):
+        return None
+    name = device.strip().lower()
+    for prefix in _GPU_NAMES:
+        if name.startswith(prefix):
+            rest = name[len(prefix):].lstrip(":")
+            if rest == "":
+                return "cuda"
+            if rest.isdigit():
+                return f"cuda:{int(rest)}"
+    return None

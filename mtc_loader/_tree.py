@@ -19,6 +19,8 @@ import dataclasses
 import os
 import pickle
 import threading
+import warnings
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -132,7 +134,34 @@ def _registration(tp: type) -> Optional[_Registration]:
 
 
 def classify(tp: type) -> int:
-    """How the traversal treats instances of ``tp`` (a type that is not exactly list/tuple/dict)."""
+    """How the traversal treats instances of ``tp`` (a type that is not exactly list/tuple/dict):
+    the engine's question, asked once per type (its answer is cached in C). A class that is passed
+    through as it is, although it has a ``to`` method (a class of the user's that holds tensors
+    and moves them itself), is warned about once: the engine does not call that method."""
+    kind = _classify(tp)
+    if kind == LEAF_KIND and callable(getattr(tp, "to", None)):
+        _warn_passed_through(tp)
+    return kind
+
+
+# the classes _warn_passed_through has warned about (weakly: classes made per batch may go)
+_WARNED_TO: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
+def _warn_passed_through(tp: type) -> None:
+    with _LOCK:
+        if tp in _WARNED_TO:
+            return
+        _WARNED_TO.add(tp)
+    warnings.warn(
+        f"mtc_loader: {_qualname(tp)} has a to() method but is not a container mtc_loader walks: "
+        "its instances are passed through as the same objects, and the tensors they hold are not "
+        f"copied (nor is its to() called). Register it with mtc_loader.register_container("
+        f"{tp.__qualname__}, flatten, unflatten) to have its tensors copied, or move it yourself "
+        "after the copy", UserWarning, stacklevel=2)
+
+
+def _classify(tp: type) -> int:
     if issubclass(tp, torch.Tensor):
         return TENSOR
     if issubclass(tp, np.ndarray):
@@ -152,7 +181,7 @@ def element_kind(tp: type) -> int:
         if tp in _NATIVE:
             k = GENERIC if tp in (list, tuple, dict) else LEAF_KIND
         else:
-            k = classify(tp)
+            k = _classify(tp)
         _memo(_KINDS, tp, k, gen)
     return k
 
@@ -249,19 +278,43 @@ def unregister_container(cls: type) -> None:
     _forget()
 
 
-def _install(regs: tuple[tuple[Any, ...], ...]) -> "_CarriedRegistrations":
+def _install(regs: tuple[Any, ...]) -> "_CarriedRegistrations":
     """In a process started by spawn or forkserver: the registrations its parent carried, unless
-    this process registered the class itself (at import of the module that defines it)."""
-    for cls, flatten, unflatten, names in regs:
+    this process registered the class itself (at import of the module that defines it). Each one
+    travels as a pickle of its own: one that cannot be unpickled here (a class defined in the
+    parent's ``__main__``: a notebook, ``python -c``, a REPL) is skipped, and said once, rather
+    than failing the process's start-up."""
+    lost = []
+    for entry in regs:
+        name, blob = entry
+        try:
+            cls, flatten, unflatten, names = pickle.loads(blob)
+        except Exception as e:
+            lost.append(f"{name} ({type(e).__name__}: {e})")
+            continue
         if cls not in _REGISTRY:
             register_container(cls, flatten, unflatten, names=names)
+    if lost and not _UNCARRIED_WARNED:
+        _UNCARRIED_WARNED.append(True)
+        warnings.warn(
+            f"mtc_loader: process {os.getpid()} (a DataLoader worker started by spawn or forkserver) "
+            f"could not receive {len(lost)} container registration(s) of the process that started it: "
+            f"{'; '.join(lost)}. Instances of those classes are passed through here as they are, "
+            "not walked (a class defined in __main__ of a notebook, python -c or a REPL cannot be "
+            "found by such a process: define it in a module and register it at that module's "
+            "import)", RuntimeWarning, stacklevel=2)
     return CARRIED
+
+
+_UNCARRIED_WARNED: list[bool] = []
 
 
 class _CarriedRegistrations:
     """Pickles as this process's registrations (those whose functions pickle): a
     :class:`~mtc_loader.PackedCollate` holds one, so that a DataLoader worker started by spawn or
-    forkserver walks the same containers as the process that started it."""
+    forkserver walks the same containers as the process that started it. Each registration
+    travels as a pickle of its own, unpickled by :func:`_install`: one the receiving process
+    cannot unpickle is skipped there."""
 
     __slots__ = ()
 
@@ -270,10 +323,10 @@ class _CarriedRegistrations:
         for r in _REGISTRY.values():
             for entry in ((r.cls, r.flatten, r.unflatten, r.names), (r.cls, r.flatten, r.unflatten, None)):
                 try:
-                    pickle.dumps(entry)
+                    blob = pickle.dumps(entry)
                 except Exception:  # a lambda or a local function: the worker must register itself
                     continue
-                regs.append(entry)  # (without its names where only they do not pickle)
+                regs.append((_qualname(r.cls), blob))  # (without its names where only they do not pickle)
                 break
         return (_install, (tuple(regs),))
 
@@ -289,17 +342,23 @@ class _Names:
 
     def __init__(self, reg: _Registration, context: Any, n: int) -> None:
         self.reg, self.context, self.n = reg, context, n
-        self._names: Optional[Sequence[str]] = None
+        self._names: Optional[list[Any]] = None
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> str:
-        if self.reg.names is None:
-            return f"[{i}]"
-        if self._names is None:
-            self._names = self.reg.names(self.context)
-        return f".{self._names[i]}"
+        if self.reg.names is not None:
+            if self._names is None:
+                # names only builds messages: one that raises or returns too few names must not
+                # hide the error being reported, so its children are then named by position
+                try:
+                    self._names = list(self.reg.names(self.context))
+                except Exception:
+                    self._names = []
+            if i < len(self._names) and isinstance(self._names[i], str):
+                return f".{self._names[i]}"
+        return f"[{i}]"
 
 
 def _same_kind(exc: BaseException, msg: str) -> BaseException:

@@ -162,6 +162,10 @@ class PackedBatch:
         self._state = state
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._state in ("held", "consumed"):
+            # this process frees its region (or did): a copy would unpack or free it a second time
+            # (copy.copy, copy.deepcopy and pickle all come here)
+            raise RuntimeError(_NOT_COPIED)
         skeleton = self._skeleton if self._atoms is None else _SharedSkeleton(self._skeleton)
         return (_rebuild_batch, (self._arena.token, self._off, self._nbytes, self._owner,
                                  self._layout, skeleton, self._atoms))
@@ -170,6 +174,12 @@ class PackedBatch:
     def nbytes(self) -> int:
         """Bytes of tensor data (with alignment padding) in the region."""
         return self._nbytes
+
+    def __getitem__(self, key: Any) -> Any:
+        # (also what a for loop over the batch, or unpacking it, reaches)
+        raise TypeError("mtc_loader: a PackedBatch is the batch packed for the trip from the worker, not "
+                        "its structure: get the structure with batch.to(device) (or batch.unpack()), or "
+                        "iterate mtc_loader.PrefetchLoader(loader, device), which yields it on the device")
 
     def pin_memory(self, device: Any = None) -> "PackedBatch":
         """The arena is page-locked already: ``DataLoader(pin_memory=True)`` does no work here."""
@@ -296,14 +306,18 @@ def _skeleton_of(blob: bytes) -> Any:
     return sk
 
 
+_NOT_COPIED = ("mtc_loader: a PackedBatch cannot be copied or pickled within the process that holds its "
+               "region (it is consumed once): copy the structure it unpacks to instead "
+               "(copy.deepcopy(batch.to(device)))")
+
+
 def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: int, layout: bytes,
                    skeleton: Any, atoms: Optional[tuple[Any, ...]] = None) -> PackedBatch:
     arena = _ARENAS.get(token)
     if arena is None:
         raise RuntimeError("mtc_loader: a PackedBatch arrived in a process that does not hold its arena")
     if owner == os.getpid():
-        raise RuntimeError("mtc_loader: a PackedBatch cannot be copied or pickled within the process "
-                           "that holds its region (it is consumed once)")
+        raise RuntimeError(_NOT_COPIED)
     if _consumes(arena):
         # the consuming process takes the region over from the worker that filled it, so that
         # the worker's death cannot free it any more
@@ -357,6 +371,21 @@ class PackedCollate:
         self.align = align
         # pickles as the registered containers: a worker started by spawn walks the same types
         self.containers = _tree.CARRIED
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled to DataLoader workers started by spawn or forkserver: a collate_fn that does not
+        # pickle (a lambda, a local function) would fail there with no word of what to do
+        try:
+            reduction.ForkingPickler.dumps(self.collate_fn)
+        except Exception as e:
+            raise _tree._same_kind(e, (
+                f"mtc_loader: PackedCollate's collate_fn {self.collate_fn!r} cannot be pickled "
+                f"({type(e).__name__}: {e}), and a PackedCollate travels pickled to DataLoader workers "
+                "started by spawn or forkserver (and to processes of launchers such as "
+                "torch.multiprocessing.spawn): define the collate function with def at a module's top "
+                "level (functools.partial of such a function works too), or start the workers with "
+                "multiprocessing_context='fork'")) from e
+        return self.__dict__
 
     def __call__(self, samples: list[Any]) -> PackedBatch:
         # the tensors default_collate stacks go to this process's warm blocks rather than

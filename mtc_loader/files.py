@@ -14,6 +14,7 @@ FileTensors into one FileTensor with one part per file (registered in torch's
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -94,22 +95,43 @@ def _open_data(path: Union[str, bytes]) -> tuple[int, int]:
     only a regular file or a block device is read at offsets (a FIFO's open would wait for a
     writer; a FIFO, socket or character device has no offsets), as the engine checks its opens
     (csrc/uring.c: _open_data)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        # a Unix socket cannot be opened at all (ENXIO): say what it is, as for a FIFO
+        if e.errno == errno.ENXIO and not _regular_or_block(path):
+            raise _not_regular(path) from None
+        raise
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode):
             size = st.st_size
         elif stat.S_ISBLK(st.st_mode):
             size = os.lseek(fd, 0, os.SEEK_END)
+        elif stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(f"mtc_loader: {os.fsdecode(path)!r} is a directory; a FileTensor reads "
+                                    "a regular file or a block device at offsets")
         else:
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file or block device"
-            raise OSError(f"mtc_loader: {os.fsdecode(path)!r} is {kind}; a FileTensor reads a regular "
-                          "file or a block device at offsets")
+            raise _not_regular(path)
         os.set_blocking(fd, True)
         return fd, size
     except BaseException:
         os.close(fd)
         raise
+
+
+def _regular_or_block(path: Union[str, bytes]) -> bool:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return True  # nothing to add to open's own error
+    return stat.S_ISREG(mode) or stat.S_ISBLK(mode)
+
+
+def _not_regular(path: Union[str, bytes]) -> OSError:
+    """The refusal of a FIFO, socket or character device."""
+    return OSError(f"mtc_loader: {os.fsdecode(path)!r} is not a regular file or block device; a FileTensor "
+                   "reads a regular file or a block device at offsets")
 
 
 def _npy_header_fast(path: Union[str, bytes]) -> Optional[tuple[tuple[int, ...], bool, np.dtype, int]]:
@@ -208,6 +230,10 @@ class FileTensor:
             shape = (rest // size,) if shape is None else _fill_minus_one(where, tuple(shape), rest // size)
         dims = _check_shape(shape)
         nbytes = math.prod(dims) * size
+        if nbytes == 0 and math.prod(d for d in dims if d) * size > _MAX_OFFSET:
+            raise ValueError(f"mtc_loader: FileTensor {where!r}: shape {dims} of {dt} holds no element, but its "
+                             "non-zero dimensions span more than 2**63 - 1 bytes, which torch cannot "
+                             "make a tensor of (a wrong shape?)")
         if nbytes > _MAX_OFFSET:
             raise ValueError(f"mtc_loader: FileTensor {where!r}: shape {dims} of {dt} is {nbytes} bytes, more "
                              f"than a file can hold (at most 2**63 - 1 bytes)")
@@ -316,6 +342,10 @@ class FileTensor:
         if total > _MAX_OFFSET:
             raise ValueError(f"mtc_loader: {len(items)} stacked FileTensors of {first.nbytes} bytes each are "
                              f"{total} bytes, more than one tensor can hold (at most 2**63 - 1 bytes)")
+        if total == 0 and len(items) * math.prod(d for d in first.shape if d) * first.dtype.itemsize > _MAX_OFFSET:
+            raise ValueError(f"mtc_loader: {len(items)} stacked FileTensors of shape {tuple(first.shape)} hold no "
+                             "element, but the stack's non-zero dimensions span more than 2**63 - 1 bytes, "
+                             "which torch cannot make a tensor of")
         return _rebuild(first.dtype, (len(items), *first.shape), parts)
 
 

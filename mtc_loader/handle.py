@@ -43,5 +43,10 @@ class AsyncCopyHandle:
         """
         return self._h.get()
 
+    def __getitem__(self, key: Any) -> Any:
+        # (also what a for loop over the handle, or unpacking it, reaches)
+        raise TypeError("mtc_loader: an AsyncCopyHandle is a copy in flight, not its result: "
+                        "handle.get() returns the copied structure")
+
     def __repr__(self) -> str:
         return f"<AsyncCopyHandle ready={self.ready()}>"

@@ -245,30 +245,51 @@ class _SwitchInterval:
     default). The service releases the GIL several times per batch (the DataLoader's pipe reads
     and polls, the wait for the copy), and each time it must wait for another forced switch: at
     5 ms per wait it falls behind a 10 ms step. A short interval while it works bounds each wait;
-    the time it holds the GIL stays the same. Restored when no service works any more (unless the
-    program changed it meanwhile).
+    the time it holds the GIL stays the same.
+
+    While several services work at once, the interval is the shortest any of them asked for (and
+    never above the program's own). The program's interval comes back exactly when no service
+    works any more, unless the program changed it meanwhile (its new value is then kept, and is
+    the one lowered from next). The interpreter keeps the interval in whole microseconds,
+    truncating what it is given, and reports it as a float that does not always give the same
+    microseconds back (after ``setswitchinterval(0.0071)``, setting ``getswitchinterval()``
+    again keeps 7099 us, not 7100), so values are compared and set here in those microseconds:
+    the one the program had is set back as it was, and nothing is set when nothing changes.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.active = 0
-        self.saved = 0.0
-        self.ours = 0.0
+        self.wanted: list[int] = []  # the intervals of the services working now, in us
+        self.saved = 0  # the program's interval, in us
+        self.ours: Optional[int] = None  # the interval set or kept here while services work, in us
+
+    @staticmethod
+    def _get() -> int:
+        return round(sys.getswitchinterval() * 1e6)
+
+    @staticmethod
+    def _set(us: int) -> None:
+        # the interpreter keeps int(1e6 * seconds): half a microsecond above lands on us exactly
+        sys.setswitchinterval((us + 0.5) / 1e6)
+
+    def _apply(self) -> None:
+        cur = self._get()
+        if self.ours is None or cur != self.ours:  # no service worked, or the program changed it
+            self.saved = cur
+        target = min([self.saved, *self.wanted])
+        if target != cur:
+            self._set(target)
+        self.ours = target if self.wanted else None
 
     def enter(self, interval: float) -> None:
         with self.lock:
-            self.active += 1
-            if self.active == 1:
-                self.saved = sys.getswitchinterval()
-                if interval < self.saved:
-                    sys.setswitchinterval(interval)
-                self.ours = sys.getswitchinterval()
+            self.wanted.append(int(1e6 * interval))  # what the interpreter would keep of it
+            self._apply()
 
-    def exit(self) -> None:
+    def exit(self, interval: float) -> None:
         with self.lock:
-            self.active -= 1
-            if self.active == 0 and sys.getswitchinterval() == self.ours:
-                sys.setswitchinterval(self.saved)
+            self.wanted.remove(int(1e6 * interval))
+            self._apply()
 
 
 _SWITCH = _SwitchInterval()
@@ -354,7 +375,6 @@ class _Service:
         the copy stream and finished: ``(SideCopy, None, False)``, ``(None, exception, False)`` or
         ``(None, None, True)`` at the end (or when stopping)."""
         interval = self.switch_interval
-        switch = interval is not None
         if interval is not None:
             _SWITCH.enter(interval)
         try:
@@ -386,8 +406,8 @@ class _Service:
         except BaseException as e:
             return None, e, False
         finally:
-            if switch:
-                _SWITCH.exit()
+            if interval is not None:
+                _SWITCH.exit(interval)
 
     def _snap(self) -> Any:
         assert self.snapshot is not None

@@ -206,7 +206,10 @@ def test_deque_is_a_container_through_torch_pytree():
 
 def test_registrations_travel_with_packed_collate_pickles():
     pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
-    regs = pickle.loads(pickle.dumps(pc.containers.__reduce__()[1][0]))
+    # each registration travels as a pickle of its own, named by its class
+    carried = pickle.loads(pickle.dumps(pc.containers.__reduce__()[1][0]))
+    regs = [pickle.loads(blob) for _, blob in carried]
+    assert [name for name, _ in carried] == [f"{r[0].__module__}.{r[0].__qualname__}" for r in regs]
     classes = [r[0] for r in regs]
     assert Boxes in classes and Frame in classes
     assert [r[3] for r in regs if r[0] is Boxes] == [_boxes_names]
@@ -214,7 +217,7 @@ def test_registrations_travel_with_packed_collate_pickles():
     # a lambda's registration does not pickle: left out (the worker must register it itself)
     mtc_loader.register_container(LateBox, lambda b: ([b.t], None), lambda v, c: _late(v[0]))
     try:
-        assert LateBox not in [r[0] for r in pc.containers.__reduce__()[1][0]]
+        assert LateBox not in [pickle.loads(blob)[0] for _, blob in pc.containers.__reduce__()[1][0]]
     finally:
         mtc_loader.unregister_container(LateBox)
 

@@ -1,0 +1,402 @@
+"""The rough edges a new user meets first: errors that say what to do, and nothing that breaks a
+program's DataLoader workers or changes its own settings.
+
+CPU only (the CUDA half of the example runs where a GPU is, in examples/example.py itself).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import mtc_loader
+from mtc_loader import FileTensor, PackedCollate, _tree
+from mtc_loader.prefetch import _SwitchInterval
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sparse():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on sparse invariant checks
+        return torch.sparse_coo_tensor([[0]], [1.0], (2,))
+
+
+class Holder:
+    """A registered container (module level: its registration pickles)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _holder_flatten(h):
+    return [h.t], None
+
+
+def _holder_unflatten(values, context):
+    h = Holder.__new__(Holder)
+    h.t = values[0]
+    return h
+
+
+# ------------------------------------------------------ registrations carried to spawn workers
+
+class Vanishing:
+    """Stands for a class of the parent's __main__ that a spawn worker cannot find."""
+
+
+def _vanishing_flatten(v):
+    return [], None
+
+
+def _vanishing_unflatten(values, context):
+    return Vanishing()
+
+
+def test_a_carried_registration_that_cannot_be_unpickled_is_skipped_and_said_once(monkeypatch):
+    monkeypatch.setattr(_tree, "_UNCARRIED_WARNED", [], raising=False)
+    mtc_loader.register_container(Vanishing, _vanishing_flatten, _vanishing_unflatten)
+    mtc_loader.register_container(Holder, _holder_flatten, _holder_unflatten)
+    try:
+        blob = pickle.dumps(PackedCollate(list, arena_bytes=65536).containers)  # what a worker receives
+        mtc_loader.unregister_container(Holder)
+        mtc_loader.unregister_container(Vanishing)
+        saved = globals().pop("Vanishing")  # the receiving process cannot find the class
+        try:
+            with pytest.warns(RuntimeWarning, match=r"could not receive 1 container registration.*"
+                                                    r"test_user_errors\.Vanishing.*__main__"):
+                carried = pickle.loads(blob)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                pickle.loads(blob)  # said once
+        finally:
+            globals()["Vanishing"] = saved
+        assert carried is _tree.CARRIED
+        # the others are installed
+        assert _tree._registration(Holder) is not None
+    finally:
+        for cls in (Holder, Vanishing):
+            if cls in _tree._REGISTRY:
+                mtc_loader.unregister_container(cls)
+
+
+SPAWN_MAIN = textwrap.dedent("""
+    import torch, mtc_loader
+    from torch.utils.data import DataLoader
+
+    class Boxes:  # defined in __main__: a spawn worker cannot unpickle it
+        def __init__(self, t):
+            self.t = t
+
+    def flatten(b):
+        return [b.t], None
+
+    def unflatten(values, context):
+        b = Boxes.__new__(Boxes)
+        b.t = values[0]
+        return b
+
+    mtc_loader.register_container(Boxes, flatten, unflatten)
+    dl = DataLoader(list(range(4)), batch_size=2, num_workers=1, multiprocessing_context="spawn",
+                    collate_fn=mtc_loader.PackedCollate(arena_bytes=1 << 20))
+    out = [b.to("cpu") for b in dl]
+    assert [x.tolist() for x in out] == [[0, 1], [2, 3]], out
+    print("EPOCH OK")
+""")
+
+
+@pytest.mark.slow
+def test_a_class_registered_in_main_does_not_break_spawn_workers():
+    r = subprocess.run([sys.executable, "-c", SPAWN_MAIN], capture_output=True, text=True, timeout=240,
+                       cwd=ROOT)
+    assert r.returncode == 0 and "EPOCH OK" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.count("could not receive 1 container registration(s)") == 1, r.stderr
+    assert "__main__.Boxes" in r.stderr
+
+
+# ------------------------------------------------------------- names() that misbehave
+
+@pytest.mark.parametrize("names", [lambda ctx: [], lambda ctx: 1 / 0, lambda ctx: [None]],
+                         ids=["too-few", "raises", "not-str"])
+def test_a_misbehaving_names_falls_back_to_positions(names):
+    mtc_loader.register_container(Holder, _holder_flatten, _holder_unflatten, names=names)
+    try:
+        with pytest.raises(TypeError, match=r"^mtc_loader: data\[1\]\[0\] is a sparse tensor"):
+            mtc_loader.start_copy([0, Holder(_sparse())], "cpu")
+    finally:
+        mtc_loader.unregister_container(Holder)
+
+
+def test_names_still_name_the_children():
+    mtc_loader.register_container(Holder, _holder_flatten, _holder_unflatten, names=lambda ctx: ["t"])
+    try:
+        with pytest.raises(TypeError, match=r"^mtc_loader: data\[1\]\.t is a sparse tensor"):
+            mtc_loader.start_copy([0, Holder(_sparse())], "cpu")
+    finally:
+        mtc_loader.unregister_container(Holder)
+
+
+# ------------------------------------------------------------------- FileTensor refusals
+
+def test_a_directory_is_refused_with_is_a_directory_error(tmp_path):
+    for make in (lambda: FileTensor(tmp_path, torch.uint8), lambda: FileTensor.npy(tmp_path),
+                 lambda: FileTensor(tmp_path, torch.uint8, (-1, 2))):
+        with pytest.raises(IsADirectoryError, match="mtc_loader: .* is a directory"):
+            make()
+
+
+@pytest.fixture
+def unix_socket(tmp_path):
+    path = tmp_path / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    yield path
+    s.close()
+
+
+def test_a_unix_socket_is_refused_as_not_a_regular_file(unix_socket):
+    for make in (lambda: FileTensor(unix_socket, torch.uint8), lambda: FileTensor.npy(unix_socket)):
+        with pytest.raises(OSError, match="mtc_loader: .*not a regular file or block device") as ei:
+            make()
+        assert "No such device or address" not in str(ei.value)
+    ft = FileTensor(unix_socket, torch.uint8, (4,))
+    for read in (lambda: mtc_loader.start_copy([ft], "cpu").get(), lambda: PackedCollate(list, arena_bytes=65536)([ft])):
+        with pytest.raises(OSError, match=r"mtc_loader: cannot read data\[0\] from .*: not a regular file or "
+                                          r"block device \(a FileTensor is read at offsets\)") as ei:
+            read()
+        assert "No such device or address" not in str(ei.value)
+
+
+@pytest.mark.parametrize("shape", [(2 ** 40, 2 ** 40, 0), (0, 2 ** 62, 4)])
+def test_an_empty_shape_whose_dims_overflow_is_refused_at_construction(tmp_path, shape):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"mtc_loader: FileTensor .*holds no element.*2\*\*63 - 1"):
+        FileTensor(f, torch.uint8, shape)
+    ok = FileTensor(f, torch.uint8, (2 ** 40, 0))  # torch can make this one
+    assert mtc_loader.start_copy(ok, "cpu").get().shape == (2 ** 40, 0)
+    with pytest.raises(ValueError, match="mtc_loader: 4 stacked FileTensors .* hold no element"):
+        FileTensor.stack([FileTensor(f, torch.uint8, (2 ** 62, 0))] * 4)
+
+
+# -------------------------------------------------------- a received batch, copied or pickled
+
+def test_a_batch_received_from_a_worker_refuses_deepcopy_and_pickle_clearly():
+    pc = PackedCollate(arena_bytes=1 << 20)
+    dl = DataLoader([{"x": torch.full((3,), float(i))} for i in range(4)], batch_size=2, num_workers=1,
+                    multiprocessing_context="fork", collate_fn=pc)
+    it = iter(dl)
+    batch = next(it)
+    for dup in (copy.deepcopy, pickle.dumps, copy.copy):
+        with pytest.raises(RuntimeError, match="cannot be copied or pickled within the process that holds its "
+                                               "region") as ei:
+            dup(batch)
+        assert "copy.deepcopy(batch.to(device))" in str(ei.value)
+    assert batch.to("cpu")["x"].tolist() == [[0.0] * 3, [1.0] * 3]  # the batch itself is intact
+    with pytest.raises(RuntimeError, match="cannot be copied or pickled"):
+        copy.deepcopy(batch)  # consumed: still refused
+    del it, batch
+    import gc
+    gc.collect()
+
+
+# ----------------------------------------------------------------------- the switch interval
+
+@pytest.fixture
+def own_interval():
+    saved = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(saved)
+
+
+@pytest.mark.parametrize("program", [0.0071, 0.0002, 0.005, 0.0005])
+def test_the_programs_switch_interval_comes_back_exactly(own_interval, program):
+    sys.setswitchinterval(program)
+    before = sys.getswitchinterval()
+    s = _SwitchInterval()
+    for _ in range(5):  # five batches
+        s.enter(0.0005)
+        assert sys.getswitchinterval() <= max(before, 0.0005)
+        s.exit(0.0005)
+        assert sys.getswitchinterval() == before
+
+
+def test_an_epoch_leaves_the_switch_interval_as_it_was(own_interval):
+    sys.setswitchinterval(0.0071)
+    before = sys.getswitchinterval()
+    assert [b.tolist() for b in mtc_loader.PrefetchLoader([torch.ones(2)] * 4, "cpu")] == [[1.0, 1.0]] * 4
+    assert sys.getswitchinterval() == before
+
+
+def test_two_loaders_at_once_work_at_the_shorter_interval(own_interval):
+    sys.setswitchinterval(0.005)
+    a_working, b_done, seen = threading.Event(), threading.Event(), []
+
+    def batches_a():  # loader a's service works on its batch until loader b is done
+        a_working.set()
+        b_done.wait(30)
+        yield torch.ones(1)
+
+    def batches_b():
+        a_working.wait(30)
+        seen.append(sys.getswitchinterval())
+        yield torch.ones(1)
+
+    out = []
+    a = threading.Thread(target=lambda: out.extend(
+        mtc_loader.PrefetchLoader(batches_a(), "cpu", gil_switch_interval=0.001)))
+    a.start()
+    try:
+        out.extend(mtc_loader.PrefetchLoader(batches_b(), "cpu", gil_switch_interval=0.0002))
+    finally:
+        b_done.set()
+        a.join(30)
+    assert len(out) == 2
+    assert seen[0] == pytest.approx(0.0002, abs=2e-6)
+    assert sys.getswitchinterval() == 0.005
+
+
+def test_two_services_at_once_get_the_shorter_interval(own_interval):
+    sys.setswitchinterval(0.005)
+    s = _SwitchInterval()
+    s.enter(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.001, abs=2e-6)
+    s.enter(0.0002)  # the second loader's interval applies while both work
+    assert sys.getswitchinterval() == pytest.approx(0.0002, abs=2e-6)
+    s.exit(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.0002, abs=2e-6)
+    s.enter(0.001)
+    s.exit(0.0002)
+    assert sys.getswitchinterval() == pytest.approx(0.001, abs=2e-6)
+    s.exit(0.001)
+    assert sys.getswitchinterval() == 0.005
+
+
+def test_a_program_change_during_an_epoch_is_kept(own_interval):
+    sys.setswitchinterval(0.005)
+    s = _SwitchInterval()
+    s.enter(0.0005)
+    sys.setswitchinterval(0.002)  # the program's own, meanwhile
+    s.exit(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.002, abs=2e-6)
+
+
+# --------------------------------------------------------------------- hints for mistakes
+
+def test_indexing_a_packed_batch_points_to_to_and_prefetch():
+    b = PackedCollate(arena_bytes=65536)([{"x": torch.ones(2)}])
+    for use in (lambda: b["x"], lambda: b[0], lambda: [x for x in b]):
+        with pytest.raises(TypeError, match=r"mtc_loader: a PackedBatch .*batch\.to\(device\).*PrefetchLoader"):
+            use()
+    assert b.to("cpu")["x"].tolist() == [[1.0, 1.0]]
+
+
+def test_indexing_a_handle_points_to_get():
+    h = mtc_loader.start_copy({"x": torch.ones(2)}, "cpu")
+    for use in (lambda: h["x"], lambda: h[0], lambda: [x for x in h]):
+        with pytest.raises(TypeError, match=r"mtc_loader: an AsyncCopyHandle .*handle\.get\(\)"):
+            use()
+    assert h.get()["x"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("device,meant", [("gpu", "cuda"), ("GPU:1", "cuda:1"), ("cuda0", "cuda:0")])
+def test_a_gpu_device_name_gets_did_you_mean(device, meant):
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'") as ei:
+        mtc_loader.start_copy([torch.ones(1)], device)
+    assert "ipu" not in str(ei.value)  # not torch's list of every device type
+
+
+def test_an_arena_filled_by_kept_batches_says_how_many_are_held():
+    pc = PackedCollate(list, arena_bytes=4 * 65536, timeout=0.05)
+    kept = [pc([torch.ones(4)]) for _ in range(4)]
+    with pytest.raises(RuntimeError) as ei:
+        pc([torch.ones(4)])
+    msg = str(ei.value)
+    assert f"4 batches (262144 bytes) are still held by the training process (pid {os.getpid()}" in msg, msg
+    assert "keeps the PackedBatch objects" in msg and "batch.to(device)" in msg, msg
+    assert "larger than its 262144 bytes" in msg, msg
+    del kept
+
+
+def _lambda_collate():
+    return PackedCollate(lambda samples: samples, arena_bytes=65536)
+
+
+def test_a_collate_fn_that_does_not_pickle_is_named_with_what_to_do():
+    pc = _lambda_collate()
+    with pytest.raises(Exception, match=r"mtc_loader: PackedCollate's collate_fn .*<lambda>.* cannot be pickled"
+                                        r".*spawn or forkserver.*module's top level.*fork") as ei:
+        pickle.dumps(pc)
+    assert isinstance(ei.value, (pickle.PicklingError, AttributeError))
+    pickle.loads(pickle.dumps(PackedCollate(list, arena=pc.arena)))  # a module-level one travels
+
+
+class MovesItself:
+    def __init__(self, t):
+        self.t = t
+
+    def to(self, device):
+        return MovesItself(self.t.to(device))
+
+
+def test_a_class_with_a_to_method_passed_through_is_warned_about_once():
+    obj = MovesItself(torch.ones(2))
+    with pytest.warns(UserWarning, match=r"test_user_errors\.MovesItself has a to\(\) method.*passed through"
+                                         r".*register_container\(MovesItself"):
+        out = mtc_loader.start_copy([obj, obj], "cpu").get()
+    assert out[0] is obj
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mtc_loader.start_copy([obj], "cpu").get()  # once
+        _tree._forget()  # even after the engine forgot the type
+        mtc_loader.start_copy([obj], "cpu").get()
+    mtc_loader.register_container(MovesItself, lambda m: ([m.t], None), lambda v, c: MovesItself(v[0]))
+    try:
+        assert mtc_loader.start_copy([obj], "cpu").get()[0] is not obj  # registered: walked, no warning
+    finally:
+        mtc_loader.unregister_container(MovesItself)
+
+
+# ----------------------------------------------------------------------------- the examples
+
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_example_times_against_to_and_says_what_a_cpu_run_shows():
+    ex = _load_example("example")
+    batch = ex.create_batch_meta_data(batch_size=2)
+    t_mtc, t_to = ex.time_against_to(batch, torch.device("cpu"), reps=3)
+    assert t_mtc > 0 and t_to > 0
+    if torch.cuda.is_available():
+        pytest.skip("the no-GPU message is shown without a GPU")
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "example.py")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reuse" not in r.stdout and "needs a GPU" in r.stdout, r.stdout
+
+
+def test_the_profiling_example_uses_no_private_torch_module_and_gives_a_verdict():
+    src = (ROOT / "examples" / "profile_prefetch.py").read_text()
+    assert "torch._C" not in src and "torch._C" not in (ROOT / "docs" / "profiler.md").read_text()
+    ex = _load_example("profile_prefetch")
+    assert ex.all_threads_config() is not None  # this torch can profile every thread
+    s = {"batches": 10, "wait_ms_per_batch": 5.0, "step_ms_per_batch": 5.0, "data_bound": 0.5,
+         "service_cpu_ms_per_batch": 1.0}
+    assert ex.verdict(s).startswith("DATA-BOUND")
+    assert ex.verdict({**s, "data_bound": 0.01}).startswith("not data-bound")
