@@ -4,8 +4,8 @@ Environment switches:
   MTC_SANITIZE=address   build the extension with -fsanitize=address,undefined
   MTC_SANITIZE=thread    build it with -fsanitize=thread
   MTC_DEBUG=1            -O0 -g and the engine's invariant checks (mtc_*_valid) on hot paths
-  MTC_NVTX_INCLUDE=DIR   where the nvtx3 headers are (default: the nvidia-nvtx-cu12 package, a
-                         build requirement in pyproject.toml, else a CUDA toolkit's include dir)
+  MTC_NVTX_INCLUDE=DIR   where the nvtx3 headers are (default: csrc/third_party, NVIDIA's NVTX v3
+                         headers vendored with the source, Apache-2.0 WITH LLVM-exception)
   MTC_NO_LIBURING=1      build without liburing even where it is installed (FileTensor reads
                          then use pread on helper threads)
   MTC_REQUIRE_LIBURING=1 fail the build where liburing is not found, rather than build the
@@ -22,7 +22,6 @@ that starts with "mtc_loader: FileTensor reads:" (pip shows it with `pip install
 time, mtc_loader.file_reader() says which one a process uses, and why.
 """
 import glob
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -41,16 +40,10 @@ define_macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 
 
 def nvtx_include():
-    """The directory holding nvtx3/nvToolsExt.h (NVTX v3 is header-only), or None."""
-    candidates = [os.environ.get("MTC_NVTX_INCLUDE", "")]
-    try:
-        spec = importlib.util.find_spec("nvidia.nvtx")
-    except ImportError:
-        spec = None
-    if spec is not None:
-        candidates += [os.path.join(d, "include") for d in spec.submodule_search_locations or []]
-    candidates += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
-    for d in candidates:
+    """The directory holding nvtx3/nvToolsExt.h (NVTX v3 is header-only), or None: the vendored
+    copy in csrc/third_party unless MTC_NVTX_INCLUDE names another."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.environ.get("MTC_NVTX_INCLUDE", ""), os.path.join(here, "csrc", "third_party")):
         if d and os.path.exists(os.path.join(d, "nvtx3", "nvToolsExt.h")):
             return d
     return None
@@ -62,8 +55,8 @@ if nvtx_dir:
     include_dirs.append(nvtx_dir)
     define_macros.append(("MTC_HAVE_NVTX", "1"))
 else:
-    print("mtc_loader: no nvtx3 headers found (pip install nvidia-nvtx-cu12, or MTC_NVTX_INCLUDE=DIR): "
-          "building without NVTX ranges")
+    print("mtc_loader: no nvtx3 headers found (csrc/third_party/nvtx3 is missing, or MTC_NVTX_INCLUDE=DIR "
+          "has none): building without NVTX ranges")
 
 sanitize = os.environ.get("MTC_SANITIZE", "").strip()
 if sanitize:

@@ -5,15 +5,16 @@ Usage::
     python3 bench/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
     python3 bench/render_results.py --check   # exit 1 when the page differs from a fresh render
 
-``bash bench/gpu_checks.sh release`` (on the GPU machine) writes one folder per benchmark
+``bash bench/gpu_checks.sh release`` (on a GPU machine) writes one folder per benchmark
 process under ``$OUT/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loader.json``,
-``train/N/bench_train.json`` and ``files/N/bench_files.json`` (with their PNGs). Copy that
-``release`` folder to ``bench/results/release`` (tracked by git, so the page's figures stay next to
-the page) and run this script: it replaces what stands between the page's markers
-``<!-- BEGIN render:NAME -->`` and ``<!-- END render:NAME -->`` with the table rendered from
-every JSON of that benchmark (the median over processes, and their spread), its commit, machine
-and command, and copies the first process's plot next to the page (``docs/bench_NAME.png``;
-bench_files.py draws none: this script draws it from the JSON, with matplotlib).
+``train/N/bench_train.json`` and ``files/N/bench_files.json``. Copy that ``release`` folder to
+``bench/results/release`` (tracked by git, so the page's figures stay next to the page) and run
+this script: it replaces what stands between the page's markers ``<!-- BEGIN render:NAME -->``
+and ``<!-- END render:NAME -->`` with the table rendered from every JSON of that benchmark (the
+median over processes, and their spread), its commit, machine and command, and draws each
+section's plot next to the page (``docs/bench_NAME.png``, with matplotlib) from the same
+numbers as its table: the plots show what the tables say, nothing else (no targets).
+The page's runs must come from one commit: a results folder that mixes commits is refused.
 A benchmark without JSON renders as a marked placeholder.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ import glob
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 from typing import Any, Callable, Optional
@@ -142,21 +142,77 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 def placeholder(name: str) -> list[str]:
     return [f"!!! warning \"Not measured at this release yet\"",
             f"    No `bench_{name}.json` in `bench/results/release/`: run `bash bench/gpu_checks.sh release` on",
-            "    the GPU machine, copy its `release` folder to `bench/results/release/`, then",
+            "    a GPU machine, copy its `release` folder to `bench/results/release/`, then",
             "    `python3 bench/render_results.py`."]
 
 
-PLOTS: list[tuple[str, str]] = []  # (PNG of a run, where the page shows it), copied by main()
-DRAW = [True]  # plots this script draws itself are drawn (not under --check)
+DRAW = [True]  # plots are drawn (not under --check, which only checks the page's text)
 
 
-def plot(runs: list[dict[str, Any]], name: str, docs: str, alt: str) -> list[str]:
-    """The markdown that shows the first process's PNG next to the page (copied there by main)."""
-    png = os.path.join(os.path.dirname(runs[0]["_path"]), f"bench_{name}.png")
-    if not os.path.exists(png):
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(name: str, docs: str, alt: str, draw: Callable[[Any], Any]) -> list[str]:
+    """The markdown that shows docs/bench_NAME.png, drawn by draw(plt) (which returns the
+    figure) from the numbers of the section's table. Under --check, or without matplotlib, an
+    existing PNG is kept as it is."""
+    path = os.path.join(docs, f"bench_{name}.png")
+    plt = _pyplot() if DRAW[0] else None
+    if plt is not None:
+        fig = draw(plt)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    if not os.path.exists(path):
         return []
-    PLOTS.append((png, os.path.join(docs, f"bench_{name}.png")))
     return [f"![{alt}](bench_{name}.png)", ""]
+
+
+def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: str, title: str,
+          log: bool = False, fmt: Callable[[float], str] = str, ref: Optional[float] = None) -> Any:
+    """Horizontal bars, one block per group (a workload, a loop), one bar per method, each
+    labelled with its value; ref draws a vertical line (the baseline, 1x or 100%)."""
+    labels, values, colors, ticks = [], [], [], []
+    methods: list[str] = []
+    for _, bars in groups:
+        for m, _v in bars:
+            if m not in methods:
+                methods.append(m)
+    y = 0.0
+    for g, bars in groups:
+        start = y
+        for m, v in bars:
+            labels.append(m)
+            values.append((y, v))
+            colors.append(f"C{methods.index(m) % 10}")
+            y += 1
+        ticks.append(((start + y - 1) / 2, g))
+        y += 0.8
+    height = max(2.5, 0.28 * y + 1.2)
+    fig, ax = plt.subplots(figsize=(9, height))
+    for (pos, v), c in zip(values, colors):
+        ax.barh(pos, v, color=c, height=0.8)
+        ax.text(v, pos, " " + fmt(v), va="center", fontsize=7)
+    if log:
+        ax.set_xscale("log")
+    if ref is not None:
+        ax.axvline(ref, color="0.3", linewidth=1, linestyle=":")
+    ax.set_yticks([t for t, _ in ticks], [g for _, g in ticks], fontsize=8)
+    ax.invert_yaxis()
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi * (3 if log else 1.15))
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_title(title, fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i % 10}") for i in range(len(methods))]
+    ax.legend(handles, [m.replace("*", "").replace("`", "") for m in methods], fontsize=7, loc="lower right")
+    return fig
 
 
 # ----------------------------------------------------------------------------------- sections
@@ -173,6 +229,7 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
                     methods.append(m)
     header = ["workload", "tensors, bytes", "`.to()` ms"] + [COPY_LABELS.get(m, m) for m in methods if m != "to"]
     rows = []
+    groups: list[tuple[str, list[tuple[str, float]]]] = []
     for w in names:
         res = [r["workloads"][w] for r in runs if w in r["workloads"]]
         first = res[0]
@@ -185,8 +242,17 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
                 continue
             vals = [x["methods"][m].get("ratio_vs_to") for x in res if m in x["methods"]]
             row.append(spread(vals, ratio) if vals else "—")
+            vals = [v for v in vals if v is not None]
+            if vals:
+                bars = groups[-1][1] if groups and groups[-1][0] == row[0] else None
+                if bars is None:
+                    groups.append((row[0], []))
+                    bars = groups[-1][1]
+                bars.append((COPY_LABELS.get(m, m), statistics.median(vals)))
         rows.append(row)
-    out = plot(runs, "copy", docs, "start_copy against .to() per workload")
+    out = plot("copy", docs, "start_copy against .to() per workload", lambda plt: _barh(
+        plt, groups, "times faster than .to() (median over processes; log scale; 1 = .to())",
+        "start_copy and the other methods against .to(), per workload", log=True, fmt=ratio, ref=1.0))
     out += table(header, rows)
     bw = [r["workloads"][w]["bandwidth"] for r in runs for w in r["workloads"] if "bandwidth" in r["workloads"][w]]
     big = [(w, r["workloads"][w]) for r in runs for w in r["workloads"] if r["workloads"][w].get("bandwidth")]
@@ -204,6 +270,7 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
 
 def render_loader(runs: list[dict[str, Any]], docs: str) -> list[str]:
     rows = []
+    groups: list[tuple[str, list[tuple[str, float]]]] = []
     workers = sorted({int(w) for r in runs for w in r["results"]})
     for w in workers:
         res = [r["results"][str(w)] for r in runs if str(w) in r["results"]]
@@ -217,11 +284,17 @@ def render_loader(runs: list[dict[str, Any]], docs: str) -> list[str]:
                          spread([v for x in xs for v in x["main_cpu_steady_ms_rounds"]], ms),
                          spread([v for x in xs for v in x["main_ms_rounds"]], ms),
                          spread([x.get("ratio_wall_vs_plain_to") for x in xs], ratio)])
+            if not groups or groups[-1][0] != f"{w} workers":
+                groups.append((f"{w} workers", []))
+            groups[-1][1].append((LOADER_LABELS.get(m, m),
+                                  statistics.median(v for x in xs for v in x["main_steady_ms_rounds"])))
     header = ["workers", "method", "wall ms/batch", "**training thread ms/batch** (steady)",
               "its CPU ms (steady)", "training thread ms/batch (whole epoch)", "wall vs `.to()`"]
     cfg = runs[0]["config"]
     step = f", a {cfg['step_ms']:g} ms GPU step per batch" if cfg.get("step_ms") else ""
-    out = plot(runs, "loader", docs, "the DataLoader path: ms per batch")
+    out = plot("loader", docs, "the DataLoader path: training thread ms per batch", lambda plt: _barh(
+        plt, groups, "training thread ms per batch, steady (median over epochs; log scale)",
+        "What each DataLoader path costs the training thread", log=True, fmt=ms))
     out += table(header, rows)
     out += ["", provenance_line(runs, f"Batches of {cfg['batch_size']} seed samples "
             f"({runs[0]['tensors_per_batch']} tensors){step}. The training thread's time is its time in "
@@ -232,6 +305,7 @@ def render_loader(runs: list[dict[str, Any]], docs: str) -> list[str]:
 
 def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
     rows = []
+    groups: list[tuple[str, list[tuple[str, float]]]] = []
     for cfg, label in TRAIN_CONFIGS.items():
         res = [r["results"][cfg] for r in runs if cfg in r.get("results", {})]
         if not res:
@@ -247,14 +321,21 @@ def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
             if m == "ideal":
                 rows.append([title, TRAIN_LABELS[m], sps, "100%", "100%", spread([x["next_ms"] for x in xs], ms)])
                 continue
+            fracs = [f for x in xs for f in x.get("round_fractions", [])]
+            if fracs:
+                if not groups or groups[-1][0] != label:
+                    groups.append((label, []))
+                groups[-1][1].append((TRAIN_LABELS.get(m, m), 100 * statistics.median(fracs)))
             rows.append([title, TRAIN_LABELS.get(m, m), sps,
-                         spread([f for x in xs for f in x.get("round_fractions", [])], pct),
+                         spread(fracs, pct),
                          spread([x["steady_fraction_of_ideal"] for x in xs], pct),
                          spread([x["next_steady_ms"] for x in xs], ms)])
     header = ["loop", "method", "samples/s", "**of the ideal** (whole epoch)", "of the ideal (steady)",
               "`__next__` ms (steady)"]
     cfg = runs[0]["config"]
-    out = plot(runs, "train", docs, "training loop: fraction of preloaded data")
+    out = plot("train", docs, "training loop: fraction of preloaded data", lambda plt: _barh(
+        plt, groups, "% of the samples/s with data preloaded on the GPU (whole epoch, median)",
+        "Training throughput as a share of preloaded data", fmt=lambda v: f"{v:.1f}%", ref=100.0))
     out += table(header, rows)
     out += ["", provenance_line(runs, f"A conv model over 6 camera images per sample plus the seed "
             f"meta-data, batch {cfg['batch_size']}, {cfg['workers']} workers, {cfg['batches']} batches per "
@@ -264,34 +345,24 @@ def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
     return out
 
 
-def plot_files(runs: list[dict[str, Any]], methods: list[str]) -> Optional[str]:
-    """bench_files.py draws no plot: a bar chart of GB/s per method, warm and cold, with the raw
-    reads, next to the first run's JSON (bench_files.png). Its path, or None without matplotlib."""
-    path = os.path.join(os.path.dirname(runs[0]["_path"]), "bench_files.png")
-    if not DRAW[0]:
-        return path if os.path.exists(path) else None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot_files(plt: Any, runs: list[dict[str, Any]], methods: list[str]) -> Any:
+    """A bar chart of GB/s per method (the table's), warm and cold page cache, with the raw reads
+    of the same run as dashed lines."""
     b = runs[0]["bytes_per_batch"]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     for k, (state, raw) in enumerate((("warm", "buffered_warm"), ("cold", "direct_cold"))):
         vals = [b / statistics.median([t for r in runs for t in r["epoch_s_per_batch"][m][state]]) / 1e9
                 for m in methods]
         ax.bar([i + k * 0.4 for i in range(len(methods))], vals, width=0.4, label=f"{state} page cache")
         ax.axhline(statistics.median(v for r in runs for v in r["raw_read_gbps"][raw]), linestyle="--",
                    color=f"C{k}", linewidth=1, label=f"raw read ({'buffered, warm' if k == 0 else 'O_DIRECT, cold'})")
-    ax.set_xticks([i + 0.2 for i in range(len(methods))], methods, rotation=15, fontsize=8)
+    names = [FILES_LABELS.get(m, m).replace("*", "").replace("`", "").replace(", ", ",\n", 1) for m in methods]
+    ax.set_xticks([i + 0.2 for i in range(len(methods))], names, fontsize=7)
     ax.set_ylabel("GB/s of files per batch")
-    ax.set_title(f"file-backed samples, batch of {b / 1e6:.0f} MB, {runs[0]['config']['workers']} workers")
+    ax.set_title(f"File-backed samples: batch of {b / 1e6:.0f} MB, {runs[0]['config']['workers']} workers",
+                 fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
@@ -308,7 +379,7 @@ def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
     cfg = runs[0]["config"]
     reader = runs[0].get("reader", {}).get("mode", "?")
     header = ["method", "warm cache ms/batch", "warm GB/s", "cold cache ms/batch", "cold GB/s"]
-    out = plot(runs, "files", docs, "file-backed samples: GB/s per method") if plot_files(runs, methods) else []
+    out = plot("files", docs, "file-backed samples: GB/s per method", lambda plt: plot_files(plt, runs, methods))
     out += table(header, rows)
     out += ["", f"Raw read of the same files, same run: `O_DIRECT` from a cold cache {spread(raw_cold, gbps)} "
             f"GB/s (one thread), buffered from a warm cache {spread(raw_warm, gbps)} GB/s.", "",
@@ -325,9 +396,12 @@ SECTIONS: dict[str, Callable[[list[dict[str, Any]], str], list[str]]] = {
 
 def render(page: str, results: str) -> str:
     docs = os.path.dirname(os.path.abspath(page))
-    PLOTS.clear()
     with open(page) as f:
         text = f.read()
+    commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in load(results, name)}
+    if len(commits) > 1:
+        raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
+                         "release run; run `bash bench/gpu_checks.sh release` and copy its folder whole")
     for name, fn in SECTIONS.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:
@@ -360,8 +434,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if text != old:
         with open(args.page, "w") as f:
             f.write(text)
-    for src, dst in PLOTS:
-        shutil.copyfile(src, dst)
     print(f"rendered {args.page} from {args.results}")
     return 0
 

@@ -32,6 +32,22 @@ __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "Pre
            "trim", "register_container", "unregister_container"]
 __version__ = "0.1.0"
 
+# The framework integrations, imported on first attribute access (PEP 562), so that
+# `mtc_loader.lightning.PrefetchCallback()` works after a plain `import mtc_loader` while
+# `import mtc_loader` itself imports none of the frameworks.
+_SUBMODULES = ("lightning", "accelerate", "mmengine")
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBMODULES))
+
 
 def stats() -> dict[str, int]:
     """The engine's counters: calls, tensors by path (packed, reused, staged, ...), bytes per

@@ -43,6 +43,7 @@ def nvtx_headers():
     dirs = [os.environ.get("MTC_NVTX_INCLUDE", "")]  # as setup.py
     dirs += [os.path.join(d, "include") for d in (spec.submodule_search_locations if spec else [])]
     dirs.append(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"))
+    dirs.append(str(HERE.parent / "csrc" / "third_party"))  # the copy the build uses by default
     return next((d for d in dirs if d and os.path.exists(os.path.join(d, "nvtx3", "nvToolsExt.h"))), None)
 
 

@@ -1,0 +1,53 @@
+"""Checks the built docs site (``mkdocs build``) for what a reader must not see: Sphinx roles left
+as text (``:class:`` / ``:meth:`` / ``:func:`` ... from docstrings that griffe_sphinx_roles.py did
+not convert), and names of files or machines that only the project's developers have.
+
+    python3 tools/check_site.py SITE_DIR            # exit 1 on a raw role; internal names warn
+    python3 tools/check_site.py --strict SITE_DIR   # internal names fail too
+"""
+from __future__ import annotations
+
+import html
+import pathlib
+import re
+import sys
+
+ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|exc|obj|data|const):`?")
+INTERNAL = re.compile(r"shared/[A-Z_]+\.md|\bMEASURED\b|example\.txt|\b[Tt]he GPU machine")
+
+
+def check(site: pathlib.Path, strict: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the built site."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    pages = sorted(site.rglob("*.html"))
+    if not pages:
+        return [f"{site}: no HTML pages (build the site first)"], []
+    for page in pages:
+        text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text(errors="replace")))
+        for n, line in enumerate(text.splitlines(), 1):
+            where = f"{page.relative_to(site)}:{n}"
+            if ROLE.search(line):
+                problems.append(f"{where}: a raw Sphinx role: {line.strip()[:160]}")
+            if INTERNAL.search(line):
+                (problems if strict else warnings).append(f"{where}: an internal name: {line.strip()[:160]}")
+    return problems, warnings
+
+
+def main(argv: list[str]) -> int:
+    strict = "--strict" in argv
+    argv = [a for a in argv if a != "--strict"]
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    problems, warnings = check(pathlib.Path(argv[0]), strict)
+    for w in warnings:
+        print("warning:", w)
+    for p in problems:
+        print(p)
+    print(f"check_site: {len(problems)} problem(s), {len(warnings)} warning(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
