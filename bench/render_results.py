@@ -195,7 +195,7 @@ def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: s
             y += 1
         ticks.append(((start + y - 1) / 2, g))
         y += 0.8
-    height = max(2.5, 0.28 * y + 1.2)
+    height = max(3.0, 0.22 * y + 2.2)
     fig, ax = plt.subplots(figsize=(9, height))
     for (pos, v), c in zip(values, colors):
         ax.barh(pos, v, color=c, height=0.8)
@@ -211,7 +211,9 @@ def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: s
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_title(title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i % 10}") for i in range(len(methods))]
-    ax.legend(handles, [m.replace("*", "").replace("`", "") for m in methods], fontsize=7, loc="lower right")
+    # below the axes, so that it covers no bar
+    ax.legend(handles, [m.replace("*", "").replace("`", "") for m in methods], fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.09 * 6 / height), ncol=3, frameon=False)
     return fig
 
 
