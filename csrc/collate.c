@@ -1,8 +1,9 @@
 /*
- * collate.c - the packed-batch side (mtc_loader/collate.py): the Arena type,
- * pack() in a DataLoader worker (every leaf of a batch written into one arena
- * region, described by a layout and a skeleton) and unpack() in the main
- * process (the region becomes the output structure with one DMA). See collate.h.
+ * collate.c - the packed-batch side (mtc_loader/collate.py): pack() in a
+ * DataLoader worker (every leaf of a batch written into one arena region,
+ * described by a layout and a skeleton) and unpack() in the main process (the
+ * region becomes the output structure with one DMA). See collate.h; the
+ * Arena type is in arenaobj.c.
  */
 #include "collate.h"
 
@@ -23,203 +24,6 @@
 #include "outputs.h"
 #include "skeleton.h"
 #include "traverse.h"
-
-typedef struct {
-    PyObject_HEAD
-    mtc_arena *a;
-    int registered_dev;  /* device it was page-locked with, -1 none */
-} ArenaObject;
-
-static mtc_arena *_arena_of(mtc_state *st, PyObject *o)
-{
-    if (!PyObject_TypeCheck(o, st->arena_type)) {
-        PyErr_SetString(PyExc_TypeError, "mtc_loader: expected an _engine.Arena");
-        return NULL;
-    }
-    return ((ArenaObject *)o)->a;
-}
-
-static PyObject *_arena_wrap(mtc_state *st, mtc_arena *a)
-{
-    ArenaObject *o = PyObject_New(ArenaObject, st->arena_type);
-    if (!o) {
-        mtc_arena_unref(a);
-        return NULL;
-    }
-    Py_INCREF(st->arena_type);
-    o->a = a;
-    o->registered_dev = -1;
-    return (PyObject *)o;
-}
-
-static void Arena_dealloc(ArenaObject *o)
-{
-    PyTypeObject *tp = Py_TYPE(o);
-    if (o->a) {
-        if (o->registered_dev >= 0) {
-            /* DMAs in flight hold references (released by their completion
-             * callbacks): unregister only once none reads the arena */
-            Py_BEGIN_ALLOW_THREADS
-            while (mtc_load_acquire(&o->a->refs) > 1) sched_yield();
-            if (!mtc_cuda_set_device(o->registered_dev)) mtc_cu.cuMemHostUnregister(o->a->base);
-            Py_END_ALLOW_THREADS
-        }
-        mtc_arena_unref(o->a);
-    }
-    tp->tp_free((PyObject *)o);
-    Py_DECREF(tp);
-}
-
-static PyObject *Arena_fileno(ArenaObject *o, PyObject *unused) { return PyLong_FromLong(o->a->fd); }
-
-static PyObject *Arena_stats(ArenaObject *o, PyObject *unused)
-{
-    mtc_arena_stats s;
-    mtc_arena_get_stats(o->a, &s);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsi}", "bytes", s.bytes, "slot_bytes", s.slot_bytes,
-                         "slots", s.nslots, "allocs", s.allocs, "frees", s.frees, "waits", s.waits,
-                         "timeouts", s.timeouts, "reclaimed_slots", s.reclaims, "slots_in_use",
-                         s.slots_in_use, "bytes_in_use", s.slots_in_use * s.slot_bytes,
-                         "high_water_slots", s.high_water, "registered", o->registered_dev >= 0);
-}
-
-static PyObject *Arena_reclaim_dead(ArenaObject *o, PyObject *unused)
-{
-    uint64_t n;
-    Py_BEGIN_ALLOW_THREADS
-    n = mtc_arena_reclaim_dead(o->a, (uint32_t)getpid());
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(n);
-}
-
-/* A descriptor's region offset: an int in [0, 2^64), never truncated (an
- * offset of 2^64 + x must not name region x). 0, or -1 with ValueError. */
-static int _parse_offset(PyObject *v, uint64_t *out)
-{
-    if (PyLong_Check(v)) {
-        unsigned long long x = PyLong_AsUnsignedLongLong(v);
-        if (!(x == (unsigned long long)-1 && PyErr_Occurred())) {
-            *out = x;
-            return 0;
-        }
-        PyErr_Clear();
-    }
-    PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch names arena offset %R, which is not an "
-                 "offset in an arena (a corrupt or forged descriptor)", v);
-    return -1;
-}
-
-/* A descriptor's owner: a pid, an int in 1 .. INT32_MAX, never truncated (an
- * owner of getpid() + 2^32 must not pass for this process). 0, or -1 with
- * ValueError. */
-static int _parse_owner(PyObject *v, uint32_t *out)
-{
-    if (PyLong_Check(v)) {
-        long long x = PyLong_AsLongLong(v);
-        if (x >= 1 && x <= INT32_MAX) {
-            *out = (uint32_t)x;
-            return 0;
-        }
-        PyErr_Clear();
-    }
-    PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch names owner %R, which is not a process id "
-                 "(a corrupt or forged descriptor)", v);
-    return -1;
-}
-
-/* (offset, owner) of Arena.release / Arena.adopt. 0, or -1 with an exception. */
-static int _parse_region(PyObject *args, uint64_t *off, uint32_t *owner)
-{
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2) {
-        PyErr_SetString(PyExc_TypeError, "mtc_loader: expected (offset, owner)");
-        return -1;
-    }
-    return _parse_offset(PyTuple_GET_ITEM(args, 0), off) || _parse_owner(PyTuple_GET_ITEM(args, 1), owner) ? -1 : 0;
-}
-
-static PyObject *Arena_release(ArenaObject *o, PyObject *args)
-{
-    uint64_t off;
-    uint32_t owner;
-    if (_parse_region(args, &off, &owner)) return NULL;
-    return PyBool_FromLong(mtc_arena_free(o->a, off, owner) == 0);
-}
-
-static PyObject *Arena_adopt(ArenaObject *o, PyObject *args)
-{
-    uint64_t off;
-    uint32_t owner;
-    if (_parse_region(args, &off, &owner)) return NULL;
-    uint32_t me = (uint32_t)getpid();
-    if (owner != me && mtc_arena_retag(o->a, off, owner, me)) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "mtc_loader: a packed batch names arena region %llu of process %u, which does not "
-                     "hold it (a stale or forged descriptor, or the region was reclaimed)",
-                     (unsigned long long)off, owner);
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong(me);
-}
-
-static PyObject *Arena_valid(ArenaObject *o, PyObject *unused) { return PyBool_FromLong(mtc_arena_valid(o->a)); }
-
-static PyMethodDef Arena_methods[] = {
-    {"fileno", (PyCFunction)Arena_fileno, METH_NOARGS, "The arena's memfd."},
-    {"stats", (PyCFunction)Arena_stats, METH_NOARGS, "Allocator counters."},
-    {"reclaim_dead", (PyCFunction)Arena_reclaim_dead, METH_NOARGS, "Free regions of dead processes."},
-    {"release", (PyCFunction)Arena_release, METH_VARARGS, "release(offset, owner): free a region."},
-    {"adopt", (PyCFunction)Arena_adopt, METH_VARARGS, "adopt(offset, owner): take over a region."},
-    {"valid", (PyCFunction)Arena_valid, METH_NOARGS, "Invariant check (quiescent arena)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyType_Slot Arena_slots[] = {
-    {Py_tp_dealloc, Arena_dealloc},
-    {Py_tp_methods, Arena_methods},
-    {Py_tp_doc, "A shared arena mapping (wrapped by mtc_loader.collate.Arena)."},
-    {0, NULL},
-};
-
-PyType_Spec mtc_arena_spec = {
-    .name = "mtc_loader._engine.Arena",
-    .basicsize = sizeof(ArenaObject),
-    .flags = Py_TPFLAGS_DEFAULT,
-    .slots = Arena_slots,
-};
-
-PyObject *mtc_collate_arena_create(PyObject *module, PyObject *arg)
-{
-    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred()) return NULL;
-    mtc_arena *a;
-    int rc = mtc_arena_create((size_t)n, &a);
-    if (rc) {
-        errno = -rc;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return _arena_wrap(mtc_get_state(module), a);
-}
-
-PyObject *mtc_collate_arena_attach(PyObject *module, PyObject *arg)
-{
-    long fd = PyLong_AsLong(arg);
-    if (PyErr_Occurred()) return NULL;
-    if (fd < 0 || fd > INT_MAX) { /* never truncated into another descriptor */
-        PyErr_Format(PyExc_ValueError, "mtc_loader: %ld is not a file descriptor", fd);
-        return NULL;
-    }
-    mtc_arena *a;
-    int rc = mtc_arena_attach((int)fd, &a);
-    if (rc == -EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "mtc_loader: that file descriptor is not an mtc_loader arena");
-        return NULL;
-    }
-    if (rc) {
-        errno = -rc;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return _arena_wrap(mtc_get_state(module), a);
-}
 
 /* ------------------------------------------------------------------ pack */
 
@@ -446,7 +250,7 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s)");
         return NULL;
     }
-    mtc_arena *a = _arena_of(st, args[0]);
+    mtc_arena *a = mtc_arenaobj_of(st, args[0]);
     if (!a) return NULL;
     mtc_plan_opts o;
     mtc_plan_default_opts(&o, 0); /* "to a device": every host leaf is packed */
@@ -475,6 +279,7 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     uint64_t off = 0;
     int have_region = 0;
     uint32_t me = (uint32_t)getpid();
+    t.pack = 1; /* OnHost is walked into: its leaves are host-placed */
     if (mtc_traverse(st, args[1], &t) || _pack_refuse_cuda(&t)) goto error;
     if (t.nleaves > MTC_LAYOUT_MAX_LEAVES) { /* the main process's decoder takes no more */
         PyErr_Format(PyExc_ValueError, "mtc_loader: the batch holds %u tensors and arrays; a packed batch "
@@ -553,7 +358,7 @@ static int _unpack_decode(mtc_state *st, mtc_arena *a, uint64_t off, int64_t nby
 
 /* Page-locks the whole arena once, for `target`: DMAs then read it in place.
  * 0, or a CUDA error code (mtc_cuda_describe). */
-static int _unpack_register(ArenaObject *ao, int target)
+static int _unpack_register(mtc_arena_object *ao, int target)
 {
     int rc;
     if ((rc = mtc_cuda_load()) || (rc = mtc_cuda_set_device(target))) return rc;
@@ -601,18 +406,65 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     return 0;
 }
 
+/* For a CUDA target, the host-placed leaves (layout.h): the span of the
+ * region from the first host-placed segment (its offset rounded down to the
+ * layout's alignment: every member keeps its offset modulo its element size)
+ * to the end, copied with one memcpy into a CPU chunk of its own
+ * (torch.empty: never a view of the arena); the plan's host-placed segments
+ * become chunk 1's, at their offsets in it, and chunk 0 (the device's) ends
+ * with the last other segment. New reference, or NULL with an exception. */
+static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *region, int64_t payload)
+{
+    mtc_plan *p = &L->plan;
+    int64_t start = L->host_start - L->host_start % p->chunks[0].align;
+    mtc_chunk *c = realloc(p->chunks, 2 * sizeof *c);
+    if (!c) return PyErr_NoMemory();
+    p->chunks = c;
+    p->nchunks = 2;
+    c[0].payload = L->dev_end;
+    c[1] = (mtc_chunk){.payload = payload - start, .align = c[0].align};
+    for (uint32_t g = 0; g < p->nsegs; g++)
+        if (L->leaves[p->segs[g].proto].flags & MTC_LEAF_HOST) {
+            p->segs[g].chunk = 1;
+            p->segs[g].offset -= start;
+        }
+    uintptr_t ptr;
+    PyObject *shape = Py_BuildValue("(L)", (long long)(payload - start));
+    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, st->device_cpu, 0) : NULL;
+    Py_XDECREF(shape);
+    if (!chunk || mtc_out_data_ptr(st, chunk, &ptr)) {
+        Py_XDECREF(chunk);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
+    Py_END_ALLOW_THREADS
+    return chunk;
+}
+
 /* The chunk that receives the region on `target` (torch.empty, uint8) and
  * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
  * view of arena memory, which is reused). The region lands at offset 0 of
  * the chunk's storage, so that every view's storage offset is its offset in
- * the region, a multiple of its alignment (see copy.c's _alloc_chunks). The
- * region is freed by then or by the DMA's callback: *region_owned becomes 0.
- * 0 with a new reference in *chunk, or -1 with an exception. */
-static int _unpack_copy(mtc_state *st, mtc_handle *h, ArenaObject *ao, uint64_t off, int64_t payload,
-                        int target, int background, PyObject **chunk, int *region_owned)
+ * the region, a multiple of its alignment (see copy.c's _alloc_chunks). For
+ * a CUDA target, the host-placed leaves' span is copied first into a CPU
+ * chunk (_unpack_host: chunks[1]), and the DMA takes the bytes before it
+ * (none: no DMA, and no chunks[0]). The region is freed by then or by the
+ * DMA's callback: *region_owned becomes 0. 0 with new references in
+ * chunks[0..2) (or NULL), or -1 with an exception. */
+static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, mtc_layout *L,
+                        int64_t payload, int target, int background, PyObject **chunks, int *region_owned)
 {
     mtc_arena *a = ao->a;
-    PyObject *dev_obj = NULL, *shape = NULL;
+    PyObject *dev_obj = NULL, *shape = NULL, **chunk = &chunks[0];
+    if (target >= 0 && L->nhost) {
+        if (!(chunks[1] = _unpack_host(st, L, a->base + off, payload))) goto error;
+        if (!(payload = L->dev_end)) { /* every leaf is host-placed */
+            *region_owned = 0;
+            mtc_arena_free(a, off, (uint32_t)getpid());
+            return 0;
+        }
+    }
     if (target >= 0) {
         int rc = _unpack_register(ao, target);
         if (rc) {
@@ -641,17 +493,18 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, ArenaObject *ao, uint64_t 
     Py_DECREF(shape);
     return 0;
 error:
-    Py_CLEAR(*chunk);
+    Py_CLEAR(chunks[0]);
+    Py_CLEAR(chunks[1]);
     Py_XDECREF(dev_obj);
     Py_XDECREF(shape);
     return -1;
 }
 
-/* The output views over the chunk, and the skeleton's walk `sk` rebuilt
- * around them and the batch's atoms (a tuple of sk->natoms, or None) into
- * h->result. 0, or -1 with an exception. */
+/* The output views over the chunks (_unpack_copy), and the skeleton's walk
+ * `sk` rebuilt around them and the batch's atoms (a tuple of sk->natoms, or
+ * None) into h->result. 0, or -1 with an exception. */
 static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *sk, PyObject *atoms,
-                         PyObject *chunk)
+                         PyObject *const *chunks)
 {
     PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
     if (!outputs) {
@@ -663,7 +516,6 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, cons
     lt.leaves = L->leaves;
     lt.shape = L->shape;
     lt.ostrides = L->ostrides;
-    PyObject *chunks[1] = {chunk};
     int rc = -1;
     int64_t t0 = mtc_now_ns();
     if ((h->keep = PyList_New(0)) && !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
@@ -676,6 +528,19 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, cons
     for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
     PyMem_Free(outputs);
     return rc;
+}
+
+/* 1 when the host-placed leaves of the skeleton's walk (under an OnHost) are
+ * not those of the layout (a corrupt or forged descriptor). sk->nslots is
+ * L->nleaves. */
+static int _host_mismatch(const mtc_tree *sk, const mtc_layout *L)
+{
+    if (sk->nhost != L->nhost) return 1;
+    for (uint32_t i = 0; L->nhost && i < sk->nnodes; i++) {
+        const mtc_node *n = &sk->nodes[i];
+        if (n->kind == MTC_NODE_LEAF && !n->host != !(L->leaves[n->leaf].flags & MTC_LEAF_HOST)) return 1;
+    }
+    return 0;
 }
 
 /* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> Handle
@@ -692,12 +557,12 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
                         "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms)");
         return NULL;
     }
-    ArenaObject *ao = (ArenaObject *)args[0];
-    mtc_arena *a = _arena_of(st, args[0]);
+    mtc_arena_object *ao = (mtc_arena_object *)args[0];
+    mtc_arena *a = mtc_arenaobj_of(st, args[0]);
     if (!a) return NULL;
     uint64_t off;
     uint32_t owner, me = (uint32_t)getpid();
-    if (_parse_offset(args[1], &off) || _parse_owner(args[3], &owner)) return NULL;
+    if (mtc_arenaobj_parse_offset(args[1], &off) || mtc_arenaobj_parse_owner(args[3], &owner)) return NULL;
     if (owner != me || mtc_arena_check(a, off, 1, owner)) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
                         "part of the arena (a stale or forged descriptor)");
@@ -709,7 +574,7 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     mtc_layout L;
     memset(&L, 0, sizeof L);
     mtc_handle *h = NULL;
-    PyObject *chunk = NULL;
+    PyObject *chunks[2] = {NULL, NULL};
     long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
     if (nbytes < 0) {
         PyErr_Clear();
@@ -740,24 +605,28 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     t0 = mtc_now_ns();
     mtc_cnt.ns_unpack_rebuild += (uint64_t)(t0 - t1);
     Py_ssize_t natoms = PyTuple_Check(args[8]) ? PyTuple_GET_SIZE(args[8]) : args[8] == Py_None ? 0 : -1;
-    if (sk->nslots != L.nleaves || sk->nleaves || natoms != (Py_ssize_t)sk->natoms) {
+    if (sk->nslots != L.nleaves || sk->nleaves || natoms != (Py_ssize_t)sk->natoms || _host_mismatch(sk, &L)) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
-    if (_unpack_copy(st, h, ao, off, nbytes, (int)target, background, &chunk, &region_owned))
+    if (_unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
         goto error;
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.unpacks++;
-    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the chunk */
-    if ((h->buffers && PyList_Append(h->buffers, chunk)) || _unpack_views(st, h, &L, sk, args[8], chunk)) goto error;
-    Py_DECREF(chunk);
+    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device chunk */
+    if ((h->buffers && chunks[0] && PyList_Append(h->buffers, chunks[0])) ||
+        _unpack_views(st, h, &L, sk, args[8], chunks))
+        goto error;
+    Py_XDECREF(chunks[0]);
+    Py_XDECREF(chunks[1]);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);
     return (PyObject *)h;
 
 error:
     if (region_owned) mtc_arena_free(a, off, owner);
-    Py_XDECREF(chunk);
+    Py_XDECREF(chunks[0]);
+    Py_XDECREF(chunks[1]);
     mtc_layout_free(&L);
     Py_XDECREF(h);
     return NULL;

@@ -63,7 +63,8 @@ int mtc_layout_encode(const mtc_leaf *leaves, uint32_t n, const int64_t *shape, 
         const mtc_leaf *l = &leaves[i];
         int strided = (l->flags & MTC_LEAF_STRIDED) != 0;
         _put(&w, l->dtype, 2);
-        _put(&w, (uint64_t)l->ndim | (strided ? MTC_LAYOUT_STRIDED : 0), 2);
+        _put(&w, (uint64_t)l->ndim | (strided ? MTC_LAYOUT_STRIDED : 0) | ((l->flags & MTC_LEAF_HOST) ? MTC_LAYOUT_HOST : 0),
+             2);
         for (int32_t d = 0; d < l->ndim; d++) _put(&w, (uint64_t)shape[l->dims + d], 8);
         if (strided)
             for (int32_t d = 0; d < l->ndim; d++) _put(&w, (uint64_t)ostrides[l->dims + d], 8);
@@ -144,7 +145,7 @@ static int _decode_strides(_rd *r, mtc_layout *L, mtc_leaf *l, int64_t numel)
         }
     }
     if (!mtc_strides_dense(sh, os, l->ndim)) return -EINVAL;
-    l->flags = MTC_LEAF_DENSE | MTC_LEAF_STRIDED;
+    l->flags = (l->flags & MTC_LEAF_HOST) | MTC_LEAF_DENSE | MTC_LEAF_STRIDED;
     return 0;
 }
 
@@ -155,8 +156,8 @@ static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, in
                         uint32_t *cap_dims)
 {
     mtc_leaf *l = &L->leaves[i];
-    uint64_t dt = _get(r, 2), nd = _get(r, 2), strided = nd & MTC_LAYOUT_STRIDED;
-    nd &= ~(uint64_t)MTC_LAYOUT_STRIDED;
+    uint64_t dt = _get(r, 2), nd = _get(r, 2), strided = nd & MTC_LAYOUT_STRIDED, host = nd & MTC_LAYOUT_HOST;
+    nd &= ~(uint64_t)(MTC_LAYOUT_STRIDED | MTC_LAYOUT_HOST);
     if (r->bad || dt >= (uint64_t)ndtypes || nd > MTC_MAX_NDIM || elsize[dt] < 1) return -EINVAL;
     if (L->ndims + nd > *cap_dims) {
         while (L->ndims + nd > *cap_dims) *cap_dims *= 2;
@@ -185,6 +186,10 @@ static int _decode_leaf(_rd *r, mtc_layout *L, uint32_t i, const int *elsize, in
         L->shape[L->ndims + d] = v;
     }
     if (_mul(numel, l->elsize, &l->nbytes) || l->nbytes > payload) return -EINVAL;
+    if (host) {
+        l->flags |= MTC_LEAF_HOST;
+        L->nhost++;
+    }
     if (strided) {
         if (_decode_strides(r, L, l, numel)) return -EINVAL;
         L->ndims += (uint32_t)nd;
@@ -214,7 +219,7 @@ static int _check_member(const mtc_layout *L, const mtc_seg *s, const mtc_leaf *
                          int64_t *cursor, int64_t *off)
 {
     const mtc_leaf *pr = &L->leaves[s->proto];
-    if (l->dtype != pr->dtype || l->ndim != pr->ndim) return -EINVAL;
+    if (l->dtype != pr->dtype || l->ndim != pr->ndim || ((l->flags ^ pr->flags) & MTC_LEAF_HOST)) return -EINVAL;
     /* a leaf with strides of its own is viewed alone, with them */
     if ((l->flags & MTC_LEAF_STRIDED) && (s->kind != MTC_SEG_UNIFORM || s->count != 1)) return -EINVAL;
     for (int32_t d = 1; d < l->ndim; d++)
@@ -328,6 +333,19 @@ int mtc_layout_decode(const uint8_t *buf, size_t len, const int *elsize, int ndt
     for (uint32_t g = 0; g < nsegs; g++)
         if (_decode_segment(&r, L, g, payload, align, &prev_end)) goto error;
     if (p->nmembers != n || r.p != r.end) goto error; /* every leaf placed, nothing trailing */
+    /* host-placed segments (all members alike, _check_member) after all the others */
+    int host_seen = 0;
+    L->host_start = payload;
+    for (uint32_t g = 0; g < nsegs; g++) {
+        const mtc_seg *s = &p->segs[g];
+        if (L->leaves[s->proto].flags & MTC_LEAF_HOST) {
+            if (!host_seen) L->host_start = s->offset;
+            host_seen = 1;
+        } else {
+            if (host_seen) goto error;
+            L->dev_end = s->offset + s->bytes;
+        }
+    }
     p->count[MTC_ACT_PACK] = n;
     return 0;
 error:

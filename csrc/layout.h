@@ -21,6 +21,10 @@
  *     must describe a dense, non-overlapping layout (strides.h), and the
  *     leaf must be alone in a UNIFORM segment. Without the flag the leaf is
  *     row-major and takes no more bytes than that.
+ *     flag 0x4000: the leaf is host-placed (under an OnHost): unpacked into
+ *     CPU memory of its own whatever the target. A segment's members are all
+ *     host-placed or none, and host-placed segments follow all the others,
+ *     so that their bytes are one span at the end of the region.
 
  *   nsegs   x { u8 kind, u8[3] 0, u32 count, i64 offset, i64 bytes, i64 rows,
  *               i64 row_bytes, count x { u32 leaf, i64 slot } }
@@ -40,6 +44,7 @@
 #define MTC_LAYOUT_MAX_LEAVES (1u << 22)
 #define MTC_LAYOUT_MAX_ALIGN 4096
 #define MTC_LAYOUT_STRIDED 0x8000u /* in a leaf's ndim: its strides follow its dims */
+#define MTC_LAYOUT_HOST 0x4000u    /* in a leaf's ndim: host-placed (MTC_LEAF_HOST) */
 
 typedef struct mtc_layout {
     mtc_leaf *leaves;  /* dtype, elsize, ndim, dims, nbytes, seg, slot set; dev = CPU */
@@ -49,6 +54,9 @@ typedef struct mtc_layout {
     int64_t *ostrides; /* element strides of MTC_LEAF_STRIDED leaves (carried), else unset */
     uint32_t ndims;
     mtc_plan plan;     /* one chunk: payload, align; segments; members */
+    uint32_t nhost;    /* host-placed leaves (MTC_LEAF_HOST) */
+    int64_t dev_end;   /* end of the last segment that is not host-placed (0: none) */
+    int64_t host_start; /* offset of the first host-placed segment (payload: none); >= dev_end */
 } mtc_layout;
 
 /* Bytes needed to encode leaves[0..n) placed by plan p (one chunk). */

@@ -101,7 +101,7 @@ typedef struct _group {
 static uint64_t _key_hash(const mtc_leaf *l, const int64_t *shape)
 {
     uint64_t h = 1469598103934665603ull ^ ((uint64_t)l->dtype << 8) ^ (uint64_t)l->ndim ^
-                 ((uint64_t)(l->flags & MTC_LEAF_STRIDED) << 40);
+                 ((uint64_t)(l->flags & (MTC_LEAF_STRIDED | MTC_LEAF_HOST)) << 40);
     for (int32_t d = 1; d < l->ndim; d++) {
         h ^= (uint64_t)shape[l->dims + d];
         h *= 1099511628211ull;
@@ -112,7 +112,7 @@ static uint64_t _key_hash(const mtc_leaf *l, const int64_t *shape)
 static int _key_eq(const mtc_leaf *a, const mtc_leaf *b, const int64_t *shape)
 {
     if (a->dtype != b->dtype || a->ndim != b->ndim || a->elsize != b->elsize ||
-        (a->flags & MTC_LEAF_STRIDED) != (b->flags & MTC_LEAF_STRIDED))
+        (a->flags & (MTC_LEAF_STRIDED | MTC_LEAF_HOST)) != (b->flags & (MTC_LEAF_STRIDED | MTC_LEAF_HOST)))
         return 0;
     for (int32_t d = 1; d < a->ndim; d++)
         if (shape[a->dims + d] != shape[b->dims + d]) return 0;
@@ -346,10 +346,13 @@ int mtc_plan_build(mtc_plan *p, mtc_leaf *leaves, uint32_t n, const int64_t *sha
 
     _layout L = {.p = p, .leaves = leaves, .shape = shape, .o = o};
     if ((rc = _new_chunk(&L))) goto out;
-    for (uint32_t g = 0; g < ngroups; g++) {
-        rc = _place_group(&L, &order[groups[g].start], groups[g].count, groups[g].uniform);
-        if (rc) goto out;
-    }
+    /* host-placed groups after all the others: their bytes end the chunk */
+    for (int host = 0; host < 2; host++)
+        for (uint32_t g = 0; g < ngroups; g++) {
+            if (!(leaves[groups[g].proto].flags & MTC_LEAF_HOST) != !host) continue;
+            rc = _place_group(&L, &order[groups[g].start], groups[g].count, groups[g].uniform);
+            if (rc) goto out;
+        }
     rc = 0;
 out:
     free(table);
@@ -400,6 +403,7 @@ int mtc_plan_valid(const mtc_plan *p, const mtc_leaf *leaves, uint32_t n, const 
         const mtc_leaf *pr = &leaves[s->proto];
         if (pr->dtype != l->dtype || pr->ndim != l->ndim) return 0;
         if ((l->flags & MTC_LEAF_STRIDED) && (s->kind != MTC_SEG_UNIFORM || s->count != 1)) return 0;
+        if ((l->flags ^ pr->flags) & MTC_LEAF_HOST) return 0;
         if (s->kind == MTC_SEG_UNIFORM && s->count > 1)
             for (int32_t d = 0; d < l->ndim; d++)
                 if (shape[l->dims + d] != shape[pr->dims + d]) return 0;
@@ -431,10 +435,17 @@ int mtc_plan_valid(const mtc_plan *p, const mtc_leaf *leaves, uint32_t n, const 
             }
         free(sp);
     }
-    /* segments list their members in order */
+    /* segments list their members in order; in a chunk, host-placed segments
+     * come after all the others (segments are laid out chunk by chunk, each
+     * after the last) */
+    int host_seen = 0;
     for (uint32_t si = 0; si < p->nsegs; si++) {
         const mtc_seg *s = &p->segs[si];
         if (s->first + s->count > p->nmembers || s->count == 0) return 0;
+        int host = (leaves[p->members[s->first]].flags & MTC_LEAF_HOST) != 0;
+        if (si && s->chunk != p->segs[si - 1].chunk) host_seen = 0;
+        if (host_seen && !host) return 0;
+        host_seen |= host;
         int64_t prev = -1;
         for (uint32_t j = s->first; j < s->first + s->count; j++) {
             const mtc_leaf *l = &leaves[p->members[j]];

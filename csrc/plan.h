@@ -49,6 +49,10 @@
  * `ostrides`), and the leaf is packed in a segment of its own. A leaf that
  * is neither CONTIGUOUS nor DENSE is gathered in the order of those strides. */
 #define MTC_LEAF_STRIDED    0x20
+/* Placed on the host: a packed batch's leaf under an OnHost (traverse.h).
+ * Grouped apart from the others and laid out after all of them (their bytes
+ * are the end of the chunk), and unpacked into CPU memory of its own */
+#define MTC_LEAF_HOST       0x40
 /* Its bytes are one block in the order of its output: copied as is */
 #define MTC_LEAF_BLOCK      (MTC_LEAF_CONTIGUOUS | MTC_LEAF_DENSE)
 

@@ -43,6 +43,14 @@ PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs
                 }
             }
             break;
+        case MTC_NODE_HOST: /* its value: wrapped again only in a pack walk's skeleton */
+            v = vals[--top];
+            if (t->pack) {
+                PyObject *w = PyObject_CallOneArg(n->obj, v);
+                Py_DECREF(v);
+                if (!(v = w)) goto error;
+            }
+            break;
         case MTC_NODE_GENERIC: {
             PyObject *lst = PyList_New(k);
             if (!lst) goto error;

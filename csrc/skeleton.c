@@ -21,6 +21,7 @@ int mtc_skeleton_atoms_only(const mtc_tree *t)
         case MTC_NODE_LEAF:
         case MTC_NODE_LIST:
         case MTC_NODE_TUPLE:
+        case MTC_NODE_HOST: /* an OnHost: not in the output, which holds its value */
             break;
         case MTC_NODE_PASS: /* no obj: a per-batch atom's place */
             if (n->obj && !_atom(n->obj)) return 0;

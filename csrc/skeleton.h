@@ -7,7 +7,7 @@
  * (and those travel in the layout). When a skeleton holds nothing that a
  * batch could change after the fact (plain lists, tuples and dicts, with
  * only immutable atoms as keys and passthrough leaves: str, int, float,
- * bool, None, bytes), the receiving process walks it once into a Skeleton
+ * bool, None, bytes; OnHost markers around such parts), the receiving process walks it once into a Skeleton
  * object and rebuilds every later batch of that structure from the same walk:
  * no unpickling of the structure's containers and no walk per batch. Other
  * skeletons are walked per batch (mtc_traverse), since their objects are the

@@ -26,13 +26,30 @@ enum {
     MTC_NODE_TUPLE,
     MTC_NODE_DICT,       /* exact dict: keys tuple in `obj` */
     MTC_NODE_GENERIC,    /* flattened by Python: context in `obj` */
+    MTC_NODE_HOST,       /* an OnHost in a pack or slots walk: one child (its value); `obj` its type */
 };
 
 /* kinds returned by the Python classifier */
-enum { MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3, MTC_KIND_FILE = 4 };
+enum {
+    MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3, MTC_KIND_FILE = 4,
+    MTC_KIND_HOST = 5,   /* mtc_loader._tree.OnHost */
+};
+
+/*
+ * Host-placed leaves (mtc_loader._tree.OnHost). In a walk for start_copy an
+ * OnHost is a passthrough of its value (a PASS node holding the value, the
+ * same object; nothing under it is walked). In a pack walk (t->pack) and a
+ * slots walk (a packed batch's skeleton) it is a MTC_NODE_HOST container of
+ * one child: every tensor and FileTensor leaf (slots: LEAF placeholder)
+ * under it, through any containers, is host-placed (MTC_LEAF_HOST, node
+ * `host`), and a numpy array under it is a passthrough, not a leaf. The
+ * rebuild of a pack walk (the skeleton) wraps the child's value in OnHost
+ * again; any other rebuild returns the child's value (the marker is gone).
+ */
 
 typedef struct mtc_node {
     uint8_t kind;
+    uint8_t host;        /* MTC_NODE_LEAF under an OnHost (pack and slots walks) */
     int32_t parent;      /* node index, -1 for the root */
     int32_t pos;         /* position among the parent's children */
     int32_t nchildren;
@@ -55,7 +72,9 @@ typedef struct mtc_tree {
     int any_cuda;        /* a leaf lives on a CUDA device */
     int slots;           /* skeleton mode: the placeholder st->leaf_slot marks leaves (numbered
                             in order in nslots), tensors are not expected */
+    int pack;            /* a walk for pack (PackedCollate): OnHost is walked into (see above) */
     uint32_t nslots;
+    uint32_t nhost;      /* host-placed leaves (slots mode: placeholders) */
     uint32_t natoms;     /* skeleton mode: the placeholder st->atom_slot marks a per-batch atom
                             (a PASS node with no obj, numbered in order in natoms) */
     uint64_t cuda_mask;  /* bit d: a leaf lives on cuda:d (d < 64) */

@@ -100,15 +100,18 @@ static void header(_buf *w, uint32_t nleaves, uint32_t nsegs, int64_t payload, i
     put(w, (uint64_t)align, 8);
 }
 
-/* leaf of dtype 2 (4 bytes) and ndim dims, with strides when st != NULL */
-static void leaf(_buf *w, int nd, const int64_t *dims, const int64_t *st)
+/* leaf of dtype 2 (4 bytes) and ndim dims, with strides when st != NULL,
+ * host-placed when host */
+static void leaf_h(_buf *w, int nd, const int64_t *dims, const int64_t *st, int host)
 {
     put(w, 2, 2);
-    put(w, (uint64_t)nd | (st ? MTC_LAYOUT_STRIDED : 0), 2);
+    put(w, (uint64_t)nd | (st ? MTC_LAYOUT_STRIDED : 0) | (host ? MTC_LAYOUT_HOST : 0), 2);
     for (int d = 0; d < nd; d++) put(w, (uint64_t)dims[d], 8);
     if (st)
         for (int d = 0; d < nd; d++) put(w, (uint64_t)st[d], 8);
 }
+
+static void leaf(_buf *w, int nd, const int64_t *dims, const int64_t *st) { leaf_h(w, nd, dims, st, 0); }
 
 static void seg(_buf *w, int kind, uint32_t count, int64_t off, int64_t bytes, int64_t rows, int64_t row_bytes)
 {
@@ -280,11 +283,145 @@ static void test_round_trip(void)
     free(buf);
 }
 
+/* Host-placed leaves (under an OnHost): planned apart from the others and
+ * after all of them, the flag carried by the layout at no cost in bytes. */
+static void test_host(void)
+{
+    enum { N = 6 };
+    mtc_leaf lv[N];
+    int64_t shape[32], ost[32];
+    uint32_t nd = 0;
+    memset(lv, 0, sizeof lv);
+    /* (3, 4) float32: host, device, host, device; a strided (1, 3) host leaf; a (5,) device leaf */
+    const int host[N] = {1, 0, 1, 0, 1, 0};
+    const int64_t os[N][2] = {{0}, {0}, {0}, {0}, {1, 3}, {0}};
+    for (int i = 0; i < N; i++) {
+        lv[i].dtype = 2;
+        lv[i].elsize = 4;
+        lv[i].ndim = i == 5 ? 1 : 2;
+        lv[i].dims = nd;
+        lv[i].dev = MTC_DEV_CPU;
+        shape[nd] = i == 5 ? 5 : 3;
+        shape[nd + 1] = 4;
+        ost[nd] = os[i][0];
+        ost[nd + 1] = os[i][1];
+        lv[i].nbytes = i == 5 ? 20 : 48;
+        lv[i].flags = (os[i][0] ? MTC_LEAF_DENSE | MTC_LEAF_STRIDED : MTC_LEAF_CONTIGUOUS) | (host[i] ? MTC_LEAF_HOST : 0);
+        nd += (uint32_t)lv[i].ndim;
+    }
+    mtc_plan_opts o;
+    mtc_plan_default_opts(&o, 0);
+    mtc_plan p;
+    CHECK_EQ(mtc_plan_build(&p, lv, N, shape, &o), 0);
+    CHECK(mtc_plan_valid(&p, lv, N, shape, &o));
+    CHECK_EQ(p.nchunks, 1);
+    /* a host leaf never shares a segment with a device leaf of its shape, and
+     * every host leaf lies after every device leaf */
+    CHECK(lv[0].seg != lv[1].seg);
+    CHECK_EQ(lv[0].seg, lv[2].seg);
+    CHECK_EQ(lv[1].seg, lv[3].seg);
+    int64_t dev_end = 0, host_first = INT64_MAX;
+    for (int i = 0; i < N; i++) {
+        int64_t off = mtc_plan_leaf_offset(&p, &lv[i]);
+        if (host[i]) host_first = off < host_first ? off : host_first;
+        else dev_end = off + lv[i].nbytes > dev_end ? off + lv[i].nbytes : dev_end;
+    }
+    CHECK(dev_end <= host_first);
+    /* the validator refuses a device segment after a host one */
+    mtc_seg save = p.segs[0];
+    p.segs[0] = p.segs[p.nsegs - 1];
+    p.segs[p.nsegs - 1] = save;
+    CHECK(!mtc_plan_valid(&p, lv, N, shape, &o));
+    p.segs[p.nsegs - 1] = p.segs[0];
+    p.segs[0] = save;
+    CHECK(mtc_plan_valid(&p, lv, N, shape, &o));
+
+    size_t len = mtc_layout_size(lv, N, &p);
+    uint8_t *buf = malloc(len);
+    CHECK(buf);
+    CHECK_EQ(mtc_layout_encode(lv, N, shape, ost, &p, buf, len), 0);
+    mtc_layout L;
+    CHECK_EQ(mtc_layout_decode(buf, len, ELSIZE, NDT, (uint64_t)p.chunks[0].payload + 64, &L), 0);
+    CHECK_EQ(L.nhost, 3);
+    CHECK_EQ(L.dev_end, dev_end);
+    CHECK_EQ(L.host_start, host_first);
+    for (int i = 0; i < N; i++) {
+        const mtc_leaf *l = &L.leaves[i];
+        CHECK_EQ((l->flags & MTC_LEAF_HOST) != 0, host[i]);
+        CHECK_EQ((l->flags & MTC_LEAF_STRIDED) != 0, os[i][0] != 0);
+        CHECK_EQ(mtc_plan_leaf_offset(&L.plan, l), mtc_plan_leaf_offset(&p, &lv[i]));
+    }
+    mtc_layout_free(&L);
+    /* the flag costs no bytes */
+    for (int i = 0; i < N; i++) lv[i].flags &= ~(uint32_t)MTC_LEAF_HOST;
+    CHECK_EQ(mtc_layout_size(lv, N, &p), len);
+    mtc_plan_free(&p);
+    free(buf);
+
+    /* no host leaf: the host span is empty, at the payload's end */
+    _buf w;
+    int64_t dims[2] = {4, 3};
+    header(&w, 1, 1, 48, 16);
+    leaf(&w, 2, dims, NULL);
+    seg(&w, MTC_SEG_UNIFORM, 1, 0, 48, 1, 48);
+    member(&w, 0, 0);
+    CHECK_EQ(decode(&w, &L), 0);
+    CHECK_EQ(L.nhost, 0);
+    CHECK_EQ(L.dev_end, 48);
+    CHECK_EQ(L.host_start, 48);
+    mtc_layout_free(&L);
+
+    /* forged: a segment of host and device members (either order) */
+    for (int first = 0; first < 2; first++) {
+        header(&w, 2, 1, 96, 16);
+        leaf_h(&w, 2, dims, NULL, first);
+        leaf_h(&w, 2, dims, NULL, !first);
+        seg(&w, MTC_SEG_UNIFORM, 2, 0, 96, 2, 48);
+        member(&w, 0, 0);
+        member(&w, 1, 1);
+        CHECK_EQ(decode(&w, &L), -EINVAL);
+    }
+    /* forged: a device segment after a host one; the other order is fine */
+    for (int dev_last = 0; dev_last < 2; dev_last++) {
+        header(&w, 2, 2, 96, 16);
+        leaf_h(&w, 2, dims, NULL, dev_last);  /* in the first segment */
+        leaf_h(&w, 2, dims, NULL, !dev_last); /* in the second */
+        seg(&w, MTC_SEG_UNIFORM, 1, 0, 48, 1, 48);
+        member(&w, 0, 0);
+        seg(&w, MTC_SEG_UNIFORM, 1, 48, 48, 1, 48);
+        member(&w, 1, 0);
+        CHECK_EQ(decode(&w, &L), (dev_last ? -EINVAL : 0));
+        if (!dev_last) {
+            CHECK_EQ(L.nhost, 1);
+            CHECK_EQ(L.dev_end, 48);
+            CHECK_EQ(L.host_start, 48);
+            mtc_layout_free(&L);
+        }
+    }
+    /* host and strided together (0xC000), every leaf host-placed: no device bytes */
+    int64_t good[2] = {1, 4};
+    header(&w, 1, 1, 48, 16);
+    leaf_h(&w, 2, dims, good, 1);
+    seg(&w, MTC_SEG_UNIFORM, 1, 0, 48, 1, 48);
+    member(&w, 0, 0);
+    CHECK_EQ(decode(&w, &L), 0);
+    CHECK_EQ(L.leaves[0].flags, MTC_LEAF_DENSE | MTC_LEAF_STRIDED | MTC_LEAF_HOST);
+    CHECK_EQ(L.dev_end, 0);
+    CHECK_EQ(L.host_start, 0);
+    mtc_layout_free(&L);
+    /* an ndim with both flags and more dims than allowed is still refused */
+    header(&w, 1, 1, 48, 16);
+    put(&w, 2, 2);
+    put(&w, (uint64_t)(MTC_MAX_NDIM + 1) | MTC_LAYOUT_HOST, 2);
+    CHECK_EQ(decode(&w, &L), -EINVAL);
+}
+
 int main(void)
 {
     test_strides_against_torch();
     test_decode_strided();
     test_round_trip();
+    test_host();
     printf("test_layout: all passed (%ld checks)\n", (long)g_checks);
     return 0;
 }

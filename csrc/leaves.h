@@ -1,0 +1,38 @@
+/*
+ * leaves.h - the leaf readers of the walk: a tensor's, numpy array's or
+ * FileTensor's metadata (dtype, shape, strides, place, layout flags) read
+ * into the next leaf slot of a tree, and the hand-off of a leaf that fails
+ * the fast checks to mtc_loader._tree.diagnose. Called by the walk
+ * (traverse.c) with the GIL held; mtc_tree_reread (traverse.h) is here too.
+ *
+ * Functions return 0, or -1 with an exception set (naming the leaf's path).
+ * Names starting with `_` are internal to leaves.c.
+ */
+#ifndef MTC_LEAVES_H
+#define MTC_LEAVES_H
+
+#include "traverse.h"
+
+/* Room for one more leaf of `ndim` dims in t (leaves, objs, leaf_node, and
+ * the dims arrays). */
+int mtc_leaves_reserve(mtc_tree *t, int ndim);
+
+/* Reads obj (a torch.Tensor, a numpy.ndarray, a FileTensor) as leaf
+ * t->nleaves of node `node`, and sets the node's leaf index. */
+int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
+int mtc_leaves_read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
+int mtc_leaves_read_file(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
+
+/* Hands obj (a leaf that failed the fast checks, or a container whose
+ * flatten raised: the pending exception is passed on) to
+ * mtc_loader._tree.diagnose, which raises naming its path, or returns a
+ * replacement tensor read in its place. */
+int mtc_leaves_diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
+
+/* Shared by the walk and the leaf readers only (defined in traverse.c): a
+ * growable array of `elsize` items to at least `need` (capacity in *cap),
+ * and the path of node `ni` ("data[3]['cams']"), a new reference or NULL. */
+int mtc_tree_grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize);
+PyObject *mtc_node_path(const mtc_tree *t, int32_t ni);
+
+#endif /* MTC_LEAVES_H */
