@@ -16,7 +16,8 @@ failure aborts before any timing, unless ``--keep-going`` drops the failing meth
 every method runs a few warm-up rounds (so pinned slabs and caching-allocator blocks exist), then
 interleaved rounds: each round runs every method once on the same data, with the method order
 rotated from round to round, so that drifts of the machine (clocks, other tenants) hit all
-methods alike. Reported per workload and method: median, p10 and p90 in ms, and the ratio
+methods alike. The garbage collector runs as in a user's program (``--gc-off`` disables it while
+timing). Reported per workload and method: median, p10, p90, mean, p99 and max in ms, and the ratio
 ``median(.to()) / median(method)`` (above 1 means faster than ``.to()``).
 
 With a CUDA device, a ceiling measurement runs first (skip it with ``--no-ceiling``): the
@@ -333,8 +334,14 @@ def _skeleton(data: Any) -> Any:
     return ("other", repr(data))
 
 
+# The garbage collector's setting while timing: on (as users run), unless --gc-off.
+GC_ON = True
+
+
 def run_workload(w: Workload, warmup: int) -> dict[str, list[float]]:
-    """Warm up, then time ``w.rounds`` interleaved rounds; seconds per method."""
+    """Warm up, then time ``w.rounds`` interleaved rounds; seconds per method. The collector
+    runs as in the user's program (its collections land in the calls that trigger them: the
+    mean and the tail show them), unless ``--gc-off``."""
     methods = [(name, ALL_METHODS[name]) for name in w.methods]
     for _ in range(warmup):
         for _, method in methods:
@@ -343,13 +350,15 @@ def run_workload(w: Workload, warmup: int) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {name: [] for name, _ in methods}
     gc_was_enabled = gc.isenabled()
     gc.collect()
-    gc.disable()  # a collection inside one timed call would land on one method only
+    if not GC_ON:
+        gc.disable()  # a collection inside one timed call would land on one method only
     try:
         for r in range(w.rounds):
             k = r % len(methods)
             for name, method in methods[k:] + methods[:k]:
                 samples[name].append(time_once(method, w))
-            gc.collect()
+            if not GC_ON:
+                gc.collect()
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -357,13 +366,17 @@ def run_workload(w: Workload, warmup: int) -> dict[str, list[float]]:
 
 
 def summarize(samples: list[float], baseline_median: float | None, nbytes: int) -> dict:
-    """Median / p10 / p90 in ms, ratio vs the baseline, GB/s, and the raw samples."""
+    """Median / p10 / p90, mean, p99 and max in ms, ratio vs the baseline, GB/s, and the raw
+    samples."""
     ms = [s * 1e3 for s in samples]
     med = statistics.median(ms)
     return {
         "median_ms": med,
         "p10_ms": float(np.percentile(ms, 10)),
         "p90_ms": float(np.percentile(ms, 90)),
+        "mean_ms": statistics.fmean(ms),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": max(ms),
         "min_ms": min(ms),
         "ratio_vs_to": (baseline_median / med) if baseline_median else None,
         "gbps": nbytes / (med * 1e-3) / 1e9,
@@ -563,10 +576,10 @@ def machine_info(device: torch.device) -> dict:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    """Workload | method | median ms | p10 | p90 | ratio vs .to() [| GB/s]."""
+    """Workload | method | median ms | p10 | p90 | mean | p99 | max | ratio vs .to() [| GB/s]."""
     header = (
         f"{'workload':<13} {'dir':<6} {'method':<14} {'median ms':>10} "
-        f"{'p10':>8} {'p90':>8} {'vs .to()':>9} {'GB/s':>7}"
+        f"{'p10':>8} {'p90':>8} {'mean':>8} {'p99':>8} {'max':>8} {'vs .to()':>9} {'GB/s':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -576,7 +589,8 @@ def print_table(results: dict[str, dict]) -> None:
             gbps = f"{m['gbps']:.2f}" if wname in BIG_WORKLOADS else ""
             print(
                 f"{wname:<13} {res['direction']:<6} {mname:<14} {m['median_ms']:>10.3f} "
-                f"{m['p10_ms']:>8.3f} {m['p90_ms']:>8.3f} {ratio:>9} {gbps:>7}"
+                f"{m['p10_ms']:>8.3f} {m['p90_ms']:>8.3f} {m['mean_ms']:>8.3f} {m['p99_ms']:>8.3f} "
+                f"{m['max_ms']:>8.3f} {ratio:>9} {gbps:>7}"
             )
         if "bandwidth" in res:
             bw = res["bandwidth"]
@@ -680,6 +694,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed rounds per workload (default 30, 10 for 16x16MB)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds per method (min 3)")
     p.add_argument("--quick", action="store_true", help="few rounds: a fast smoke run")
+    p.add_argument("--gc-off", action="store_true",
+                   help="time with the garbage collector off (collected between rounds instead)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                    help="output folder (default bench/results)")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
@@ -694,7 +710,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global GC_ON
     args = parse_args(argv)
+    GC_ON = not args.gc_off
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {device} asked for, but CUDA is not available (try --device cpu)")

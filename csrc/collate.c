@@ -518,7 +518,8 @@ static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, cons
     lt.ostrides = L->ostrides;
     int rc = -1;
     int64_t t0 = mtc_now_ns();
-    if ((h->keep = PyList_New(0)) && !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
+    if ((!mtc_handle_keeps() || (h->keep = PyList_New(0))) &&
+        !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
         int64_t t1 = mtc_now_ns();
         mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
         PyObject *const *av = PyTuple_Check(atoms) ? &PyTuple_GET_ITEM(atoms, 0) : NULL;

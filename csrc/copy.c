@@ -425,7 +425,7 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
 {
     int64_t t0 = mtc_now_ns();
     mtc_nvtx_push(MTC_NVTX_VIEWS);
-    int rc = !(h->keep = PyList_New(0)) ||
+    int rc = (mtc_handle_keeps() && !(h->keep = PyList_New(0))) ||
              mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs, h->keep) ||
              !(h->result = mtc_rebuild(c->st, c->t, c->outputs, NULL));
     mtc_nvtx_pop();

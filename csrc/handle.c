@@ -122,7 +122,12 @@ static int _handle_wait(mtc_handle *h)
     if (!j || mtc_job_complete(j) || mtc_job_orphaned(j)) return 0;
     mtc_job_ref(j);
     int64_t t0 = mtc_now_ns();
-    int rc;
+    int rc, ran;
+    /* still queued (the transfer thread has not woken up yet): run it here */
+    Py_BEGIN_ALLOW_THREADS
+    ran = mtc_job_take_back(j);
+    Py_END_ALLOW_THREADS
+    (void)ran;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
         rc = mtc_job_wait(j, 100000000); /* 100 ms */
@@ -190,7 +195,8 @@ static void Handle_dealloc(mtc_handle *h)
 }
 
 /* temporaries() -> list: the temporary views made on the way to the outputs,
- * taken out of the handle (a second call returns an empty list). Dropping a
+ * taken out of the handle (a second call returns an empty list; so does a
+ * handle made on a thread that does not keep them, mtc_handle_keeps). Dropping a
  * tensor releases the GIL: the prefetch service hands them to the caller's
  * thread with the batch instead of dropping them itself. New reference. */
 static PyObject *Handle_temporaries(mtc_handle *h, PyObject *unused)
@@ -222,6 +228,23 @@ PyType_Spec mtc_handle_spec = {
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = Handle_slots,
 };
+
+/* Per thread: the prefetch service's thread keeps its temporaries (dropping a
+ * tensor releases the GIL, see Handle_temporaries); every other caller drops
+ * them where they are made. */
+static _Thread_local int _keeps;
+
+int mtc_handle_keeps(void) { return _keeps; }
+
+PyObject *mtc_handle_keep_temporaries(PyObject *module, PyObject *flag)
+{
+    (void)module;
+    int v = PyObject_IsTrue(flag);
+    if (v < 0) return NULL;
+    int was = _keeps;
+    _keeps = v;
+    return PyBool_FromLong(was);
+}
 
 mtc_handle *mtc_handle_new(mtc_state *st)
 {

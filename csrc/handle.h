@@ -38,6 +38,14 @@ extern PyType_Spec mtc_handle_spec;
  * exception set. */
 mtc_handle *mtc_handle_new(mtc_state *st);
 
+/* 1 when copies started on the calling thread keep their temporary views in
+ * h->keep (for Handle.temporaries); off unless the thread asked for it with
+ * _engine.keep_temporaries(True). Off, a temporary is dropped as soon as it
+ * has served, so that a copy keeps no more objects alive than its result. */
+int mtc_handle_keeps(void);
+/* _engine.keep_temporaries(flag) -> the previous setting, for the calling thread. */
+PyObject *mtc_handle_keep_temporaries(PyObject *module, PyObject *flag);
+
 /* Releases the inputs once the job completed and turns a failed job into
  * h->error (naming the leaf), and a job orphaned by fork() into an error
  * saying so. Idempotent. Precondition: the job completed, or is orphaned,

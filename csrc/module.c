@@ -156,6 +156,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
+    P("jobs_taken_back", e.jobs_taken_back);
     P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);
     P("items_copied", e.items_copied); P("bytes_h2d", e.bytes_h2d); P("bytes_d2h", e.bytes_d2h);
     P("bytes_d2d", e.bytes_d2d); P("bytes_host_copy", e.bytes_host); P("dma_calls", e.dma_calls);
@@ -404,6 +405,9 @@ static PyMethodDef engine_methods[] = {
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
      "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},
+    {"keep_temporaries", mtc_handle_keep_temporaries, METH_O,
+     "keep_temporaries(flag) -> previous: copies started on this thread keep their temporary views "
+     "for Handle.temporaries() (the prefetch service's thread)."},
     {"skeleton", mtc_skeleton_make, METH_O, "skeleton(obj) -> Skeleton: a packed batch's structure walked once."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},

@@ -28,7 +28,7 @@ typedef struct mtc_run_counters {
     _Atomic uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
     _Atomic uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
     _Atomic uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    _Atomic uint64_t threads, batch_calls, batch_fallbacks;
+    _Atomic uint64_t threads, batch_calls, batch_fallbacks, jobs_taken_back;
 } mtc_run_counters;
 
 extern mtc_run_counters mtc_run_st;

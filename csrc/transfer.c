@@ -39,7 +39,7 @@ void mtc_engine_get_stats(mtc_engine_stats *o)
     _G(items_copied); _G(bytes_h2d); _G(bytes_d2h); _G(bytes_d2d); _G(bytes_host);
     _G(dma_calls); _G(chunks); _G(pieces); _G(ring_full_waits); _G(worker_wakeups);
     _G(ns_stage); _G(ns_dma_issue); _G(ns_sync); _G(ns_queue); _G(threads);
-    _G(batch_calls); _G(batch_fallbacks);
+    _G(batch_calls); _G(batch_fallbacks); _G(jobs_taken_back);
 #undef _G
 }
 
@@ -64,6 +64,7 @@ mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems)
         return NULL;
     }
     atomic_init(&j->state, MTC_JOB_PENDING);
+    atomic_init(&j->claimed, 0);
     atomic_init(&j->refs, 1);
     j->err_leaf = -1;
     j->fork_gen = mtc_engine_fork_gen();
@@ -386,8 +387,12 @@ static void _sync_streams(mtc_run *r)
     MTC_COUNT(ns_sync, mtc_now_ns() - t0);
 }
 
-void mtc_job_run(mtc_job *j)
+int mtc_job_run(mtc_job *j)
 {
+    /* one thread runs a job: the transfer thread that pops it, or a caller of
+     * get() that finds it still queued (it would otherwise wait for the
+     * transfer thread to wake up and do what it can do sooner itself) */
+    if (mtc_exchange_acq_rel(&j->claimed, 1)) return 0;
     mtc_run r = {.job = j, .cur_dev = -2, .sync_mask = 0};
     if (!mtc_pool_size()) mtc_pool_start(0);
     CUcontext saved = NULL;
@@ -445,6 +450,14 @@ void mtc_job_run(mtc_job *j)
     if (cuda && !mtc_cuda_load()) mtc_cu.cuCtxSetCurrent(saved);
     mtc_nvtx_pop();
     _publish(j);
+    return 1;
+}
+
+int mtc_job_take_back(mtc_job *j)
+{
+    if (!j->t_submit || !mtc_job_run(j)) return 0;
+    MTC_COUNT(jobs_taken_back, 1);
+    return 1;
 }
 
 /* ---- transfer threads ---- */

@@ -67,6 +67,7 @@ enum { MTC_JOB_PENDING = 0, MTC_JOB_DONE = 1, MTC_JOB_FAILED = 2 };
 
 typedef struct mtc_job {
     _Atomic uint32_t state;     /* futex word: MTC_JOB_* */
+    _Atomic uint32_t claimed;   /* 1 once a thread took the job to run it (mtc_job_run) */
     _Atomic int32_t refs;
     int32_t target;             /* MTC_DEV_CPU (-1) or a CUDA device */
     int staging;                /* use_pinned_staging */
@@ -96,9 +97,15 @@ void mtc_job_ref(mtc_job *job);
 /* Drops one reference; frees at zero. */
 void mtc_job_release(mtc_job *job);
 
-/* Runs every op of the job on the calling thread and publishes completion.
- * Never fails: errors are recorded in the job. */
-void mtc_job_run(mtc_job *job);
+/* Runs every op of the job on the calling thread and publishes completion,
+ * unless another thread took it first (then nothing). Never fails: errors
+ * are recorded in the job. 1 when it ran the job here, 0 when it was taken. */
+int mtc_job_run(mtc_job *job);
+
+/* A submitted job that no thread has taken yet, run here (the caller of
+ * get(), GIL released) rather than waited for: 1 when it ran it, 0 when the
+ * transfer thread has it (or it was never submitted). */
+int mtc_job_take_back(mtc_job *job);
 
 /* Queues the job on its target's transfer thread (started on first use);
  * takes a reference for the engine. 0, or -errno when the thread cannot start. */
@@ -121,7 +128,7 @@ typedef struct mtc_engine_stats {
     uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
     uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
     uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    uint64_t threads, batch_calls, batch_fallbacks;
+    uint64_t threads, batch_calls, batch_fallbacks, jobs_taken_back;
 } mtc_engine_stats;
 
 void mtc_engine_get_stats(mtc_engine_stats *out);

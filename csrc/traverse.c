@@ -148,7 +148,31 @@ typedef struct _stack {
     uint32_t n, cap;
     int32_t *bucket;      /* frame index heading each bucket, -1 empty */
     uint32_t nbuckets;    /* power of two >= cap */
+    PyObject *keys[4];    /* borrowed: keys lists of dicts walked to the end (_share_keys) */
+    uint32_t nkeys;
 } _stack;
+
+/* A dict walked to the end: when its keys (the same objects, in the same
+ * order) are those of a recent dict of this walk, the node takes that list
+ * and drops its own, so that a batch of many dicts of one schema holds a few
+ * keys lists, not one per dict (each a list for the garbage collector to
+ * count). A shared list is complete: nothing appends to it any more. */
+static void _share_keys(_stack *s, mtc_node *n)
+{
+    PyObject *mine = n->obj;
+    Py_ssize_t len = PyList_GET_SIZE(mine);
+    for (uint32_t k = 0; k < s->nkeys && k < 4; k++) {
+        PyObject *other = s->keys[k];
+        if (PyList_GET_SIZE(other) != len) continue;
+        Py_ssize_t i = 0;
+        while (i < len && PyList_GET_ITEM(other, i) == PyList_GET_ITEM(mine, i)) i++;
+        if (i < len) continue;
+        n->obj = Py_NewRef(other);
+        Py_DECREF(mine);
+        return;
+    }
+    s->keys[s->nkeys++ % 4] = mine;
+}
 
 static inline uint32_t _bucket_of(const _stack *s, PyObject *o)
 {
@@ -383,6 +407,7 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
         }
         }
         if (!child) { /* container done */
+            if (f->kind == MTC_NODE_DICT) _share_keys(&s, &t->nodes[node]);
             _stack_pop(&s);
             continue;
         }

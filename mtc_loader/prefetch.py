@@ -328,6 +328,9 @@ class _Service:
     # -- the daemon thread
     def _run(self) -> None:
         it = take = None
+        # the copies this thread starts keep their temporary views for the hand-out to drop
+        # (SideCopy._keep); a copy started on any other thread drops them as it goes
+        _engine.keep_temporaries(True)
         try:
             self._wait_for_previous()
             if self.stopping:

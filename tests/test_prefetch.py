@@ -417,14 +417,25 @@ def test_misspelled_option_refused_at_construction(packed):
 def test_side_copy_takes_the_temporary_views_out_of_the_handle():
     """The service thread drops the engine's handle after the copy; the temporary views (whose
     drop releases the GIL) go with the SideCopy instead and are dropped at hand-out."""
+    from mtc_loader import _engine
     from mtc_loader.prefetch import SideCopy, _start
     data = seed_batch(2, seed=3)
-    batch = mtc_loader.PackedCollate(list)(data)
-    side = SideCopy(_start(batch, "cpu", {}), -1)
+    pc = mtc_loader.PackedCollate(list)
+    was = _engine.keep_temporaries(True)  # what the service thread asks for
+    try:
+        side = SideCopy(_start(pc(data), "cpu", {}), -1)
+    finally:
+        _engine.keep_temporaries(was)
     h = side._handle
     side._finish()
     assert side._keep, "the SideCopy holds the temporaries"
     assert h.temporaries() == [], "the handle no longer does"
+    assert_tree_bitwise(side.get(), data)
+    # any other thread's copy drops them as it makes them: nothing outlives the call
+    side = SideCopy(_start(pc(data), "cpu", {}), -1)
+    h = side._handle
+    side._finish()
+    assert not side._keep
     assert_tree_bitwise(side.get(), data)
 
 
