@@ -554,10 +554,9 @@ def _attempt(pc, pb, samples, **changes):
 
 def _fields(pb):
     """The descriptor's fields as a worker sends them (a shared structure unwrapped)."""
-    f = dict(zip(_FIELDS, pb.__reduce__()[1]))
-    if isinstance(f["skeleton"], mtc_loader.collate._SharedSkeleton):
-        f["skeleton"] = f["skeleton"].obj
-    return f
+    # (read from the batch itself: a batch this process holds refuses to be pickled or copied)
+    return dict(zip(_FIELDS, (pb._arena.token, pb._off, pb._nbytes, pb._owner, pb._layout, pb._skeleton,
+                              pb._atoms)))
 
 
 def test_forged_offsets_owners_sizes():
