@@ -34,6 +34,13 @@
 #                                      # (default 420) caps the benchmarks' time, each run under its own
 #                                      # share of what is left; a dry run without a GPU:
 #                                      # RELEASE_DEVICE=cpu RELEASE_QUICK=1 NO_INSTALL=1
+#   bash bench/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
+#                                      # mmdet, mmdet3d and their pure-Python needs, setuptools<81)
+#                                      # into /tmp/site, mmcv 2.1.0 built there with its CPU ops from
+#                                      # the carried .whl/mmcv-2.1.0.tar.gz (the machine has no
+#                                      # index), the engine in place; then tests/test_openmmlab.py and
+#                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
+#                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
 #   bash bench/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
 #                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
 #                                      # pseudo_collate + cast_data against the config switch); the
@@ -213,6 +220,27 @@ PY
     else
         echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
     fi ;;
+openmmlab)
+    site=/tmp/site
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" $(python3 bench/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    if ! python3 -c "import mmcv.ops" 2>/dev/null; then
+        # CPU ops only (no GPU visible to the build): what mmdet3d.structures imports
+        rm -rf /tmp/mmcv-2.1.0 && tar xzf .whl/mmcv-2.1.0.tar.gz -C /tmp
+        (cd /tmp/mmcv-2.1.0 && CUDA_VISIBLE_DEVICES= MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) python3 -m pip wheel -q \
+            --no-build-isolation --no-deps -w /tmp/mmcv_wheel . > "$out/mmcv_build.log" 2>&1) \
+            || { tail -20 "$out/mmcv_build.log"; exit 1; }
+        python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
+    fi
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures; print('torch', torch.__version__, '| mmcv',
+        mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/openmmlab_versions.log"
+    [ -n "${SETUP_ONLY:-}" ] && exit 0
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_openmmlab.py > "$out/openmmlab_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$out/openmmlab_tests.log" | tail -15
+    python3 bench/bench_openmmlab.py --device cuda:0 --out "$out" > "$out/bench_openmmlab.log" 2>&1
+    echo "bench_openmmlab rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab.log" | tail -12 ;;
 mmengine)
     site=/tmp/site
     if [ -d .whl ]; then

@@ -31,7 +31,7 @@ from . import _engine
 from ._dtypes import supported_dtype
 from .files import FileTensor
 
-LEAF_KIND, TENSOR, NDARRAY, GENERIC, FILE = 0, 1, 2, 3, 4
+LEAF_KIND, TENSOR, NDARRAY, GENERIC, FILE, HOST = 0, 1, 2, 3, 4, 5
 
 _NAMEDTUPLE, _TUPLE, _LIST, _DICT, _DATACLASS, _STRUCTSEQ, _SAME, _REGISTERED, _TORCH = range(9)
 
@@ -60,6 +60,28 @@ LEAF = _Slot("LEAF")
 ATOM = _Slot("ATOM")
 
 
+class OnHost:
+    """Marks a value whose tensors cross the process boundary inside a packed batch but are placed
+    on the host: in a :class:`~mtc_loader.PackedBatch`, the tensors under it are packed into the
+    region like any other and come back as CPU tensors of their own memory (never views of the
+    arena), whatever the target device; numpy arrays under it pass through as they are. The
+    output holds ``value`` rebuilt, without the marker. :func:`~mtc_loader.start_copy` (a batch
+    that is not packed) passes ``value`` through as it is, the same object, as ``.to()`` leaves
+    what it does not move. Used by :mod:`mtc_loader.mmengine` for what mmengine leaves on the CPU
+    (lists of tensors in data fields, tensors in metainfo)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (OnHost, (self.value,))
+
+    def __repr__(self) -> str:
+        return f"OnHost({self.value!r})"
+
+
 class _Registration(NamedTuple):
     cls: type
     flatten: Callable[[Any], Any]
@@ -86,11 +108,35 @@ _GEN = [0]
 _NATIVE = (list, tuple, dict, str, bytes, int, float, bool, type(None))
 
 
+# Registrations of classes named by their module and qualified name, for libraries that must not
+# be imported to be known (mtc_loader.mmengine names mmdet's and mmdet3d's structure types): a
+# class whose name matches is registered when the walk first meets it (or a subclass).
+_BY_NAME: dict[str, tuple[Callable[[Any], Any], Callable[[list[Any], Any], Any],
+                          Optional[Callable[[Any], Sequence[str]]]]] = {}
+
+
+def register_container_by_name(qualname: str, flatten: Callable[[Any], Any],
+                               unflatten: Callable[[list[Any], Any], Any], *,
+                               names: Optional[Callable[[Any], Sequence[str]]] = None) -> None:
+    """:func:`register_container` for the class named ``qualname`` (``module.QualName``, where
+    the class is defined), without importing its module: it takes effect when a walk meets the
+    class or one of its subclasses. A class registered by :func:`register_container` comes first."""
+    with _LOCK:
+        _BY_NAME[qualname] = (flatten, unflatten, names)
+    _forget()
+
+
 def _resolve(tp: type) -> Optional[_Registration]:
+    """The registration of ``tp``'s nearest class along its MRO that has one (by class first, then
+    by name, at each class)."""
     for base in tp.__mro__:
         reg = _REGISTRY.get(base)
         if reg is not None:
             return reg
+        if _BY_NAME:
+            named = _BY_NAME.get(f"{base.__module__}.{base.__qualname__}")
+            if named is not None:
+                return _Registration(base, named[0], named[1], named[2], _REGISTERED)
     return None
 
 
@@ -168,6 +214,8 @@ def _classify(tp: type) -> int:
         return NDARRAY
     if issubclass(tp, FileTensor):
         return FILE
+    if tp is OnHost:
+        return HOST
     if _registration(tp) is not None or issubclass(tp, (list, tuple, dict)) or dataclasses.is_dataclass(tp):
         return GENERIC
     return LEAF_KIND
@@ -386,7 +434,9 @@ def _flatten_registered(reg: _Registration, obj: Any) -> tuple[list[Any], tuple[
 
 
 def _unflatten_registered(kind: int, cls: type, context: Any, values: list[Any]) -> Any:
-    reg = _REGISTRY.get(cls) if kind == _REGISTERED else _torch_node(cls)
+    reg = _registration(cls) if kind == _REGISTERED else _torch_node(cls)
+    if reg is not None and reg.source != kind:
+        reg = None
     if reg is None:
         raise TypeError(f"mtc_loader: {_qualname(cls)} is not a registered container in this process "
                         f"(pid {os.getpid()}): register it at import of the module that defines it, "

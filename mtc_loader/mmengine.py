@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from . import _tree
-from ._tree import LEAF, register_container
+from ._tree import LEAF, OnHost, register_container
 from .collate import Arena, PackedBatch, PackedCollate
 from .prefetch import PrefetchLoader, _is_stateful
 
@@ -81,15 +81,83 @@ def _is_child(value: Any, key: str, obj: Any) -> bool:
         "mmengine recipe: a box class that wraps a tensor)")
 
 
+# mmdet's TrackDataSample: its ``to`` moves the elements of its (list) data fields, the frames
+_TRACK = "mmdet.structures.track_data_sample.TrackDataSample"
+_MOVES_LISTS: dict[type, bool] = {}
+
+
+def _moves_lists(cls: type) -> bool:
+    """Whether ``cls.to`` is TrackDataSample's, which moves each element of a list data field
+    that has a ``to`` (and keeps only those)."""
+    moves = _MOVES_LISTS.get(cls)
+    if moves is None:
+        moves = _MOVES_LISTS[cls] = any(f"{c.__module__}.{c.__qualname__}" == _TRACK for c in cls.__mro__)
+    return moves
+
+
+def _moved_list(value: Any, key: str, obj: Any) -> Optional[list[Any]]:
+    """What TrackDataSample.to makes of a list data field: a new list of the elements it moves,
+    or None (no element has a ``to``: the field is kept as it is)."""
+    if not isinstance(value, list):
+        return None
+    moved = [v for v in value if v is LEAF or hasattr(v, "to")]
+    for v in moved:
+        _is_child(v, key, obj)  # (refuses what mtc_loader cannot move)
+    return moved or None
+
+
+def _holds_tensors(value: Any) -> bool:
+    """Whether a value that ``.to`` leaves on the host holds tensors (in lists, tuples and dicts,
+    or in a container mtc_loader walks: boxes in a dict of evaluation annotations): those cross
+    the process boundary in the packed region (:class:`~mtc_loader._tree.OnHost`), not one by
+    one through torch's shared memory."""
+    tp = type(value)
+    if tp is _TENSOR or value is LEAF:
+        return True
+    if tp is list or tp is tuple:
+        return any(_holds_tensors(v) for v in value)
+    if tp is dict:
+        return any(_holds_tensors(v) for v in value.values())
+    if tp in _ATOMS:
+        return False
+    return _tree.element_kind(tp) in (_tree.TENSOR, _tree.FILE, _tree.GENERIC)
+
+
+_ATOMS = (str, int, float, bool, type(None), bytes, type)
+
+
 def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
-    """Children: the data fields that ``.to`` would move, in the order of the instance's
+    """Children: the data fields that ``.to`` would move, then (marked to stay on the host) the
+    other fields, metainfo included, that hold tensors; in the order of the instance's
     ``__dict__`` (which pickling and :func:`_unflatten_element` keep). Context: the class, the
     instance's other attributes as they are (metainfo, kept data fields, the field sets), and
     the children's names."""
     state = obj.__dict__.copy()
     data_fields = state.get("_data_fields", ())
-    keys = [k for k, v in state.items() if k in data_fields and _is_child(v, k, obj)]
-    children = [state[k] for k in keys]
+    keys: list[str] = []
+    children: list[Any] = []
+    lists = _moves_lists(type(obj))
+    for k, v in state.items():
+        if type(v) is OnHost:  # a packed batch's skeleton: the marker is kept where it was put
+            keys.append(k)
+            children.append(v)
+            continue
+        if k in data_fields:
+            if lists:
+                moved = _moved_list(v, k, obj)
+                if moved is not None:
+                    keys.append(k)
+                    children.append(moved)
+                    continue
+            if _is_child(v, k, obj):
+                keys.append(k)
+                children.append(v)
+                continue
+        elif k in _BOOKKEEPING:
+            continue
+        if _holds_tensors(v):  # kept by .to (metainfo, lists of tensors): on the host
+            keys.append(k)
+            children.append(OnHost(v))
     for k in keys:
         state[k] = None  # the context holds no tensor
     return children, (type(obj), state, tuple(keys))
@@ -116,6 +184,44 @@ def _element_names(context: tuple[Any, ...]) -> Sequence[str]:
 
 
 register_container(BaseDataElement, _flatten_element, _unflatten_element, names=_element_names)
+
+
+# ------------------------------------------------------------------------- OpenMMLab's structure types
+
+def _holder_flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    """A structure that keeps its data in one ``tensor`` attribute (boxes, points): that tensor is
+    the child; the class and every other attribute (``box_dim``, ``with_yaw``, ``points_dim``,
+    ``attribute_dims``, ``rotation_axis``, ...) are the context, as they are."""
+    state = obj.__dict__.copy()
+    tensor = state["tensor"]
+    state["tensor"] = None  # (keeps its place in the attributes' order)
+    return [tensor], (type(obj), state)
+
+
+def _holder_unflatten(values: list[Any], context: tuple[Any, ...]) -> Any:
+    """A new instance of the same class with the same attributes, its ``tensor`` the value given;
+    no constructor runs (it would check, convert or clone the tensor)."""
+    cls, state = context
+    new = cls.__new__(cls)
+    d = state.copy()
+    d["tensor"] = values[0]
+    new.__dict__.update(d)
+    return new
+
+
+def _holder_names(context: tuple[Any, ...]) -> Sequence[str]:
+    return ["tensor"]
+
+
+# Known by name, so that neither mmdet nor mmdet3d is imported here; their subclasses (LiDAR,
+# camera and depth boxes and points; HorizontalBoxes, ...) are covered through the MRO.
+_TENSOR_HOLDERS = (
+    "mmdet3d.structures.bbox_3d.base_box3d.BaseInstance3DBoxes",
+    "mmdet3d.structures.points.base_points.BasePoints",
+    "mmdet.structures.bbox.base_boxes.BaseBoxes",
+)
+for _name in _TENSOR_HOLDERS:
+    _tree.register_container_by_name(_name, _holder_flatten, _holder_unflatten, names=_holder_names)
 
 
 # ------------------------------------------------------------------------- collate
