@@ -33,6 +33,8 @@ typedef unsigned long long CUdeviceptr;
 
 /* Driver errors are reported as -(100000 + res) so that they never collide with -errno. */
 #define MTC_CUDA_ERR(res) (-(100000 + (int)(res)))
+/* A driver result as the engine's code: 0 or MTC_CUDA_ERR(r). */
+static inline int mtc_cu_rc(CUresult r) { return r == MTC_CUDA_SUCCESS ? 0 : MTC_CUDA_ERR(r); }
 #define MTC_IS_CUDA_ERR(code) ((code) <= -100000)
 #define MTC_CUDA_RES(code) (-(code) - 100000)
 

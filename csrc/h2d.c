@@ -11,6 +11,8 @@
 #include <string.h>
 
 #include "hostcopy.h"
+#include "pinned.h"
+#include "slab.h"
 
 /* Slabs of the staging ring (MTC_H2D_RING; 0: the windowed pipeline): 16 of
  * 2 MiB. On the GPU machine a ring of 8 MiB ran at half the speed (the
@@ -117,7 +119,7 @@ int mtc_h2d_chunk(mtc_run *r, const mtc_op *op)
         free(buf);
         return rc;
     }
-    mtc_slab_pool *pool = mtc_run_pool(op->dev, &rc);
+    mtc_slab_pool *pool = mtc_pinned_pool(op->dev, &rc);
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
     mtc_slab *slab;
     if ((rc = mtc_slab_alloc(pool, (size_t)op->nbytes, &slab)))
@@ -395,7 +397,7 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
     CUstream s = j->streams[dev];
     int32_t leaf0 = j->items[ops[0].first].leaf;
     int rc;
-    mtc_slab_pool *pool = mtc_run_pool(dev, &rc);
+    mtc_slab_pool *pool = mtc_pinned_pool(dev, &rc);
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
 
     uint32_t helpers = (uint32_t)mtc_pool_size();
@@ -424,7 +426,7 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
      * backpressure would wait on slabs only this run releases (or, with two
      * runs on one device, on each other's): under a small cap the pieces
      * shrink until two of them fit in that quarter. */
-    size_t cap = mtc_engine_pinned_cap();
+    size_t cap = mtc_pinned_cap();
     while (piece > 65536 && cap / (4 * piece) < 2) piece /= 2;
     if (piece < 65536) piece = 65536;
     if (!ring && cap < 2 * piece) /* two windows of one piece could never be held */

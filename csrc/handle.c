@@ -13,6 +13,7 @@
 #include "cuda.h"
 #include "files.h"
 #include "hostcopy.h"
+#include "pinned.h"
 
 /* Releases inputs once the job completed; sets h->error for a failed job.
  * Precondition: the job completed (or there is none), or it is orphaned by a
@@ -49,7 +50,7 @@ void mtc_handle_finish(mtc_handle *h)
         if (j->err == -E2BIG)
             snprintf(desc, sizeof desc, "a staging buffer would exceed the pinned-memory cap of %zu bytes; "
                      "raise it with mtc_loader.configure(pinned_cap_bytes=...) or lower max_packed_chunk_bytes",
-                     mtc_engine_pinned_cap());
+                     mtc_pinned_cap());
         else
             mtc_cuda_describe(j->err, desc, sizeof desc);
         PyObject *path = NULL;

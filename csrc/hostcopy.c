@@ -62,7 +62,7 @@ int mtc_flag_is_set(mtc_flag *f)
 int mtc_futex_wait_while(_Atomic uint32_t *word, uint32_t busy, int spins, int64_t timeout_ns)
 {
     /* the acquire pairs with the setter's release store (mtc_flag_set, the
-     * transfer thread's _publish): what it wrote before is visible */
+     * job's mtc_job_publish): what it wrote before is visible */
     int64_t deadline = timeout_ns >= 0 ? _now_ns() + timeout_ns : 0;
     for (int spin = 0; spin < spins; spin++) {
         if (mtc_load_acquire(word) != busy) return 0;

@@ -20,6 +20,7 @@
 #include "handle.h"
 #include "hostcopy.h"
 #include "skeleton.h"
+#include "pinned.h"
 #include "slab.h"
 #include "transfer.h"
 #include "nvtx.h"
@@ -165,12 +166,12 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_dma_issue", e.ns_dma_issue); P("ns_sync", e.ns_sync); P("ns_queue", e.ns_queue);
     P("transfer_threads", e.threads); P("batch_memcpy_calls", e.batch_calls);
     P("batch_memcpy_fallbacks", e.batch_fallbacks); P("helper_threads", mtc_pool_size());
-    P("pinned_cap_bytes", mtc_engine_pinned_cap());
+    P("pinned_cap_bytes", mtc_pinned_cap());
     mtc_slab_stats tot;
     memset(&tot, 0, sizeof tot);
     for (int dv = 0; dv < MTC_MAX_DEVICES; dv++) {
         mtc_slab_stats s;
-        if (mtc_engine_slab_stats(dv, &s)) continue;
+        if (mtc_pinned_stats(dv, &s)) continue;
         tot.bytes_held += s.bytes_held; tot.bytes_in_use += s.bytes_in_use;
         tot.bytes_high_water += s.bytes_high_water; tot.slabs_held += s.slabs_held;
         tot.slabs_in_use += s.slabs_in_use; tot.allocs += s.allocs; tot.reuses += s.reuses;
@@ -196,7 +197,7 @@ static PyObject *engine_set_pinned_cap(PyObject *module, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "mtc_loader: pinned_cap_bytes must be positive");
         return NULL;
     }
-    mtc_engine_set_pinned_cap((size_t)v);
+    mtc_pinned_set_cap((size_t)v);
     Py_RETURN_NONE;
 }
 
@@ -204,7 +205,7 @@ static PyObject *engine_trim(PyObject *module, PyObject *unused)
 {
     size_t n;
     Py_BEGIN_ALLOW_THREADS
-    n = mtc_engine_trim();
+    n = mtc_pinned_trim();
     Py_END_ALLOW_THREADS
     return PyLong_FromSize_t(n);
 }

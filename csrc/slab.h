@@ -13,9 +13,15 @@
  * The pool knows nothing of CUDA: pinning and fences come through
  * mtc_slab_ops, so unit tests drive it with malloc and fake fences.
  *
- * Conventions: public names are mtc_slab_*, internal helpers (slab.c,
- * static) start with '_'.  Errors are negative errno values; no function
- * here touches Python.
+ * The allocator is three files: slab.c (allocation paths, release, fences,
+ * claims, drain, init/destroy), slablist.c (size classes and idle lists:
+ * slablist.h) and slabcap.c (eviction under the cap, trim, set_cap, stats,
+ * the invariant checker: slabcap.h).  This header is the whole public API.
+ *
+ * Conventions: public names are mtc_slab_*; helpers shared by the three
+ * files are mtc_slablist_* / mtc_slabcap_* (internal to the allocator),
+ * helpers internal to one file are static and start with '_'.  Errors are
+ * negative errno values; no function here touches Python.
  *
  * Locking: one pthread mutex per pool guards everything; it is a leaf lock.
  * Only ops->fence_query is called with it held (so it must be cheap, must not

@@ -51,6 +51,7 @@
 #include "cuda.h"
 #include "fake_cuda.h"
 #include "hostcopy.h"
+#include "pinned.h"
 #include "slab.h"
 #include "transfer.h"
 #include "uring.h"
@@ -208,7 +209,7 @@ static void check_bytes(const src_spec *s, int k, uint8_t **dev, size_t a, size_
 static mtc_slab_pool *pool0(void)
 {
     int err = 0;
-    mtc_slab_pool *p = mtc_run_pool(0, &err);
+    mtc_slab_pool *p = mtc_pinned_pool(0, &err);
     CHECK(p != NULL);
     return p;
 }
@@ -217,7 +218,7 @@ static mtc_slab_pool *pool0(void)
 static void check_pool_idle(void)
 {
     mtc_slab_stats st;
-    CHECK_EQ(mtc_engine_slab_stats(0, &st), 0);
+    CHECK_EQ(mtc_pinned_stats(0, &st), 0);
     CHECK_EQ(st.slabs_in_use, 0);
     CHECK_EQ(st.bytes_in_use, 0);
     CHECK(mtc_slab_valid(pool0()));
@@ -309,9 +310,9 @@ static uint64_t run_case(const char *name, const cfg *c, const src_spec *s, int 
 static void trim_all(CUstream s)
 {
     sync_stream(s);
-    mtc_engine_trim();
+    mtc_pinned_trim();
     mtc_slab_stats st;
-    CHECK_EQ(mtc_engine_slab_stats(0, &st), 0);
+    CHECK_EQ(mtc_pinned_stats(0, &st), 0);
     CHECK_EQ(st.slabs_held, 0);
 }
 
@@ -378,10 +379,10 @@ static void test_pool_holds_ring(void)
         snprintf(name, sizeof name, "pool holds the ring of %s", rs[i].ring);
         trim_all(g_stream);
         mtc_slab_stats a, b;
-        CHECK_EQ(mtc_engine_slab_stats(0, &a), 0);
+        CHECK_EQ(mtc_pinned_stats(0, &a), 0);
         run_case(name, &(cfg){.ring = rs[i].ring, .piece = rs[i].piece, .delay_max_us = 20}, SRCS_MID,
                  (int)NSRC(SRCS_MID), g_stream);
-        CHECK_EQ(mtc_engine_slab_stats(0, &b), 0);
+        CHECK_EQ(mtc_pinned_stats(0, &b), 0);
         CHECK_EQ(b.slabs_held, rs[i].R);
         CHECK_EQ(b.bytes_held, rs[i].R * rs[i].cls);
         CHECK_EQ(b.allocs - a.allocs, rs[i].R); /* once, then reused by every repetition */
@@ -401,7 +402,7 @@ static void test_two_rings(const char *name, const cfg *c, size_t cap, int max_i
     uint8_t **da = dev_alloc(SRCS_BIG, nb), **db = dev_alloc(SRCS_MID, nm);
     if (cap) {
         trim_all(g_stream);
-        CHECK_EQ(mtc_engine_set_pinned_cap(cap), 0);
+        CHECK_EQ(mtc_pinned_set_cap(cap), 0);
     }
     fk->reset_stats();
     for (int rep = 0; rep < g_reps; rep++) {
@@ -425,7 +426,7 @@ static void test_two_rings(const char *name, const cfg *c, size_t cap, int max_i
     fk->get_stats(&f);
     check_driver_clean(&f);
     if (max_in_flight) CHECK(f.max_htod_in_flight <= (uint64_t)max_in_flight);
-    if (cap) CHECK_EQ(mtc_engine_set_pinned_cap((size_t)1 << 30), 0);
+    if (cap) CHECK_EQ(mtc_pinned_set_cap((size_t)1 << 30), 0);
     dev_free(da, nb);
     dev_free(db, nm);
     printf("  %-60s %d reps\n", name, g_reps);
@@ -696,12 +697,12 @@ static void test_small_cap(const char *name, const cfg *c, size_t cap, int want_
     uint8_t **dev = dev_alloc(s, n);
     dev_fill(s, n, dev);
     trim_all(g_stream);
-    CHECK_EQ(mtc_engine_set_pinned_cap(cap), 0);
+    CHECK_EQ(mtc_pinned_set_cap(cap), 0);
     mtc_job *j = h2d_job(s, n, dev, g_stream);
     CHECK_EQ(mtc_job_submit(j), 0);
     if (mtc_job_wait(j, 20LL * 1000000000LL)) {
         mtc_slab_stats st;
-        mtc_engine_slab_stats(0, &st);
+        mtc_pinned_stats(0, &st);
         FAILF("the job hung: %llu slab(s) in use, the cap of %zu bytes leaves no room for the next",
               (unsigned long long)st.slabs_in_use, cap);
     }
@@ -712,7 +713,7 @@ static void test_small_cap(const char *name, const cfg *c, size_t cap, int want_
     printf("  %-60s %s\n", name, j->err ? j->err_where : "copied");
     mtc_job_release(j);
     check_pool_idle();
-    CHECK_EQ(mtc_engine_set_pinned_cap((size_t)1 << 30), 0);
+    CHECK_EQ(mtc_pinned_set_cap((size_t)1 << 30), 0);
     dev_free(dev, n);
 }
 
@@ -784,9 +785,9 @@ int main(void)
     /* every pinned allocation and every event belongs to an idle slab: trimmed, nothing is left */
     sync_stream(g_stream);
     sync_stream(NULL);
-    mtc_engine_trim();
+    mtc_pinned_trim();
     mtc_slab_stats st;
-    CHECK_EQ(mtc_engine_slab_stats(0, &st), 0);
+    CHECK_EQ(mtc_pinned_stats(0, &st), 0);
     CHECK_EQ(st.slabs_held, 0);
     fake_cuda_stats f;
     fk->get_stats(&f);

@@ -1,0 +1,190 @@
+/*
+ * job.c - copy jobs, the engine's counters and clock, and what every runner
+ * of a job uses: error recording, the current device, its event, file reads
+ * (see job.h).
+ */
+#include "job.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "hostcopy.h"
+#include "nvtx.h"
+
+int64_t mtc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+mtc_run_counters mtc_run_st;
+
+/* ---- jobs ---- */
+
+/* Written only by the atfork child handler (a single thread then), read by
+ * any thread after it: relaxed is enough. */
+static _Atomic uint32_t _fork_gen;
+
+uint32_t mtc_engine_fork_gen(void) { return mtc_load_relaxed(&_fork_gen); }
+
+void mtc_job_after_fork_child(void)
+{
+    /* jobs pending now were queued to, or run by, threads the child does not
+     * have: mtc_job_orphaned() tells them apart by this generation */
+    mtc_store_relaxed(&_fork_gen, mtc_load_relaxed(&_fork_gen) + 1);
+}
+
+mtc_job *mtc_job_new(uint32_t nops, uint32_t nitems)
+{
+    mtc_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->ops = calloc(nops ? nops : 1, sizeof *j->ops);
+    j->items = calloc(nitems ? nitems : 1, sizeof *j->items);
+    if (!j->ops || !j->items) {
+        free(j->ops);
+        free(j->items);
+        free(j);
+        return NULL;
+    }
+    atomic_init(&j->state, MTC_JOB_PENDING);
+    atomic_init(&j->claimed, 0);
+    atomic_init(&j->refs, 1);
+    j->err_leaf = -1;
+    j->fork_gen = mtc_engine_fork_gen();
+    return j;
+}
+
+void mtc_job_ref(mtc_job *j)
+{
+    /* the caller holds a reference already: no ordering needed */
+    mtc_fetch_add_relaxed(&j->refs, 1);
+}
+
+void mtc_job_release(mtc_job *j)
+{
+    /* acq_rel: the last owner sees every write of the other before freeing */
+    if (mtc_fetch_sub_acq_rel(&j->refs, 1) != 1) return;
+    free(j->ops);
+    free(j->items);
+    free(j);
+}
+
+int mtc_job_complete(mtc_job *j)
+{
+    /* pairs with the release in mtc_job_publish: the job's results are visible */
+    return mtc_load_acquire(&j->state) != MTC_JOB_PENDING;
+}
+
+int mtc_job_orphaned(mtc_job *j)
+{
+    return j->fork_gen != mtc_engine_fork_gen() && !mtc_job_complete(j);
+}
+
+int mtc_job_wait(mtc_job *j, int64_t timeout_ns)
+{
+    return mtc_futex_wait_while(&j->state, MTC_JOB_PENDING, 200, timeout_ns);
+}
+
+void mtc_job_publish(mtc_job *j)
+{
+    j->t_end = mtc_now_ns();
+    MTC_COUNT(jobs_done, 1);
+    if (j->err) MTC_COUNT(jobs_failed, 1);
+    /* pairs with the acquire in mtc_job_complete: outputs and error fields
+     * written above are visible to the waiter */
+    mtc_store_release(&j->state, j->err ? MTC_JOB_FAILED : MTC_JOB_DONE);
+    mtc_futex_wake_all(&j->state);
+}
+
+/* ---- the run of a job: what every runner uses ---- */
+
+static _Thread_local CUevent _tl_ev[MTC_MAX_DEVICES];
+
+int mtc_run_event(int dev, CUevent *out)
+{
+    if (!_tl_ev[dev]) {
+        CUresult res = mtc_cu.cuEventCreate(&_tl_ev[dev], MTC_CU_EVENT_DISABLE_TIMING);
+        if (res) return MTC_CUDA_ERR(res);
+    }
+    *out = _tl_ev[dev];
+    return 0;
+}
+
+int mtc_run_use_dev(mtc_run *r, int dev)
+{
+    if (r->cur_dev == dev) return 0;
+    int rc = mtc_cuda_set_device(dev);
+    if (!rc) r->cur_dev = dev;
+    return rc;
+}
+
+int mtc_run_fail(mtc_run *r, int err, int32_t leaf, const char *where)
+{
+    mtc_job *j = r->job;
+    if (!j->err) {
+        j->err = err;
+        j->err_leaf = leaf;
+        snprintf(j->err_where, sizeof j->err_where, "%s", where);
+    }
+    return err;
+}
+
+/* Records a failed read of a file-backed item: the part of its spec and the
+ * bytes of it that arrived, for the binding layer's message. */
+int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe)
+{
+    mtc_job *j = r->job;
+    if (!j->err) {
+        j->err_part = fe->index;
+        j->err_got = fe->got;
+    }
+    return mtc_run_fail(r, err, leaf, "reading a file");
+}
+
+/* Reads the file-backed items among items[0..n) to address base + dst (base
+ * 0: dst is the address; unsigned arithmetic, so a base below dst is fine)
+ * as one batch of requests, one per file part. 0, or the failure recorded in
+ * the job. */
+int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n)
+{
+    uint32_t nreq = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!items[i].file) continue;
+        mtc_file_spec_hdr h;
+        memcpy(&h, items[i].file, sizeof h);
+        nreq += h.nparts;
+    }
+    if (!nreq) return 0;
+    mtc_uring_req *reqs = malloc(nreq * sizeof *reqs);
+    if (!reqs) return mtc_run_fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
+    uint32_t q = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!items[i].file) continue;
+        mtc_file_spec s;
+        /* checked when the leaf was read (files.c); the bytes are immutable */
+        mtc_uring_spec_view(items[i].file, mtc_uring_spec_size(items[i].file), &s);
+        char *dst = (char *)(base + items[i].dst);
+        for (uint32_t k = 0; k < s.h.nparts; k++) {
+            mtc_file_part p;
+            const char *path;
+            mtc_uring_spec_part(&s, k, &p, &path);
+            reqs[q++] = (mtc_uring_req){.path = path, .offset = p.offset, .nbytes = p.nbytes, .dst = dst,
+                                        .tag = items[i].leaf, .part = k};
+            dst += p.nbytes;
+        }
+    }
+    mtc_uring_err fe = {0, 0};
+    mtc_nvtx_push_name("file reads"); /* inside its op's range: how much of the op is disk */
+    int rc = mtc_uring_read(reqs, nreq, &fe);
+    mtc_nvtx_pop();
+    if (rc) {
+        mtc_uring_err pe = {reqs[fe.index].part, fe.got};
+        mtc_run_fail_file(r, rc, reqs[fe.index].tag, &pe);
+    }
+    free(reqs);
+    return rc;
+}
