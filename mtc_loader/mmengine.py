@@ -30,6 +30,7 @@ In a config (see the docs' mmengine recipe)::
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence, Union
 
 try:
@@ -226,6 +227,41 @@ for _name in _TENSOR_HOLDERS:
 
 # ------------------------------------------------------------------------- collate
 
+def _place(data: Any) -> Any:
+    """``data`` with what ``BaseDataPreprocessor.cast_data`` leaves on the host marked so
+    (:class:`~mtc_loader._tree.OnHost`), where it holds tensors the walk would otherwise move
+    (boxes or points outside data samples) or is a numpy array (which ``cast_data`` keeps as
+    one): cast_data's own recursion, through mappings, named tuples and sequences, moving only
+    tensors and data elements (and FileTensors, which it never sees: they become tensors)."""
+    if isinstance(data, Mapping):  # (cast_data makes every mapping a dict)
+        return {k: _place(data[k]) for k in data}
+    if isinstance(data, (str, bytes)) or data is None:
+        return data
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_place(v) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_place(v) for v in data)
+    if isinstance(data, (torch.Tensor, BaseDataElement)):
+        return data
+    kind = _tree.element_kind(type(data))
+    if kind == _tree.FILE:
+        return data
+    if kind in (_tree.NDARRAY, _tree.GENERIC, _tree.TENSOR):
+        return OnHost(data)
+    return data
+
+
+class _PlacedAsCastData:
+    """A collate function whose output's ``inputs`` (and anything else outside data samples) is
+    marked where ``cast_data`` would leave it on the host (:func:`_place`)."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return _place(self.fn(samples))
+
+
 class PackedPseudoCollate:
     """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
     ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
@@ -272,7 +308,7 @@ class PackedPseudoCollate:
             if not callable(fn):
                 raise ValueError(f"mtc_loader: mtc_packed_collate's collate_fn {collate_fn!r} is not a "
                                  "function registered in mmengine's FUNCTIONS nor a callable")
-            p = self._packers[collate_fn] = PackedCollate(fn, arena=self.arm())
+            p = self._packers[collate_fn] = PackedCollate(_PlacedAsCastData(fn), arena=self.arm())
         return p
 
     def __call__(self, data_batch: Sequence[Any],
@@ -428,6 +464,9 @@ class _Prefetching:
 
     def __init__(self, iterable: Any, device: torch.device, depth: int) -> None:
         self.loader = iterable if isinstance(iterable, PrefetchLoader) else PrefetchLoader(iterable, device, depth)
+        # a batch that is not packed is copied by start_copy: what cast_data leaves on the host
+        # stays there (the structure types the walk knows would otherwise be moved)
+        self.loader._prepare = _place  # type: ignore[attr-defined]
         self.it = iter(self.loader)
 
     def __iter__(self) -> "_Prefetching":

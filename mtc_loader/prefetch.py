@@ -305,8 +305,11 @@ class _Service:
     def __init__(self, iterable: Iterable[Any], index: int, device: Any, depth: int, options: dict[str, Any],
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"], snapshot: Optional[Callable[[], Any]] = None,
-                 copy_snapshots: bool = False) -> None:
+                 copy_snapshots: bool = False, prepare: Optional[Callable[[Any], Any]] = None) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        # applied to each batch that is not packed before its copy starts (mtc_loader.mmengine
+        # marks what mmengine leaves on the host), on this thread
+        self.prepare = prepare
         # the iterable's state_dict (None: not stateful), called after each batch is taken and at
         # the end; copy_snapshots: its result may change later (deep-copied then)
         self.snapshot, self.copy_snapshots = snapshot, copy_snapshots
@@ -395,6 +398,8 @@ class _Service:
             if self.stopping:
                 del batch  # an unconsumed PackedBatch frees its region
                 return None, None, True
+            if self.prepare is not None and not isinstance(batch, PackedBatch):
+                batch = self.prepare(batch)
             if _trace.active():  # free when no tool is attached
                 with _trace.Range(_RANGE_COPY):
                     side = SideCopy(_start(batch, self.device, self.options), self.index)
@@ -754,7 +759,8 @@ class PrefetchLoader:
             snapshot = self.iterable.state_dict  # type: ignore[attr-defined]
             copy_snapshots = _snapshots_may_change(self.iterable)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
-                           self.gil_switch_interval, consumer, snapshot, copy_snapshots)
+                           self.gil_switch_interval, consumer, snapshot, copy_snapshots,
+                           getattr(self, "_prepare", None))
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over
             # the yield would free the previous batch (hundreds of tensors) inside the next

@@ -402,3 +402,27 @@ def test_file_tensor_in_a_data_field_is_read(tmp_path):
     for batch in dl:
         for ds in batch.unpack("cpu")["data_samples"]:
             assert_bitwise(ds.bboxes, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_what_cast_data_leaves_on_the_host_stays_there(device):
+    """Outside data samples, cast_data moves only tensors and data elements: a box object and a
+    numpy array in ``inputs`` stay on the host as they are (packed or prefetched), while the
+    lists of tensors in a data field stay on the host too, crossing in the packed region."""
+    def sample(i):
+        s = make_sample(i)
+        s["inputs"]["boxes"] = LiDARBoxes(torch.rand(2, 7))
+        s["inputs"]["calib"] = np.eye(3) * i
+        s["data_samples"].cam_boxes = [torch.rand(2, 4), torch.rand(1, 4)]
+        return s
+
+    samples = [sample(i) for i in range(3)]
+    ref = snapshot(BaseDataPreprocessor().to(device).cast_data(pseudo_collate(samples)))
+    pre = mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor")).to(device)
+    got = snapshot(pre.cast_data(mm.packed_collate(samples).to(device)))
+    assert_same(ref, got)
+    batch = pseudo_collate(samples)
+    prefetched = next(iter(mm._Prefetching([batch], torch.device(device), 1)))
+    assert_same(ref, snapshot(pre.cast_data(prefetched)))
+    assert isinstance(prefetched["inputs"]["calib"][1], np.ndarray)
+    assert prefetched["inputs"]["boxes"][0] is batch["inputs"]["boxes"][0]  # start_copy: the same object
