@@ -130,10 +130,17 @@ def make_method(name: str, ds: Dataset, workers: int, batch_size: int, device: t
     return _PrefetchEpochs(dl, device), lambda b: mpre(b, True)
 
 
+class _Tag(str):
+    """Marks a tensor's snapshot (a plain "tensor" string could be an attribute's name)."""
+
+
+TENSOR = _Tag("tensor")
+
+
 def snapshot(x: Any) -> Any:
     """Classes, devices and bytes of what the model receives."""
     if isinstance(x, torch.Tensor):
-        return ("tensor", str(x.device), x.dtype, tuple(x.shape), x.detach().cpu())
+        return (TENSOR, str(x.device), x.dtype, tuple(x.shape), x.detach().cpu())
     if isinstance(x, BaseDataElement):
         return (type(x), sorted(((k, sorted(v) if k in ("_metainfo_fields", "_data_fields") else snapshot(v))
                                  for k, v in vars(x).items()), key=lambda kv: kv[0]))
@@ -149,8 +156,8 @@ def snapshot(x: Any) -> Any:
 
 
 def same(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple) and a and a[0] == "tensor":
-        return isinstance(b, tuple) and b and b[0] == "tensor" and a[1:4] == b[1:4] and torch.equal(a[4], b[4])
+    if isinstance(a, tuple) and a and type(a[0]) is _Tag:
+        return isinstance(b, tuple) and bool(b) and type(b[0]) is _Tag and a[1:4] == b[1:4] and torch.equal(a[4], b[4])
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return bool(a == b)
@@ -168,17 +175,29 @@ def make_checker(ds: LidarSamples, batch_size: int, device: torch.device) -> Cal
 
 class StorageCount:
     """Counts the storages this process receives through torch's shared-memory path (each tensor
-    that crossed the worker queue on its own)."""
+    that crossed the worker queue on its own): torch's rebuild functions are replaced by counting
+    ones defined at module level (a worker pickles them by reference, and this process's
+    unpickling calls them)."""
+
+    n = 0
 
     def __init__(self) -> None:
-        self.n = 0
-        for name in ("rebuild_storage_fd", "rebuild_storage_filename"):
-            original = getattr(_reductions, name)
+        _ORIGINAL.update(fd=_reductions.rebuild_storage_fd, filename=_reductions.rebuild_storage_filename)
+        _reductions.rebuild_storage_fd = _counted_fd
+        _reductions.rebuild_storage_filename = _counted_filename
 
-            def counted(*args: Any, _original: Callable[..., Any] = original) -> Any:
-                self.n += 1
-                return _original(*args)
-            setattr(_reductions, name, counted)
+
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def _counted_fd(*args: Any) -> Any:
+    StorageCount.n += 1
+    return _ORIGINAL["fd"](*args)
+
+
+def _counted_filename(*args: Any) -> Any:
+    StorageCount.n += 1
+    return _ORIGINAL["filename"](*args)
 
 
 def percentile(xs: list[float], q: float) -> float:

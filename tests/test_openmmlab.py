@@ -118,11 +118,18 @@ class Samples(Dataset):
         return SAMPLES[self.kind](i)
 
 
+class _Tag(str):
+    """Marks a tensor's snapshot (a plain "tensor" string could be an attribute's name)."""
+
+
+TENSOR = _Tag("tensor")
+
+
 def snapshot(x):
     """What a model receives, as comparable values: classes, attributes, tensors (bytes, dtype,
     shape, strides, device), arrays."""
     if isinstance(x, torch.Tensor):
-        return ("tensor", str(x.device), x.dtype, tuple(x.shape), x.stride(), x.detach().cpu().clone())
+        return (TENSOR, str(x.device), x.dtype, tuple(x.shape), x.stride(), x.detach().cpu().clone())
     if isinstance(x, BaseDataElement):
         return (type(x), sorted(((k, sorted(v) if k in ("_metainfo_fields", "_data_fields") else snapshot(v))
                                  for k, v in vars(x).items()), key=lambda kv: kv[0]))
@@ -138,8 +145,8 @@ def snapshot(x):
 
 
 def assert_same(a, b, where="batch"):
-    if isinstance(a, tuple) and a and a[0] == "tensor":
-        assert isinstance(b, tuple) and b[0] == "tensor", f"{where}: {b!r:.200} is not a tensor"
+    if isinstance(a, tuple) and a and type(a[0]) is _Tag:
+        assert isinstance(b, tuple) and b and type(b[0]) is _Tag, f"{where}: {b!r:.200} is not a tensor"
         assert a[1:5] == b[1:5], f"{where}: (device, dtype, shape, strides) {b[1:5]} != {a[1:5]}"
         assert torch.equal(a[5].view(torch.uint8) if a[5].dtype == torch.bool else a[5],
                            b[5].view(torch.uint8) if b[5].dtype == torch.bool else b[5]), f"{where}: values differ"
@@ -178,7 +185,7 @@ def test_structures_keep_every_attribute():
     out = mtc_loader.start_copy({"p": pts, "b": boxes, "h": hb}, "cpu").get()
     for k, ref in (("p", pts), ("b", boxes), ("h", hb)):
         assert type(out[k]) is type(ref)
-        assert out[k].tensor is not ref.tensor and torch.equal(out[k].tensor, ref.tensor)
+        assert out[k] is not ref and torch.equal(out[k].tensor, ref.tensor)  # (a CPU tensor to the CPU: reused, as .to)
         assert {a: v for a, v in vars(out[k]).items() if a != "tensor"} == \
             {a: v for a, v in vars(ref).items() if a != "tensor"}
     assert out["p"].rotation_axis == 1 and out["b"].box_dim == 7 and out["b"].with_yaw is False
