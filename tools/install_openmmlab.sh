@@ -3,7 +3,8 @@
 # on real mmdet3d / mmdet samples (tests/test_openmmlab.py, bench/bench_openmmlab.py): mmengine
 # 0.10.7, mmcv 2.1.0 built from its source distribution with its ops (mmdet3d.structures imports
 # mmcv.ops, so mmcv-lite does not do; no wheel of it exists for recent torch), mmdet 3.3.0 and
-# mmdet3d 1.4.0 (without their runtime extras, which the structures and models do not need).
+# mmdet3d 1.4.0 (without their runtime extras, which the structures and models do not need;
+# mmdet's own needs are installed: mmdet3d.structures imports mmdet.models).
 #
 #   tools/install_openmmlab.sh [WORKDIR]
 #
@@ -17,7 +18,7 @@ py=${PYTHON:-python3}
 mkdir -p "$work"
 "$py" -c 'import torch' || { echo "install_openmmlab: install torch first" >&2; exit 1; }
 "$py" -m pip install -q "setuptools>=77.0.3,<81" wheel ninja numba "mmengine==0.10.7" \
-    terminaltables shapely scipy pycocotools
+    terminaltables shapely scipy pycocotools six tqdm
 wheel=$(ls "${MMCV_WHEEL_DIR:-/nonexistent}"/mmcv-2.1.0-*.whl 2>/dev/null | head -1 || true)
 if [ -z "$wheel" ]; then
     "$py" -m pip download -q --no-deps --no-binary :all: --no-build-isolation "mmcv==2.1.0" -d "$work"
