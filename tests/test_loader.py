@@ -808,13 +808,21 @@ def test_packed_collate_built_in_a_launcher(worker_ctx, device):
 
 
 def test_unpack_hands_its_temporary_views_to_the_caller():
-    """Dropping a tensor releases the GIL, so the views the unpack makes on the way to the outputs
-    (segment views, the padding pieces between members) are not dropped inside it: the handle
-    holds them until its owner takes them (the prefetch service hands them out with the batch)."""
+    """Dropping a tensor releases the GIL, so on a thread that asks for it (the prefetch service:
+    keep_temporaries) the views the unpack makes on the way to the outputs (segment views, the
+    padding pieces between members) are not dropped inside it: the handle holds them until its
+    owner takes them. Elsewhere they are dropped as they are used (nothing outlives the call)."""
     data = seed_batch(4, seed=7)
-    batch = mtc_loader.PackedCollate(list)(data)
-    h = batch.start_copy("cpu")
+    pc = mtc_loader.PackedCollate(list)
+    h = pc(data).start_copy("cpu")
     out = h.get()
+    assert h._h.temporaries() == []  # the default: none kept
+    previous = mtc_loader._engine.keep_temporaries(True)
+    try:
+        h = pc(data).start_copy("cpu")
+        out = h.get()
+    finally:
+        mtc_loader._engine.keep_temporaries(previous)
     temps = h._h.temporaries()
     assert temps and all(isinstance(t, (torch.Tensor, tuple, list)) for t in temps)
     assert h._h.temporaries() == [], "taken out once"
