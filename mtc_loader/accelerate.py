@@ -8,6 +8,9 @@ prefetch service, so that batch k+1 is copied (on the device's copy stream) whil
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loader = mtc_loader.accelerate.prefetch(loader)
 
+:func:`log_stats` puts the prefetch service's figures (is the loop waiting for data?) in the
+trackers of ``accelerator.log``, at the steps your loop logs.
+
 Importing this module needs ``accelerate``.
 """
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 try:
+    from accelerate import Accelerator  # type: ignore[import-untyped]
     from accelerate.data_loader import DataLoaderShard  # type: ignore[import-untyped]
 except ImportError:
     raise ImportError("mtc_loader: mtc_loader.accelerate needs accelerate (pip install accelerate)") from None
 
 from ._wrap import PrefetchingDataLoader
+from .prefetch import _Window
 
-__all__ = ["prefetch"]
+__all__ = ["log_stats", "prefetch"]
 
 
 class _BaseLoader(PrefetchingDataLoader):
@@ -62,7 +67,8 @@ def prefetch(loader: Any, device: Optional[Any] = None, depth: int = 2, **start_
 
     Returns:
         The same loader object. Its ``base_dataloader`` is a :class:`~mtc_loader.PrefetchLoader`
-        (``loader.base_dataloader.stats()`` says whether the loop waited for data); calling
+        (``loader.base_dataloader.stats()`` says whether the loop waited for data, over the
+        run; :func:`log_stats` logs the figures over the steps between two calls); calling
         :func:`prefetch` again on it changes nothing.
 
     Raises:
@@ -82,5 +88,57 @@ def prefetch(loader: Any, device: Optional[Any] = None, depth: int = 2, **start_
         if device is None:
             raise ValueError("mtc_loader: this loader was prepared without device placement; "
                              "pass prefetch(loader, device=accelerator.device)")
-    loader.base_dataloader = _BaseLoader(base, device, depth, **start_copy_options)
+    prefetching = _BaseLoader(base, device, depth, **start_copy_options)
+    prefetching._log_window = _Window(prefetching)  # what log_stats reports
+    loader.base_dataloader = prefetching
     return loader
+
+
+def log_stats(accelerator: Any, loader: Any, step: Optional[int] = None,
+              log_kwargs: Optional[dict[str, Any]] = None) -> dict[str, float]:
+    """Logs the prefetch service's figures with ``accelerator.log`` (to the trackers of
+    ``Accelerator(log_with=...)`` once ``init_trackers`` has run; without trackers nothing is
+    logged) and returns them. Call it where your loop logs, with the same ``step``::
+
+        if step % 100 == 0:
+            accelerator.log({"loss": loss.item()}, step=step)
+            mtc_loader.accelerate.log_stats(accelerator, loader, step=step)
+
+    The figures are those of the batches handed out **since the previous call** (since
+    :func:`prefetch`, for the first), not over the run, so that a change in the middle of a run
+    shows where it happens (``loader.base_dataloader.stats()`` gives the run's):
+
+    - ``mtc/data_bound``: the share of the loop's time spent waiting for data, from 0 (the
+      batches are always ready) to 1 (as :meth:`~mtc_loader.PrefetchLoader.stats` defines it);
+    - ``mtc/wait_ms_per_batch``: the loop's wait for a batch, in milliseconds.
+
+    accelerate logs from the main process only: these are the main process's figures. Each
+    process may call it (the others log nothing); the dict returned is the calling process's.
+
+    Args:
+        accelerator: The ``Accelerator`` whose trackers receive the figures.
+        loader: A loader that :func:`prefetch` made prefetching.
+        step: Passed to ``accelerator.log`` (the step your loop logs its own values at).
+        log_kwargs: Passed to ``accelerator.log`` (per tracker: ``{"wandb": {...}}``).
+
+    Returns:
+        The figures logged, named as above; an empty dict (and nothing logged) when the loader
+        counted nothing since the previous call.
+
+    Raises:
+        TypeError: For an ``accelerator`` that is not an ``Accelerator``, or a ``loader`` that
+            :func:`prefetch` has not made prefetching.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"mtc_loader: log_stats needs the Accelerator, got {type(accelerator).__name__}")
+    base = getattr(loader, "base_dataloader", None) if isinstance(loader, DataLoaderShard) else None
+    window = base.__dict__.get("_log_window") if isinstance(base, PrefetchingDataLoader) else None
+    if window is None:
+        what = ("a prepared loader without prefetch" if isinstance(loader, DataLoaderShard)
+                else type(loader).__name__)
+        raise TypeError("mtc_loader: log_stats needs the loader that mtc_loader.accelerate.prefetch(loader) "
+                        f"returned, got {what}")
+    figures = {f"mtc/{name}": value for name, value in window.advance().items()}
+    if figures:
+        accelerator.log(figures, step=step, log_kwargs=log_kwargs)
+    return figures

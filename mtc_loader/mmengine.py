@@ -30,6 +30,7 @@ In a config (see the docs' mmengine recipe)::
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -49,7 +50,7 @@ from torch.utils.data import get_worker_info
 from . import _tree
 from ._tree import LEAF, OnHost, register_container
 from .collate import Arena, PackedBatch, PackedCollate
-from .prefetch import PrefetchLoader, _is_stateful
+from .prefetch import PrefetchLoader, _figures, _is_stateful, _Window
 
 __all__ = ["MTCDataPreprocessor", "MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "PackedPseudoCollate",
            "packed_collate"]
@@ -508,6 +509,55 @@ class _LoaderStateHook(Hook):  # type: ignore[misc]
             saved, epoch=meta.get("epoch"), iter=meta.get("iter"))
 
 
+class _StatsHook(Hook):  # type: ignore[misc]
+    """Puts the prefetching train loop's figures (``train/data_bound``, ``train/data_wait_time``:
+    see :class:`MTCEpochBasedTrainLoop`) in the runner's message hub after each training
+    iteration, before ``LoggerHook`` (``BELOW_NORMAL``) takes the scalars of its log line."""
+
+    priority = "NORMAL"  # after IterTimerHook (NORMAL, registered with the runner's default hooks)
+
+    def __init__(self, loop: Union["MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop"]) -> None:
+        self.loop = loop
+        self.window: Optional[_Window] = None
+        self.recent: deque[tuple[float, float, int]] = deque()  # (wait, step, batches) per iteration
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        loader = self.loop._prefetch
+        if loader is None:
+            return
+        if self.window is None or self.window.stats is not loader._stats:  # a new loader
+            self.window = _Window(loader, from_start=True)
+            self.recent.clear()
+        size = _window_size(runner)
+        recent = self.recent
+        wait, step, batches = self.window.delta()
+        recent.append((wait, step, batches))
+        while len(recent) > size:
+            recent.popleft()
+        figures = _figures(sum(r[0] for r in recent), sum(r[1] for r in recent), sum(r[2] for r in recent))
+        hub = runner.message_hub
+        if "data_bound" in figures:
+            hub.update_scalar("train/data_bound", figures["data_bound"])
+        if batches:  # the log processor's mean: the wait per batch over its window
+            hub.update_scalar("train/data_wait_time", wait, count=batches)
+
+
+def _window_size(runner: Any) -> int:
+    """The window (iterations) over which the runner's log processor smooths its time figures."""
+    size = getattr(runner.log_processor, "window_size", 10)  # mmengine's LogProcessor's default
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError("mtc_loader: the prefetching train loop logs data_bound over the log processor's "
+                         f"window_size, which must be an int >= 1, got {size!r}; set "
+                         "log_processor=dict(window_size=...) or the loop's log_stats=False")
+    return size
+
+
+def _check_log_stats(log_stats: Any) -> bool:
+    if not isinstance(log_stats, bool):
+        raise TypeError(f"mtc_loader: log_stats must be True or False, got {log_stats!r}")
+    return log_stats
+
+
 @LOOPS.register_module()
 class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``EpochBasedTrainLoop`` with the batches prefetched on the model's device by
@@ -522,17 +572,43 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
     trained on. Over a DataLoader that is not stateful, a checkpoint saved mid-epoch resumes at
     the start of that epoch, as mmengine's own loop does.
 
-    Config: ``train_cfg=dict(type="MTCEpochBasedTrainLoop", max_epochs=..., prefetch_depth=2)``.
+    In the logs: mmengine's ``IterTimerHook`` still writes ``data_time``, which with this loop is
+    the time from the end of one iteration to the start of the next: the wait for the prefetched
+    batch, plus the work of the hooks that run in between (writing the log line, saving a
+    checkpoint) and, at an epoch's first iteration, the start of the epoch (the DataLoader's
+    workers starting). Unless ``log_stats=False``, the loop adds two scalars to the runner's
+    message hub at every iteration (``train/data_bound``, ``train/data_wait_time``), which the
+    log lines (and the visualizer's backends) show:
+
+    - ``data_bound``: the share of the loop's time spent waiting for the loader, over the last
+      ``window_size`` iterations of the log processor (the window that smooths ``time`` and
+      ``data_time``): near 0 when the batches are always ready, near 1 when the loop waits for
+      data most of the time;
+    - ``data_wait_time``: the loop's wait for each batch inside the loader, in seconds, averaged
+      over that window as ``data_time`` is (it leaves out the hooks that ``data_time`` counts).
+
+    :meth:`stats` gives the loader's figures over the run.
+
+    Config: ``train_cfg=dict(type="MTCEpochBasedTrainLoop", max_epochs=..., prefetch_depth=2,
+    log_stats=True)``.
     """
 
     def __init__(self, runner: Any, dataloader: Any, max_epochs: int, *, prefetch_depth: int = 2,
-                 **kwargs: Any) -> None:
+                 log_stats: bool = True, **kwargs: Any) -> None:
         super().__init__(runner, dataloader, max_epochs, **kwargs)
         self.prefetch_depth = prefetch_depth
+        self.log_stats = _check_log_stats(log_stats)
         self._prefetch: Optional[PrefetchLoader] = None  # made at the first epoch, kept for all
         self._done = 0  # batches of the current epoch handed out (0 once it has ended)
         self._saved_position: Optional[dict[str, Any]] = None  # from the checkpoint resumed from
         runner.register_hook(_LoaderStateHook(self))
+        if self.log_stats:
+            runner.register_hook(_StatsHook(self))
+
+    def stats(self) -> dict[str, Any]:
+        """The loop's loader's :meth:`~mtc_loader.PrefetchLoader.stats`, over the run (empty
+        before the first epoch)."""
+        return self._prefetch.stats() if self._prefetch is not None else {}
 
     def _loader(self) -> PrefetchLoader:
         if self._prefetch is None or self._prefetch.iterable is not self.dataloader:
@@ -581,17 +657,32 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``IterBasedTrainLoop`` with the batches prefetched on the model's device by
     :class:`~mtc_loader.PrefetchLoader` (see :class:`MTCEpochBasedTrainLoop`).
 
-    Config: ``train_cfg=dict(type="MTCIterBasedTrainLoop", max_iters=..., prefetch_depth=2)``.
+    In the logs: ``data_time``, ``data_bound`` and ``data_wait_time`` as with
+    :class:`MTCEpochBasedTrainLoop` (``log_stats=False`` leaves the last two out); :meth:`stats`
+    gives the loader's figures over the run.
+
+    Config: ``train_cfg=dict(type="MTCIterBasedTrainLoop", max_iters=..., prefetch_depth=2,
+    log_stats=True)``.
     """
 
     def __init__(self, runner: Any, dataloader: Any, max_iters: int, *, prefetch_depth: int = 2,
-                 **kwargs: Any) -> None:
+                 log_stats: bool = True, **kwargs: Any) -> None:
         super().__init__(runner, dataloader, max_iters, **kwargs)
         self.prefetch_depth = prefetch_depth
+        self.log_stats = _check_log_stats(log_stats)
+        self._prefetch: Optional[PrefetchLoader] = None  # the loader of the run under way
+        if self.log_stats:
+            runner.register_hook(_StatsHook(self))
+
+    def stats(self) -> dict[str, Any]:
+        """The loop's loader's :meth:`~mtc_loader.PrefetchLoader.stats`, over the run (empty
+        before it starts)."""
+        return self._prefetch.stats() if self._prefetch is not None else {}
 
     def run(self) -> Any:
         endless: Any = self.dataloader_iterator  # type: ignore[has-type]
         prefetching = _Prefetching(endless, _device_of(self.runner), self.prefetch_depth)
+        self._prefetch = prefetching.loader
         self.dataloader_iterator = prefetching
         try:
             return super().run()

@@ -4,6 +4,9 @@ added by ``mtc_loader.lightning.PrefetchCallback``; the batches the model saw ar
 bitwise. Runs on the CPU accelerator here and on CUDA on the GPU machine."""
 from __future__ import annotations
 
+import csv as csv_module
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -12,6 +15,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import mtc_loader  # noqa: E402
 import mtc_loader.lightning  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 from frameworks import NestedSamples, check_seen, collate, record  # noqa: E402
 
@@ -114,6 +118,100 @@ def test_prefetch_callback_sets_sampler_epoch():
 def test_prefetch_callback_bad_depth():
     with pytest.raises(ValueError, match="mtc_loader: depth"):
         mtc_loader.lightning.PrefetchCallback(depth=0)
+    with pytest.raises(TypeError, match="mtc_loader: log_stats must be True or False"):
+        mtc_loader.lightning.PrefetchCallback(log_stats="no")
+
+
+class Sleepy(L.LightningModule):
+    """Logs its loss; its step sleeps ``step_s`` (a step-bound loop when the data is quick)."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.step_s = step_s
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_s)
+        loss = self.layer(batch["x"]).square().mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class SlowSamples(NestedSamples):
+    """NestedSamples that take ``sample_s`` each to load (a data-bound loop when the step is quick)."""
+
+    def __init__(self, n: int, sample_s: float) -> None:
+        super().__init__(n)
+        self.sample_s = sample_s
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.sample_s)
+        return super().__getitem__(i)
+
+
+def fit_logged(tmp_path, callback, *, step_s=0.0, sample_s=0.0, logger=True, every=2):
+    """Two epochs of 6 batches with a CSVLogger (``logger=True``) writing every ``every`` steps;
+    the rows of its metrics.csv (or the Trainer, for ``logger=False``)."""
+    loader = DataLoader(SlowSamples(24, sample_s), batch_size=4, num_workers=0, collate_fn=collate)
+    csv = CSVLogger(str(tmp_path)) if logger else False
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=csv, log_every_n_steps=every,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.fit(Sleepy(step_s), loader)
+    if not logger:
+        return trainer
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        return list(csv_module.DictReader(f))
+
+
+def test_prefetch_callback_logs_its_figures(tmp_path):
+    """The figures reach the Trainer's logger: per written step (every log_every_n_steps, over
+    the batches since the previous one) and per epoch (over the epoch, which together add up
+    to the callback's stats() over the run)."""
+    callback = mtc_loader.lightning.PrefetchCallback()
+    rows = fit_logged(tmp_path, callback)
+    steps = [r for r in rows if r["mtc/data_bound"]]
+    epochs = [r for r in rows if r["mtc/data_bound_epoch"]]
+    # 12 steps, written at every second one: the rows of steps 1, 3, ..., 11, with the loss
+    assert [int(r["step"]) for r in steps] == [1, 3, 5, 7, 9, 11], rows
+    assert all(r["loss"] for r in steps)
+    assert [int(r["epoch"]) for r in epochs] == [0, 1], rows
+    for r in steps:
+        assert 0.0 < float(r["mtc/data_bound"]) < 1.0, r
+        assert float(r["mtc/wait_ms_per_batch"]) > 0.0, r
+    for r in epochs:
+        assert 0.0 < float(r["mtc/data_bound_epoch"]) < 1.0, r
+    # each epoch hands out 6 batches: the epochs' waits add up to the run's
+    stats = callback.stats()
+    total = sum(float(r["mtc/wait_ms_per_batch_epoch"]) * 6 for r in epochs)
+    assert total == pytest.approx(stats["wait_ms"], rel=1e-4)
+
+
+@pytest.mark.parametrize("bound", ["data", "step"])
+def test_logged_data_bound_tells_which_side_waits(tmp_path, bound):
+    """Slow samples and a quick step: the loop waits for data most of the time; a slow step and
+    quick samples: hardly ever."""
+    slow = dict(sample_s=0.01) if bound == "data" else dict(step_s=0.04)
+    rows = fit_logged(tmp_path, mtc_loader.lightning.PrefetchCallback(), **slow)
+    figures = [float(r["mtc/data_bound_epoch"]) for r in rows if r["mtc/data_bound_epoch"]]
+    assert len(figures) == 2
+    if bound == "data":
+        assert min(figures) > 0.6, figures
+    else:
+        assert max(figures) < 0.4, figures
+
+
+def test_prefetch_callback_logs_nothing_when_told_or_without_a_logger(tmp_path):
+    rows = fit_logged(tmp_path, mtc_loader.lightning.PrefetchCallback(log_stats=False))
+    assert rows and not any(k.startswith("mtc/") for k in rows[0]), rows[0]
+    # logger=False: Lightning keeps what was logged for the callbacks and writes nothing
+    callback = mtc_loader.lightning.PrefetchCallback()
+    trainer = fit_logged(tmp_path, callback, logger=False)
+    assert 0.0 < float(trainer.callback_metrics["mtc/data_bound_epoch"]) < 1.0
+    assert callback.stats()["batches"] == 12
 
 
 class Checking(L.LightningModule):

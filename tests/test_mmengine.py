@@ -10,8 +10,10 @@ machine.
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
+import time
 import warnings
 from unittest import mock
 
@@ -426,3 +428,111 @@ def test_what_cast_data_leaves_on_the_host_stays_there(device):
     assert_same(ref, snapshot(pre.cast_data(prefetched)))
     assert isinstance(prefetched["inputs"]["calib"][1], np.ndarray)
     assert prefetched["inputs"]["boxes"][0] is batch["inputs"]["boxes"][0]  # start_copy: the same object
+
+
+# ------------------------------------------------------------------------- the loops' figures in the logs
+
+class TimedModel(BaseModel):
+    """A step that takes ``step_s`` (a step-bound loop when the data is quick)."""
+
+    def __init__(self, step_s: float = 0.0, data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.step_s = step_s
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        time.sleep(self.step_s)
+        return {"loss": self.w.sum() * 0}
+
+
+class SlowSamples(Samples):
+    """Samples that take ``sample_s`` each to load (a data-bound loop when the step is quick)."""
+
+    def __init__(self, n: int, sample_s: float) -> None:
+        super().__init__(n)
+        self.sample_s = sample_s
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.sample_s)
+        return super().__getitem__(i)
+
+
+_RUNS = iter(range(1 << 30))
+
+
+def train_logged(tmp_path, device="cpu", *, loop="epoch", step_s=0.0, sample_s=0.0, window=3, **loop_cfg):
+    """Two epochs of 3 batches (6 iterations of the iteration loop) with mmengine's LoggerHook
+    writing every second iteration; the runner and the lines of its log file."""
+    if loop == "epoch":
+        train_cfg = dict(type="MTCEpochBasedTrainLoop", max_epochs=2, **loop_cfg)
+    else:
+        train_cfg = dict(type="MTCIterBasedTrainLoop", max_iters=6, **loop_cfg)
+    name = f"logged{next(_RUNS)}"  # mmengine's logger and message hub are per experiment name
+    with mock.patch("mmengine.runner.runner.get_device", return_value=device):
+        runner = Runner(
+            model=TimedModel(step_s), work_dir=str(tmp_path / name), experiment_name=name,
+            train_dataloader=dict(dataset=SlowSamples(12 if loop == "epoch" else 40, sample_s), batch_size=4,
+                                  sampler=dict(type="DefaultSampler", shuffle=False), num_workers=0),
+            train_cfg=train_cfg, optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.01)),
+            default_hooks=dict(checkpoint=None, logger=dict(type="LoggerHook", interval=2)),
+            log_processor=dict(window_size=window, by_epoch=loop == "epoch"), log_level="INFO",
+            env_cfg=dict(cudnn_benchmark=False, dist_cfg=dict(backend="gloo")), default_scope=None, cfg=dict(),
+        )
+        runner.train()
+    with open(f"{runner.log_dir}/{runner.timestamp}.log") as f:
+        return runner, f.read().splitlines()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loop", ["epoch", "iter"])
+def test_loops_put_their_figures_in_the_log_lines(tmp_path, device, loop):
+    """Each iteration the loop puts data_bound and data_wait_time in the message hub; mmengine's
+    log lines show them next to its own data_time, which with these loops holds the loader's
+    wait (the hooks between two iterations add to it)."""
+    runner, lines = train_logged(tmp_path, device, loop=loop)
+    hub = runner.message_hub
+    bound, _ = hub.get_scalar("train/data_bound").data
+    wait, counts = hub.get_scalar("train/data_wait_time").data
+    data_time, _ = hub.get_scalar("train/data_time").data
+    assert len(bound) == len(wait) == len(data_time) == 6
+    # at the first iteration only its wait has been counted (the step after it comes next)
+    assert bound[0] == 1.0 and ((bound[1:] > 0) & (bound[1:] < 1)).all(), bound
+    assert (counts == 1).all() and (wait > 0).all(), wait
+    # every batch's wait once: the loader's own count, in seconds
+    stats = runner.train_loop.stats()
+    assert stats["batches"] == 6
+    assert wait.sum() == pytest.approx(stats["wait_ms"] / 1e3, rel=1e-9)
+    assert (data_time >= wait - 1e-3).all(), (data_time, wait)
+    logged = [line for line in lines if "(train)" in line]
+    # every second iteration (of each epoch, with the epoch loop: the last of 3 is not logged)
+    assert len(logged) == (2 if loop == "epoch" else 3), lines
+    for line in logged:
+        assert re.search(r"data_time: \d+\.\d{4}  ", line), line
+        assert re.search(r"data_bound: 0\.\d{4}", line), line
+        assert re.search(r"data_wait_time: \d+\.\d{4}", line), line
+
+
+@pytest.mark.parametrize("bound", ["data", "step"])
+def test_logged_data_bound_tells_which_side_waits(tmp_path, bound):
+    """Slow samples and a quick step: the loop waits for data most of the time; a slow step and
+    quick samples: hardly ever. The figure is over the log processor's window (3 iterations)."""
+    slow = dict(sample_s=0.01) if bound == "data" else dict(step_s=0.04)
+    runner, lines = train_logged(tmp_path, **slow)
+    figures, _ = runner.message_hub.get_scalar("train/data_bound").data
+    if bound == "data":
+        assert figures[2:].min() > 0.6, figures
+    else:
+        assert figures[2:].max() < 0.4, figures
+
+
+def test_loops_log_nothing_of_theirs_when_told(tmp_path):
+    runner, lines = train_logged(tmp_path, log_stats=False)
+    assert "train/data_bound" not in runner.message_hub.log_scalars
+    assert "train/data_wait_time" not in runner.message_hub.log_scalars
+    assert "train/data_time" in runner.message_hub.log_scalars  # mmengine's own, as ever
+    assert not any("data_bound" in line for line in lines)
+    with pytest.raises(TypeError, match="mtc_loader: log_stats must be True or False, got 'no'"):
+        train_logged(tmp_path, loop="iter", log_stats="no")
+    with pytest.raises(ValueError, match="mtc_loader: the prefetching train loop logs data_bound over the log "
+                                         "processor's window_size, which must be an int >= 1, got 0"):
+        train_logged(tmp_path, window=0)
