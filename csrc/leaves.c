@@ -51,25 +51,39 @@ int mtc_leaves_diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 
 /* ---- leaves ---- */
 
+int mtc_leaves_reserve_n(mtc_tree *t, uint32_t nleaves, uint32_t ndims)
+{
+    uint32_t cap = t->cap_leaves;
+    if (mtc_tree_grow((void **)&t->leaves, &t->cap_leaves, nleaves, sizeof *t->leaves)) return -1;
+    if (t->cap_leaves != cap) {
+        /* objs and leaf_node grow with leaves: until both have, the
+         * capacity stays what all three hold */
+        uint32_t grown = t->cap_leaves;
+        t->cap_leaves = cap;
+        PyObject **o = PyMem_Realloc(t->objs, grown * sizeof *o);
+        if (!o) return PyErr_NoMemory(), -1;
+        t->objs = o;
+        uint32_t *ln = PyMem_Realloc(t->leaf_node, grown * sizeof *ln);
+        if (!ln) return PyErr_NoMemory(), -1;
+        t->leaf_node = ln;
+        t->cap_leaves = grown;
+    }
+    if (ndims > t->cap_dims) {
+        /* shape, strides and ostrides share cap_dims, set once all three grew */
+        uint32_t cap_dims = t->cap_dims;
+        if (mtc_tree_grow((void **)&t->shape, &cap_dims, ndims, sizeof *t->shape)) return -1;
+        cap_dims = t->cap_dims;
+        if (mtc_tree_grow((void **)&t->strides, &cap_dims, ndims, sizeof *t->strides)) return -1;
+        cap_dims = t->cap_dims;
+        if (mtc_tree_grow((void **)&t->ostrides, &cap_dims, ndims, sizeof *t->ostrides)) return -1;
+        t->cap_dims = cap_dims;
+    }
+    return 0;
+}
+
 int mtc_leaves_reserve(mtc_tree *t, int ndim)
 {
-    if (mtc_tree_grow((void **)&t->leaves, &t->cap_leaves, t->nleaves + 1, sizeof *t->leaves)) return -1;
-    /* objs and leaf_node grow with the same capacity */
-    uint32_t cap = t->cap_leaves;
-    PyObject **o = PyMem_Realloc(t->objs, cap * sizeof *o);
-    if (!o) return PyErr_NoMemory(), -1;
-    t->objs = o;
-    uint32_t *ln = PyMem_Realloc(t->leaf_node, cap * sizeof *ln);
-    if (!ln) return PyErr_NoMemory(), -1;
-    t->leaf_node = ln;
-    uint32_t cap_dims = t->cap_dims;
-    if (mtc_tree_grow((void **)&t->shape, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->shape)) return -1;
-    cap_dims = t->cap_dims;
-    if (mtc_tree_grow((void **)&t->strides, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->strides)) return -1;
-    cap_dims = t->cap_dims;
-    if (mtc_tree_grow((void **)&t->ostrides, &cap_dims, t->ndims + (uint32_t)ndim, sizeof *t->ostrides)) return -1;
-    t->cap_dims = cap_dims;
-    return 0;
+    return mtc_leaves_reserve_n(t, t->nleaves + 1, t->ndims + (uint32_t)ndim);
 }
 
 /* Row-major contiguity as torch defines it: dims of size 1 are ignored, an
@@ -277,6 +291,88 @@ static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl, int conti
     return bit;
 }
 
+/* The dims, data pointer and device of an exact torch.Tensor read from the
+ * DLTensor torch fills for it (dlpack.h), with *code its dtype code: one C
+ * call where the attribute path makes five Python calls. Strides are taken
+ * as torch reports them only where every dim has more than one element; a
+ * dim of size 0 or 1 may carry any stride (tensor.to() keeps it), so those
+ * are read through stride() as the attribute path reads them. 0; 1 when the
+ * tensor is to be read the attribute way (a dtype or device the table does
+ * not describe, or torch declined: sparse, meta, ...); -1 with an exception. */
+static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, mtc_leaf *l, int *code,
+                        int *contiguous)
+{
+    mtc_dl_tensor dl;
+    if (st->dl_view(obj, &dl)) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (dl.dtype.lanes != 1 || dl.dtype.code >= MTC_DL_CODES) return 1;
+    int c = st->dl_codes[dl.dtype.code][dl.dtype.bits];
+    if (c < 0) return 1;
+    int32_t dev;
+    if (dl.device.device_type == MTC_DL_CUDA && dl.device.device_id >= 0 && dl.device.device_id < MTC_MAX_DEVICES)
+        dev = dl.device.device_id;
+    else if (dl.device.device_type == MTC_DL_CPU || dl.device.device_type == MTC_DL_CUDA_HOST)
+        dev = -1;
+    else
+        return 1; /* the attribute path names the device in its error */
+    if (dl.ndim < 0) return 1;
+    if (dl.ndim > MTC_MAX_NDIM) return _too_many_dims(t, node, dl.ndim);
+    if (mtc_leaves_reserve(t, dl.ndim)) return -1;
+    l->dtype = (uint16_t)c;
+    l->elsize = (uint16_t)st->elsize[c];
+    l->ndim = dl.ndim;
+    l->dims = t->ndims;
+    l->data = (uintptr_t)dl.data + (uintptr_t)dl.byte_offset;
+    l->dev = dev;
+    int64_t *sh = &t->shape[t->ndims], *sd = &t->strides[t->ndims], *os = &t->ostrides[t->ndims];
+    int small = 0;
+    for (int d = 0; d < l->ndim; d++) {
+        sh[d] = dl.shape[d];
+        if (sh[d] <= 1) small = 1;
+    }
+    if (small) {
+        /* the strides torch keeps for dims of size 0 and 1 */
+        PyObject *stride = _tcall(obj, 1, st->m_stride, st->s_stride);
+        if (!stride) return 1;
+        int bad = !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != l->ndim;
+        for (int d = 0; !bad && d < l->ndim; d++) {
+            os[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d));
+            bad = (os[d] == -1 && PyErr_Occurred()) || os[d] < 0;
+        }
+        Py_DECREF(stride);
+        if (bad) return 1;
+    } else if (dl.strides) {
+        for (int d = 0; d < l->ndim; d++) {
+            if (dl.strides[d] < 0) return 1; /* torch makes none; let the attribute path judge */
+            os[d] = dl.strides[d];
+        }
+    } else {
+        int64_t acc = 1;
+        for (int d = l->ndim - 1; d >= 0; d--) {
+            os[d] = acc;
+            (void)__builtin_mul_overflow(acc, sh[d], &acc);
+        }
+    }
+    /* byte strides; wraps only on a dim of size <= 1 (torch checks the
+     * storage holds every element), where the stride addresses nothing */
+    for (int d = 0; d < l->ndim; d++) (void)__builtin_mul_overflow(os[d], (int64_t)l->elsize, &sd[d]);
+    *contiguous = _is_contiguous(sh, sd, l->ndim, l->elsize);
+    if (!*contiguous || small) {
+        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
+    } else {
+        /* what the attribute path stores for a contiguous tensor of dims > 1 */
+        int64_t acc = l->elsize;
+        for (int d = l->ndim - 1; d >= 0; d--) {
+            sd[d] = acc;
+            (void)__builtin_mul_overflow(acc, sh[d], &acc);
+        }
+    }
+    *code = c;
+    return 0;
+}
+
 /* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
  * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
  * strides only when not contiguous; is_conj()/is_neg() only where public
@@ -287,26 +383,34 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
     int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
     mtc_leaf l;
     memset(&l, 0, sizeof l);
-
-    /* dtype first: quantized and unknown dtypes leave the fast path here */
-    PyObject *v = _tattr(obj, exact, st->d_dtype, st->s_dtype);
-    if (!v) return mtc_leaves_diagnose(st, t, node, obj);
-    PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
-    Py_DECREF(v);
-    if (!code) return mtc_leaves_diagnose(st, t, node, obj);
-    long c = PyLong_AsLong(code);
-    l.dtype = (uint16_t)c;
-    l.elsize = (uint16_t)st->elsize[c];
-
-    int contiguous = 0, rc = _read_dims(st, t, node, obj, exact, &l, &contiguous);
-    if (!rc) rc = _read_place(st, t, node, obj, exact, &l);
-    if (rc) return rc < 0 ? -1 : mtc_leaves_diagnose(st, t, node, obj);
+    int contiguous = 0, c = -1, rc = 1;
+    if (exact && st->dl_view) {
+        rc = _read_dlpack(st, t, node, obj, &l, &c, &contiguous);
+        if (rc < 0) return -1;
+        if (rc) memset(&l, 0, sizeof l);
+        else mtc_cnt.leaves_dlpack++;
+    }
+    if (rc) {
+        /* dtype first: quantized and unknown dtypes leave the fast path here */
+        PyObject *v = _tattr(obj, exact, st->d_dtype, st->s_dtype);
+        if (!v) return mtc_leaves_diagnose(st, t, node, obj);
+        PyObject *code = PyDict_GetItemWithError(st->dtype_codes, v);
+        Py_DECREF(v);
+        if (!code) return mtc_leaves_diagnose(st, t, node, obj);
+        c = (int)PyLong_AsLong(code);
+        l.dtype = (uint16_t)c;
+        l.elsize = (uint16_t)st->elsize[c];
+        rc = _read_dims(st, t, node, obj, exact, &l, &contiguous);
+        if (!rc) rc = _read_place(st, t, node, obj, exact, &l);
+        if (rc) return rc < 0 ? -1 : mtc_leaves_diagnose(st, t, node, obj);
+    }
     int64_t numel = _numel(&t->shape[t->ndims], l.ndim);
     if (_lazy_bits(st, obj, exact, st->dtflags[c], contiguous, numel)) return mtc_leaves_diagnose(st, t, node, obj);
     if (l.data == 0) {
         /* only an empty tensor may have no storage: a meta tensor, even an
          * empty one, is diagnosed (get_device() says -1 for meta too) */
         if (numel) return mtc_leaves_diagnose(st, t, node, obj);
+        PyObject *v;
         if (!(v = PyObject_GetAttr(obj, st->s_is_meta))) return mtc_leaves_diagnose(st, t, node, obj);
         int meta = v == Py_True;
         Py_DECREF(v);

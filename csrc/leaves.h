@@ -17,6 +17,9 @@
  * the dims arrays). */
 int mtc_leaves_reserve(mtc_tree *t, int ndim);
 
+/* Room for `nleaves` leaves of `ndims` dims in all in t. */
+int mtc_leaves_reserve_n(mtc_tree *t, uint32_t nleaves, uint32_t ndims);
+
 /* Reads obj (a torch.Tensor, a numpy.ndarray, a FileTensor) as leaf
  * t->nleaves of node `node`, and sets the node's leaf index. */
 int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);

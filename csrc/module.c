@@ -41,6 +41,59 @@ static int _take(PyObject *cfg, const char *name, PyObject **slot)
     return 0;
 }
 
+/* torch's DLPack exchange table (cfg["dlpack_api"]: the capsule, or None),
+ * and the DLPack dtype of each of the engine's dtypes, learnt from torch
+ * itself: cfg["dlpack_samples"][code] is an empty tensor of dtype `code`. A
+ * DLPack dtype two torch dtypes share, or none has, maps to -1: such leaves
+ * are read through their dtype attribute. No table (an older torch, another
+ * major version): every leaf is. 0 or -1. */
+static int _setup_dlpack(mtc_state *st, PyObject *cfg)
+{
+    st->dl_view = st->dl_offered = NULL;
+    memset(st->dl_codes, -1, sizeof st->dl_codes);
+    PyObject *cap = PyDict_GetItemString(cfg, "dlpack_api");
+    PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
+    if (!cap || cap == Py_None) return 0;
+    if (!PyCapsule_IsValid(cap, "dlpack_exchange_api") || !samples || !PyList_Check(samples) ||
+        PyList_GET_SIZE(samples) != st->ndtypes) {
+        PyErr_SetString(PyExc_TypeError, "_setup: bad dlpack_api capsule or dlpack_samples");
+        return -1;
+    }
+    const mtc_dl_api *api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    if (!api) return -1;
+    while (api && api->header.version.major != MTC_DL_MAJOR) api = (const mtc_dl_api *)api->header.prev_api;
+    if (!api || !api->dltensor_from_py_object_no_sync) return 0;
+    mtc_dl_view_fn view = api->dltensor_from_py_object_no_sync;
+    for (int c = 0; c < st->ndtypes; c++) {
+        mtc_dl_tensor dl;
+        if (view(PyList_GET_ITEM(samples, c), &dl)) {
+            PyErr_Clear(); /* a dtype DLPack cannot describe: read through the attribute */
+            continue;
+        }
+        if (dl.dtype.lanes != 1 || dl.dtype.code >= MTC_DL_CODES || dl.dtype.bits != 8 * st->elsize[c]) continue;
+        int8_t *slot = &st->dl_codes[dl.dtype.code][dl.dtype.bits];
+        *slot = *slot == -1 ? (int8_t)c : (int8_t)-2;
+    }
+    for (int k = 0; k < MTC_DL_CODES; k++)
+        for (int b = 0; b < 256; b++)
+            if (st->dl_codes[k][b] < 0) st->dl_codes[k][b] = -1;
+    st->dl_view = st->dl_offered = view;
+    return 0;
+}
+
+/* _use_dlpack(flag) -> bool: whether leaves are read through torch's DLPack
+ * table (when torch offers one); returns the previous setting. For tests,
+ * which compare the two readers. */
+static PyObject *engine_use_dlpack(PyObject *module, PyObject *flag)
+{
+    mtc_state *st = mtc_get_state(module);
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *prev = PyBool_FromLong(st->dl_view != NULL);
+    st->dl_view = on ? st->dl_offered : NULL;
+    return prev;
+}
+
 /* _setup(cfg: dict): receives torch objects and the Python helpers. */
 static PyObject *engine_setup(PyObject *module, PyObject *cfg)
 {
@@ -106,6 +159,7 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         if (PyErr_Occurred()) return NULL;
         if (tn >= 0 && tn < 32 && code >= 0 && code < st->ndtypes) st->np_to_code[tn] = (int)code;
     }
+    if (_setup_dlpack(st, cfg)) return NULL;
     Py_XSETREF(st->type_cache, PyDict_New());
     if (!st->type_cache) return NULL;
     st->ready = 1;
@@ -144,7 +198,8 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     PyObject *d = PyDict_New();
     if (!d) return NULL;
 #define P(name, v) if (_put(d, name, (unsigned long long)(v))) goto error
-    P("calls", mtc_cnt.calls); P("leaves", mtc_cnt.leaves); P("tensors_packed", mtc_cnt.packed);
+    P("calls", mtc_cnt.calls); P("leaves", mtc_cnt.leaves);
+    P("leaves_read_dlpack", mtc_cnt.leaves_dlpack); P("tensors_packed", mtc_cnt.packed);
     P("tensors_reused", mtc_cnt.reused); P("numpy_zero_copy", mtc_cnt.from_numpy);
     P("host_copies", mtc_cnt.host_copies); P("tensors_staged", mtc_cnt.staged);
     P("tensors_direct", mtc_cnt.direct); P("tensors_d2h", mtc_cnt.d2h); P("tensors_d2d", mtc_cnt.d2d);
@@ -390,6 +445,8 @@ static PyObject *engine_nvtx_info(PyObject *module, PyObject *unused)
 
 static PyMethodDef engine_methods[] = {
     {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
+    {"_use_dlpack", engine_use_dlpack, METH_O,
+     "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
     {"_forget_types", engine_forget_types, METH_NOARGS, "Classify every type anew (a container was registered)."},
     {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
      "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},

@@ -12,6 +12,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "dlpack.h"
+
 #define MTC_MAX_DTYPES 64
 
 /* dtype flags */
@@ -60,6 +62,13 @@ typedef struct mtc_state {
     PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
     PyObject *m_data_ptr, *m_get_device, *m_is_contiguous, *m_stride, *m_is_neg, *m_is_conj;
 
+    /* torch's DLPack C exchange API (dlpack.h): a tensor's metadata in one C
+     * call; NULL where this torch lacks it (the Python calls above are used) */
+    mtc_dl_view_fn dl_view;
+    mtc_dl_view_fn dl_offered;          /* what torch offers; _use_dlpack(False) sets dl_view NULL */
+    int8_t dl_codes[MTC_DL_CODES][256]; /* (DLPack code, bits) -> dtype code; -1: not one of ours or
+                                         * shared by two torch dtypes (read through dtype instead) */
+
     /* interned names; s_split_with_sizes is unsafe_split_with_sizes: outputs are not
      * tracked as autograd views of the private chunk (~40% cheaper per view) */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
@@ -74,7 +83,7 @@ static inline mtc_state *mtc_get_state(PyObject *module) { return (mtc_state *)P
 /* Calling-thread counters of start_copy / get() (the GIL serialises their
  * updates); defined in module.c, reported by stats(). */
 typedef struct mtc_counters {
-    uint64_t calls, leaves, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
+    uint64_t calls, leaves, leaves_dlpack, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
         made_contiguous, segments, chunks;
     uint64_t ns_traverse, ns_plan, ns_outputs, ns_views, ns_wait;
     /* unpack of a packed batch: calls, and the calling thread's time per stage

@@ -35,6 +35,10 @@ _engine._setup({
     "unflatten": _tree.unflatten,
     "diagnose": _tree.diagnose,
     "cuda_device": _cuda_device,
+    # torch's DLPack C exchange table (torch 2.10+): each exact tensor's metadata in one C call;
+    # the empty samples teach the engine the DLPack dtype of each of its dtypes
+    "dlpack_api": getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
+    "dlpack_samples": [torch.empty(0, dtype=dt) for dt in DTYPES],
     "leaf_slot": _tree.LEAF,
     "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
