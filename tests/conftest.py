@@ -17,6 +17,20 @@ if os.environ.get("MTC_TEST_INSTALLED"):
     if "site-packages" not in mtc_loader.__file__:
         raise RuntimeError(f"mtc_loader: MTC_TEST_INSTALLED is set but mtc_loader comes from {mtc_loader.__file__}")
 
+def package_parent() -> str:
+    """The sys.path entry the mtc_loader under test comes from: the source tree, or the
+    site-packages of the installed wheel (MTC_TEST_INSTALLED)."""
+    import mtc_loader
+    return os.path.dirname(os.path.dirname(os.path.abspath(mtc_loader.__file__)))
+
+
+def subprocess_env() -> dict:
+    """The environment of a fresh interpreter a test starts: it imports the mtc_loader under
+    test (run it with cwd=package_parent(), since ``python -c`` puts the working directory
+    first on sys.path)."""
+    return dict(os.environ, PYTHONPATH=package_parent() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _pread_fallback_warning(tmp_path_factory):
     """Where FileTensor reads fall back to pread without being asked to (a build without

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mtc_loader
-from conftest import requires_cuda
+from conftest import package_parent, requires_cuda, subprocess_env
 from mtc_loader import PackedCollate, start_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(src: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs src in a fresh interpreter; a crash shows as a negative return code (the signal)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-c", textwrap.dedent(src)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+                          text=True, timeout=timeout, env=env, cwd=package_parent())
 
 
 def fork_quietly() -> int:

@@ -25,10 +25,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import mtc_loader
-from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_to
+from conftest import assert_tree_bitwise, package_parent, requires_cuda, seed_batch, subprocess_env, tree_to
 from mtc_loader import PackedBatch, PackedCollate, PrefetchLoader, start_copy
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -706,11 +704,11 @@ print("started", flush=True)
 
 
 def _run_exit_script(src: str) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(src)], capture_output=True,
-                           text=True, timeout=60, env=env, cwd=ROOT)
+                           text=True, timeout=60, env=env, cwd=package_parent())
     except subprocess.TimeoutExpired:
         pytest.fail("the interpreter hung at exit with copies in flight")
     assert r.returncode == 0, (r.returncode, r.stderr)
@@ -847,11 +845,11 @@ def _alive(pid: int) -> bool:
 def test_workers_waiting_for_room_exit_with_their_training_process(ctx, tmp_path):
     """timeout=-1: a worker waiting for room in a full arena notices that the training process
     is gone (SIGTERM, no clean-up) and exits, instead of waiting forever as an orphan."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()
     script = tmp_path / "train.py"  # a file: spawn workers import its dataset class from it
     script.write_text(textwrap.dedent(_ORPHANS))
     p = subprocess.Popen([sys.executable, str(script), ctx], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+                         stderr=subprocess.DEVNULL, text=True, env=env, cwd=package_parent())
     try:
         line = p.stdout.readline()
         workers = [int(x) for x in line.split()]

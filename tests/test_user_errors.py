@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 import mtc_loader
 from mtc_loader import FileTensor, PackedCollate, _tree
 from mtc_loader.prefetch import _SwitchInterval
+from conftest import package_parent, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +121,7 @@ SPAWN_MAIN = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_class_registered_in_main_does_not_break_spawn_workers():
     r = subprocess.run([sys.executable, "-c", SPAWN_MAIN], capture_output=True, text=True, timeout=240,
-                       cwd=ROOT)
+                       env=subprocess_env(), cwd=package_parent())
     assert r.returncode == 0 and "EPOCH OK" in r.stdout, r.stdout + r.stderr
     assert r.stderr.count("could not receive 1 container registration(s)") == 1, r.stderr
     assert "__main__.Boxes" in r.stderr
