@@ -67,9 +67,9 @@ def prefetch(loader: Any, device: Optional[Any] = None, depth: int = 2, **start_
 
     Returns:
         The same loader object. Its ``base_dataloader`` is a :class:`~mtc_loader.PrefetchLoader`
-        (``loader.base_dataloader.stats()`` says whether the loop waited for data, over the
-        run; :func:`log_stats` logs the figures over the steps between two calls); calling
-        :func:`prefetch` again on it changes nothing.
+            (``loader.base_dataloader.stats()`` says whether the loop waited for data, over the
+            run; :func:`log_stats` logs the figures over the steps between two calls); calling
+            :func:`prefetch` again on it changes nothing.
 
     Raises:
         TypeError: For a loader that is not one accelerate prepared for device placement per
@@ -98,7 +98,7 @@ def log_stats(accelerator: Any, loader: Any, step: Optional[int] = None,
               log_kwargs: Optional[dict[str, Any]] = None) -> dict[str, float]:
     """Logs the prefetch service's figures with ``accelerator.log`` (to the trackers of
     ``Accelerator(log_with=...)`` once ``init_trackers`` has run; without trackers nothing is
-    logged) and returns them. Call it where your loop logs, with the same ``step``::
+    logged) and returns them. Call it where your loop logs, with the same ``step``:
 
         if step % 100 == 0:
             accelerator.log({"loss": loss.item()}, step=step)
@@ -122,8 +122,8 @@ def log_stats(accelerator: Any, loader: Any, step: Optional[int] = None,
         log_kwargs: Passed to ``accelerator.log`` (per tracker: ``{"wandb": {...}}``).
 
     Returns:
-        The figures logged, named as above; an empty dict (and nothing logged) when the loader
-        counted nothing since the previous call.
+        dict[str, float]: The figures logged, named as above; an empty dict (and nothing
+            logged) when the loader counted nothing since the previous call.
 
     Raises:
         TypeError: For an ``accelerator`` that is not an ``Accelerator``, or a ``loader`` that

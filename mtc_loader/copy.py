@@ -89,7 +89,7 @@ def start_copy(
 
     Returns:
         AsyncCopyHandle: Call ``get()`` to block until completion and retrieve the result, or
-        ``ready()`` to poll without blocking.
+            ``ready()`` to poll without blocking.
 
     Raises:
         ValueError / TypeError: For invalid arguments, or a leaf that cannot be copied (the

@@ -25,7 +25,7 @@ class AsyncCopyHandle:
 
         Returns:
             bool: ``True`` if the copy has completed (``get()`` would return without
-            blocking), ``False`` otherwise.
+                blocking), ``False`` otherwise.
         """
         return bool(self._h.ready())
 

@@ -1,6 +1,8 @@
 """Checks the built docs site (``mkdocs build``) for what a reader must not see: Sphinx roles left
 as text (``:class:`` / ``:meth:`` / ``:func:`` ... from docstrings that griffe_sphinx_roles.py did
-not convert), and names of files or machines that only the project's developers have.
+not convert), reST's literal-block marker ``::`` left at the end of a sentence, a docstring's
+Returns description cut into several rows (its continuation lines were not indented), and names
+of files or machines that only the project's developers have.
 
     python3 tools/check_site.py SITE_DIR            # exit 1 on a raw role; internal names warn
     python3 tools/check_site.py --strict SITE_DIR   # internal names fail too
@@ -13,6 +15,9 @@ import re
 import sys
 
 ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|exc|obj|data|const):`?")
+LITERAL_MARK = re.compile(r"\w::\s*$")
+RETURNS = re.compile(r'doc-section-title">Returns:</span></p>\s*(<table>.*?</table>)', re.S)
+ROW = re.compile(r'<tr class="doc-section-item">', re.S)
 INTERNAL = re.compile(r"shared/[A-Z_]+\.md|\bMEASURED\b|example\.txt|\b[Tt]he GPU machine")
 
 
@@ -24,11 +29,20 @@ def check(site: pathlib.Path, strict: bool = False) -> tuple[list[str], list[str
     if not pages:
         return [f"{site}: no HTML pages (build the site first)"], []
     for page in pages:
-        text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text(errors="replace")))
+        raw = page.read_text(errors="replace")
+        for table in RETURNS.findall(raw):
+            rows = len(ROW.findall(table))
+            if rows > 1:
+                first = html.unescape(re.sub(r"<[^>]+>", " ", table)).split()
+                problems.append(f"{page.relative_to(site)}: a Returns table of {rows} rows (a description's "
+                                f"continuation lines not indented?): {' '.join(first)[:160]}")
+        text = html.unescape(re.sub(r"<[^>]+>", "", raw))
         for n, line in enumerate(text.splitlines(), 1):
             where = f"{page.relative_to(site)}:{n}"
             if ROLE.search(line):
                 problems.append(f"{where}: a raw Sphinx role: {line.strip()[:160]}")
+            if LITERAL_MARK.search(line):
+                problems.append(f"{where}: reST's '::' left in the text: {line.strip()[:160]}")
             if INTERNAL.search(line):
                 (problems if strict else warnings).append(f"{where}: an internal name: {line.strip()[:160]}")
     return problems, warnings
