@@ -3,19 +3,22 @@ distribution: the mean a user comparing the two sees, and the tail.
 
 Usage::
 
-    python3 bench/bench_reference.py [--device cuda:0] [--runs 10] [--iters 1000] [--calls 3000]
-                                     [--baseline-calls 300] [--only seed16 ...] [--out DIR]
+    python3 bench/bench_reference.py [--device cuda:0] [--runs 10] [--iters 1000] [--warmup 100]
+                                     [--calls 3000] [--baseline-calls 300] [--only seed16 ...]
+                                     [--out DIR]
 
 Two parts, the garbage collector on throughout (as in a user's program; nothing here changes
 its settings):
 
 1. The reference's harness, on its example batch (seed16, the 16-sample multi-camera meta-data):
-   ``--runs`` runs of ``--iters`` iterations, each timed as ``torch.cuda.synchronize(); t0;
-   copy; torch.cuda.synchronize(); t1``; per run the mean, then the mean and standard deviation
-   over runs. Methods, alternating run by run: ``start_copy(batch, dev).get()``, ``.to()`` with
+   ``--runs`` runs of ``--warmup`` untimed and ``--iters`` timed iterations per method, each
+   timed as ``torch.cuda.synchronize(); t0; copy; torch.cuda.synchronize(); t1``; per run the
+   mean, then the mean and standard deviation over runs, and the speedup as the reference
+   reports it (the mean of the runs' ratios). Methods, alternating run by run: ``start_copy(batch, dev).get()``, ``.to()`` with
    the structure written out by hand (``to_hardcoded``, what the reference's evaluation compares
    against), a generic recursive ``.to()`` (``to_generic``), and the reference package itself
-   (``accvlab.multi_tensor_copier``) when it is importable (it is not part of this project).
+   (``accvlab.multi_tensor_copier``) when it is importable (it is not part of this project: put a
+   build of its sources on PYTHONPATH).
 2. Distributions: ``--calls`` calls of start_copy (``--baseline-calls`` of each baseline), one
    at a time with a sync before and after each, for H2D and D2H of seed16, seed64 and
    4096 x 64 B: mean, p50, p90, p99 and max, and the collections the collector ran per
@@ -133,25 +136,27 @@ class _Collections:
             self.by_gen[info["generation"]] += 1
 
 
-def harness(batch: Any, dev: Any, runs: int, iters: int, methods: dict) -> dict:
-    """The reference's method: runs x iters, mean per run; mean and std over runs."""
+def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: dict) -> dict:
+    """The reference's method: per run and method ``warmup`` untimed calls, then ``iters`` timed
+    ones; the mean per run; mean and std over runs, and the speedup over ``.to()`` written out
+    as the reference reports it: the mean over runs of each run's ratio."""
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     names = list(methods)
-    for m in names:  # warm-up: slabs, caching-allocator blocks, the transfer thread
-        for _ in range(20):
-            _timed(methods[m], batch, dev)
     for r in range(runs):
         k = r % len(names)
         for m in names[k:] + names[:k]:  # alternating, the order rotated run by run
+            for _ in range(warmup):
+                methods[m](batch, dev)
             secs = [_timed(methods[m], batch, dev) for _ in range(iters)]
             per_run[m].append(statistics.fmean(secs) * 1e3)
     out = {}
+    base_runs = per_run["to_hardcoded"]
     for m, means in per_run.items():
+        ratios = [b / x for b, x in zip(base_runs, means)]
         out[m] = {"mean_ms": statistics.fmean(means),
-                  "std_ms": statistics.stdev(means) if len(means) > 1 else 0.0, "runs_ms": means}
-    base = out["to_hardcoded"]["mean_ms"]
-    for m in out:
-        out[m]["speedup_vs_to_hardcoded"] = base / out[m]["mean_ms"]
+                  "std_ms": statistics.stdev(means) if len(means) > 1 else 0.0, "runs_ms": means,
+                  "speedup_vs_to_hardcoded": statistics.fmean(ratios),
+                  "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0}
     return out
 
 
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=100, help="untimed calls per method and run")
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--baseline-calls", type=int, default=300,
                    help="calls of each baseline (.to() per tensor) in the distributions")
@@ -191,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                                "distribution": {}}
     if dev.type == "cuda":
         seed16 = WORKLOADS["seed16"]()
-        h = harness(seed16, dev, args.runs, args.iters, methods_for("seed16"))
+        h = harness(seed16, dev, args.runs, args.iters, args.warmup, methods_for("seed16"))
         results["harness"]["seed16_h2d"] = h
-        print(f"\nreference harness, seed16 H2D: {args.runs} runs x {args.iters} iterations "
-              "(mean per run; mean +- std over runs)")
+        print(f"\nreference harness, seed16 H2D: {args.runs} runs x ({args.warmup} warm-up + {args.iters}) "
+              "iterations (mean per run; mean +- std over runs; speedup: mean +- std of the runs' ratios)")
         for m, v in h.items():
             print(f"  {m:<14} {v['mean_ms']:8.3f} +- {v['std_ms']:.3f} ms   "
-                  f"{v['speedup_vs_to_hardcoded']:6.2f}x to_hardcoded")
+                  f"{v['speedup_vs_to_hardcoded']:6.2f}x +- {v['speedup_std']:.2f}x to_hardcoded")
     print(f"\ndistributions: {args.calls} calls each, sync before and after each (ms)")
     print(f"  {'workload':<10} {'dir':<4} {'method':<14} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} "
           f"{'max':>8}  collections (gen0, gen1, gen2)")
