@@ -97,13 +97,20 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), default=["seed16", "seed64"])
     ap.add_argument("--no-thread", action="store_true", help="use_background_thread=False")
+    ap.add_argument("--h2d-only", action="store_true")
+    ap.add_argument("--pin-main", type=int, default=None, metavar="CPU",
+                    help="after the engine's threads have started, bind the calling thread (only) to CPU")
     a = ap.parse_args()
     opts = {"use_background_thread": False} if a.no_thread else {}
-    print(f"gc thresholds {gc.get_threshold()}, options {opts}")
+    if a.pin_main is not None:
+        mtc_loader.start_copy(WORKLOADS["seed16"](), a.device).get()  # the engine's threads start unbound
+        os.sched_setaffinity(0, {a.pin_main})  # 0: the calling thread on Linux
+    print(f"gc thresholds {gc.get_threshold()}, options {opts}, main thread on CPUs {sorted(os.sched_getaffinity(0))}")
     for name in a.only:
         data = WORKLOADS[name]()
         probe(f"{name} H2D", data, a.device, a.calls, opts)
-        probe(f"{name} D2H", tree_map(lambda t: t.to(a.device), data), "cpu", a.calls, opts)
+        if not a.h2d_only:
+            probe(f"{name} D2H", tree_map(lambda t: t.to(a.device), data), "cpu", a.calls, opts)
 
 
 if __name__ == "__main__":
