@@ -75,6 +75,9 @@ def probe(name: str, src, target, calls: int, opts: dict) -> None:
     tail = wall >= p99
     print(f"\n{name}: {calls} calls, mean {wall.mean():.3f} p50 {p50:.3f} p90 {np.percentile(wall, 90):.3f} "
           f"p99 {p99:.3f} max {wall.max():.3f} ms; p99/p50 {p99 / p50:.2f}")
+    slow = wall > 1.4 * p50
+    blocks = [f"{b.mean():.2f}" for b in np.array_split(wall, 10)]
+    print(f"  calls above 1.4x p50: {slow.mean() * 100:.1f}%; mean of each tenth of the run: {' '.join(blocks)}")
     with_gc = [i for i in range(calls) if gcs[i]]
     print(f"  calls with a collection: {len(with_gc)} (gen2 in {sum(2 in g for g in gcs)}); "
           f"tail calls with one: {sum(1 for i in np.flatnonzero(tail) if gcs[i])} of {int(tail.sum())}; "
