@@ -14,9 +14,10 @@ its settings):
    ``--runs`` runs of ``--warmup`` untimed and ``--iters`` timed iterations per method, each
    timed as ``torch.cuda.synchronize(); t0; copy; torch.cuda.synchronize(); t1``; per run the
    mean, then the mean and standard deviation over runs, and the speedup as the reference
-   reports it (the mean of the runs' ratios). Methods, alternating run by run: ``start_copy(batch, dev).get()``, ``.to()`` with
-   the structure written out by hand (``to_hardcoded``, what the reference's evaluation compares
-   against), a generic recursive ``.to()`` (``to_generic``), and the reference package itself
+   reports it (the mean of the runs' ratios). Methods, alternating run by run:
+   ``start_copy(batch, dev).get()``, ``.to()`` with the structure written out by hand
+   (``to_hardcoded``, what the reference's evaluation compares against), a generic recursive
+   ``.to()`` (``to_generic``), and the reference package itself
    (``accvlab.multi_tensor_copier``) when it is importable (it is not part of this project: put a
    build of its sources on PYTHONPATH).
 2. Distributions: ``--calls`` calls of start_copy (``--baseline-calls`` of each baseline), one
