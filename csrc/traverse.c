@@ -378,7 +378,8 @@ container:;
 
 /* The sizes of the last walk (GIL held): a loop walks batches of one shape,
  * so a walk starts with room for as many nodes, leaves and dims as the last
- * one had, rather than growing its arrays from empty every time. */
+ * one had, rather than growing its arrays from empty every time. Skeleton
+ * walks (slots), whose trees are kept, neither use nor set the hint. */
 #define _HINT_MAX (1u << 16)
 static uint32_t _hint_nodes, _hint_leaves, _hint_dims;
 
@@ -386,8 +387,10 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
 {
     _stack s = {0};
     int rc = -1;
-    if (_hint_nodes && mtc_tree_grow((void **)&t->nodes, &t->cap_nodes, _hint_nodes, sizeof *t->nodes)) goto out;
-    if (_hint_leaves && mtc_leaves_reserve_n(t, _hint_leaves, _hint_dims)) goto out;
+    if (!t->slots) {
+        if (_hint_nodes && mtc_tree_grow((void **)&t->nodes, &t->cap_nodes, _hint_nodes, sizeof *t->nodes)) goto out;
+        if (_hint_leaves && mtc_leaves_reserve_n(t, _hint_leaves, _hint_dims)) goto out;
+    }
     if (_visit(st, t, &s, data, -1, 0, 0)) goto out;
     while (s.n) {
         _frame *f = &s.f[s.n - 1];
@@ -430,9 +433,11 @@ int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t)
         if (v) goto out;
     }
     rc = 0;
-    _hint_nodes = t->nnodes < _HINT_MAX ? t->nnodes : _HINT_MAX;
-    _hint_leaves = t->nleaves < _HINT_MAX ? t->nleaves : _HINT_MAX;
-    _hint_dims = t->ndims < 4 * _HINT_MAX ? t->ndims : 4 * _HINT_MAX;
+    if (!t->slots) {
+        _hint_nodes = t->nnodes < _HINT_MAX ? t->nnodes : _HINT_MAX;
+        _hint_leaves = t->nleaves < _HINT_MAX ? t->nleaves : _HINT_MAX;
+        _hint_dims = t->ndims < 4 * _HINT_MAX ? t->ndims : 4 * _HINT_MAX;
+    }
 out:
     while (s.n) _stack_pop(&s);
     PyMem_Free(s.f);
