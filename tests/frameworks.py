@@ -4,6 +4,8 @@ keeps the ragged parts as lists, and the check that the batches a model saw are,
 batches of the indices they carry."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from conftest import assert_tree_bitwise
@@ -29,6 +31,19 @@ class NestedSamples(torch.utils.data.Dataset):
             "mask": torch.rand(3, 5, generator=g) > 0.5,
             "name": f"sample{i}",
         }
+
+
+class SlowLoading:
+    """Mixin for a map-style dataset taking ``(n)``: each sample takes ``sample_s`` to load (a
+    data-bound loop when the step is quick). ``class Slow(SlowLoading, Dataset)``."""
+
+    def __init__(self, n: int, sample_s: float) -> None:
+        super().__init__(n)  # type: ignore[call-arg]
+        self.sample_s = sample_s
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.sample_s)
+        return super().__getitem__(i)  # type: ignore[misc]
 
 
 def collate(samples: list) -> dict:

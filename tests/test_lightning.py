@@ -17,7 +17,7 @@ import mtc_loader  # noqa: E402
 import mtc_loader.lightning  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
-from frameworks import NestedSamples, check_seen, collate, record  # noqa: E402
+from frameworks import NestedSamples, SlowLoading, check_seen, collate, record  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
@@ -140,16 +140,8 @@ class Sleepy(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class SlowSamples(NestedSamples):
-    """NestedSamples that take ``sample_s`` each to load (a data-bound loop when the step is quick)."""
-
-    def __init__(self, n: int, sample_s: float) -> None:
-        super().__init__(n)
-        self.sample_s = sample_s
-
-    def __getitem__(self, i: int) -> dict:
-        time.sleep(self.sample_s)
-        return super().__getitem__(i)
+class SlowSamples(SlowLoading, NestedSamples):
+    """NestedSamples that take ``sample_s`` each to load."""
 
 
 def fit_logged(tmp_path, callback, *, step_s=0.0, sample_s=0.0, logger=True, every=2):

@@ -33,6 +33,7 @@ with warnings.catch_warnings():  # mmengine's imports warn (torch.jit.script is 
     import mtc_loader
     import mtc_loader.mmengine as mm
 from conftest import assert_bitwise, requires_cuda  # noqa: E402,I100
+from frameworks import SlowLoading  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda:0", marks=requires_cuda)]
 
@@ -445,16 +446,8 @@ class TimedModel(BaseModel):
         return {"loss": self.w.sum() * 0}
 
 
-class SlowSamples(Samples):
-    """Samples that take ``sample_s`` each to load (a data-bound loop when the step is quick)."""
-
-    def __init__(self, n: int, sample_s: float) -> None:
-        super().__init__(n)
-        self.sample_s = sample_s
-
-    def __getitem__(self, i: int) -> dict:
-        time.sleep(self.sample_s)
-        return super().__getitem__(i)
+class SlowSamples(SlowLoading, Samples):
+    """Samples that take ``sample_s`` each to load."""
 
 
 _RUNS = iter(range(1 << 30))
