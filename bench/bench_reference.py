@@ -5,6 +5,7 @@ Usage::
 
     python3 bench/bench_reference.py [--device cuda:0] [--runs 10] [--iters 1000] [--warmup 100]
                                      [--calls 3000] [--baseline-calls 300] [--only seed16 ...]
+                                     [--early-gc-off]
                                      [--out DIR]
 
 Two parts, the garbage collector on throughout (as in a user's program; nothing here changes
@@ -23,7 +24,8 @@ its settings):
 2. Distributions: ``--calls`` calls of start_copy (``--baseline-calls`` of each baseline), one
    at a time with a sync before and after each, for H2D and D2H of seed16, seed64 and
    4096 x 64 B: mean, p50, p90, p99 and max, and the collections the collector ran per
-   generation meanwhile.
+   generation meanwhile (of them, the middle-generation ones the engine ran ahead of a batch's
+   outputs; ``--early-gc-off`` adds start_copy without those, ``mtc_no_early_gc``).
 
 Targets (one run on the GPU machine): harness mean of ``start_copy`` at least 9x
 ``to_hardcoded``; for seed16 and seed64, H2D and D2H: p99 at most 1.5x p50, max under 5 ms,
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-calls", type=int, default=300,
                    help="calls of each baseline (.to() per tensor) in the distributions")
     p.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    p.add_argument("--early-gc-off", action="store_true",
+                   help="in the distributions, also time start_copy with the engine's middle-generation "
+                        "collections ahead of the outputs turned off (mtc_no_early_gc): the before and after "
+                        "of one process")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     dev = torch.device(args.device)
@@ -206,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {m:<14} {v['mean_ms']:8.3f} +- {v['std_ms']:.3f} ms   "
                   f"{v['speedup_vs_to_hardcoded']:6.2f}x +- {v['speedup_std']:.2f}x to_hardcoded")
     print(f"\ndistributions: {args.calls} calls each, sync before and after each (ms)")
-    print(f"  {'workload':<10} {'dir':<4} {'method':<14} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} "
-          f"{'max':>8}  collections (gen0, gen1, gen2)")
+    print(f"  {'workload':<10} {'dir':<4} {'method':<16} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} "
+          f"{'max':>8}  collections (gen0, gen1, gen2), of them run ahead by the engine")
     cpu = torch.device("cpu")
     for name in args.only:
         data = WORKLOADS[name]()
@@ -215,14 +221,23 @@ def main(argv: list[str] | None = None) -> int:
         if dev.type == "cuda":
             cases.append(("D2H", tree_map(lambda t: t.to(dev), data), cpu))
         for direction, src, target in cases:
-            for m, fn in methods_for(name).items():
-                if direction == "np2cpu" and m != "mtc":
+            methods = methods_for(name)
+            if args.early_gc_off:
+                methods = {"mtc": methods.pop("mtc"), "mtc_no_early_gc": mtc, **methods}
+            for m, fn in methods.items():
+                if direction == "np2cpu" and not m.startswith("mtc"):
                     continue
-                d = distribution(src, target, args.calls if m == "mtc" else args.baseline_calls, fn)
+                prev = mtc_loader._engine._early_gc(m != "mtc_no_early_gc")
+                early = mtc_loader.stats()["gc_early_collections"]
+                try:
+                    d = distribution(src, target, args.calls if m.startswith("mtc") else args.baseline_calls, fn)
+                finally:
+                    mtc_loader._engine._early_gc(prev)
+                d["gc_early_collections"] = mtc_loader.stats()["gc_early_collections"] - early
                 results["distribution"][f"{name}_{direction}_{m}"] = d
-                print(f"  {name:<10} {direction:<4} {m:<14} {d['mean_ms']:8.3f} {d['p50_ms']:8.3f} "
+                print(f"  {name:<10} {direction:<4} {m:<16} {d['mean_ms']:8.3f} {d['p50_ms']:8.3f} "
                       f"{d['p90_ms']:8.3f} {d['p99_ms']:8.3f} {d['max_ms']:8.3f}  "
-                      f"{tuple(d['collections_by_generation'])}")
+                      f"{tuple(d['collections_by_generation'])}, {d['gc_early_collections']}")
     results["stats"] = mtc_loader.stats()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_reference.json")

@@ -26,7 +26,7 @@ import mtc_loader  # noqa: E402
 from workloads import seed_batch, tree_map, uniform  # noqa: E402
 
 STAGES = ["ns_traverse", "ns_plan", "ns_outputs", "ns_views", "ns_get_wait", "ns_queue", "ns_stage",
-          "ns_dma_issue", "ns_sync", "jobs_inline", "jobs_taken_back", "worker_wakeups", "pinned_allocs"]
+          "ns_dma_issue", "ns_sync", "jobs_inline", "jobs_taken_back", "worker_wakeups", "pinned_allocs", "gc_early_collections"]
 WORKLOADS = {"seed16": lambda: seed_batch(16, 0), "seed64": lambda: seed_batch(64, 0),
              "4096x64B": lambda: uniform(4096, 64, 0)}
 
@@ -83,7 +83,7 @@ def probe(name: str, src, target, calls: int, opts: dict) -> None:
           f"tail calls with one: {sum(1 for i in np.flatnonzero(tail) if gcs[i])} of {int(tail.sum())}; "
           f"mean collection ms inside a call that had one: "
           f"{gc_ms[with_gc].mean() if with_gc else 0:.3f}")
-    print(f"  {'stage':<16} {'p40-p60':>10} {'>=p99':>10}  (us per call; counts for the last four)")
+    print(f"  {'stage':<16} {'p40-p60':>10} {'>=p99':>10}  (us per call; counts for the last five)")
     for k, s in enumerate(STAGES):
         scale = 1e-3 if s.startswith("ns_") else 1.0
         print(f"  {s:<16} {stages[mid, k].mean() * scale:10.2f} {stages[tail, k].mean() * scale:10.2f}")

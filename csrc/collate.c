@@ -16,6 +16,7 @@
 
 #include "arena.h"
 #include "copy.h"
+#include "collector.h"
 #include "cuda.h"
 #include "files.h"
 #include "handle.h"
@@ -610,7 +611,8 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
-    if (_unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
+    if (mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves) ||
+        _unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
         goto error;
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.unpacks++;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "collector.h"
 #include "cuda.h"
 #include "handle.h"
 #include "hostcopy.h"
@@ -497,7 +498,10 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
     mtc_handle *h = mtc_handle_new(st);
     if (!h) return NULL;
     c.t = &h->tree;
-    if (_read_leaves(&c, args[0]) || _plan(&c) || _alloc_outputs(&c) || _collect_buffers(&c, h) ||
+    /* the outputs: a tensor per leaf (and a padding piece at most) and a container per node */
+    if (_read_leaves(&c, args[0]) || _plan(&c) ||
+        mtc_collector_before_outputs(st, (int64_t)c.t->nnodes + c.t->nleaves) || _alloc_outputs(&c) ||
+        _collect_buffers(&c, h) ||
         _submit(&c, h) || _views_and_rebuild(&c, h))
         goto error;
     _copy_clear(&c);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "collate.h"
+#include "collector.h"
 #include "copy.h"
 #include "cuda.h"
 #include "files.h"
@@ -209,7 +210,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_outputs", mtc_cnt.ns_outputs); P("ns_views", mtc_cnt.ns_views); P("ns_get_wait", mtc_cnt.ns_wait);
     P("unpacks", mtc_cnt.unpacks); P("ns_unpack_decode", mtc_cnt.ns_unpack_decode);
     P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
-    P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild);
+    P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild); P("gc_early_collections", mtc_cnt.gc_early);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_taken_back", e.jobs_taken_back);
@@ -447,6 +448,9 @@ static PyMethodDef engine_methods[] = {
     {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
     {"_use_dlpack", engine_use_dlpack, METH_O,
      "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
+    {"_early_gc", mtc_collector_set, METH_O,
+     "_early_gc(flag) -> bool: run the middle-generation collection a batch's outputs would trigger "
+     "before making them (collector.h); returns the previous setting."},
     {"_forget_types", engine_forget_types, METH_NOARGS, "Classify every type anew (a container was registered)."},
     {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
      "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},
@@ -503,6 +507,7 @@ static int engine_exec(PyObject *module)
     st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device");
     st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
     if (!st->kw_dtype_device || !st->kw_dtype_device_pin) return -1;
+    if (mtc_collector_init(st)) return -1;
     mtc_engine_init_once();
     mtc_nvtx_init();
     if (PyModule_AddObjectRef(module, "Skeleton", (PyObject *)st->skeleton_type)) return -1;
@@ -527,6 +532,10 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->unflatten);
     Py_VISIT(st->diagnose);
     Py_VISIT(st->cuda_device);
+    Py_VISIT(st->gc_isenabled);
+    Py_VISIT(st->gc_get_count);
+    Py_VISIT(st->gc_get_threshold);
+    Py_VISIT(st->gc_collect);
     return 0;
 }
 
@@ -563,6 +572,7 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve);
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->kw_dtype_device_pin);
+    mtc_collector_clear(st);
     st->ready = 0;
     return 0;
 }

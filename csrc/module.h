@@ -74,6 +74,10 @@ typedef struct mtc_state {
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
         *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
         *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve;
+    /* the gc module's isenabled, get_count, get_threshold and collect
+     * (collector.h); NULL where the collector is not the generational one */
+    PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
+    int gc_early;                /* mtc_collector_before_outputs runs collections ahead */
     PyObject *kw_dtype_device;   /* ("dtype", "device") */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
@@ -89,6 +93,7 @@ typedef struct mtc_counters {
     /* unpack of a packed batch: calls, and the calling thread's time per stage
      * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
     uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
+    uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
 } mtc_counters;
 extern mtc_counters mtc_cnt;
 

@@ -1,14 +1,21 @@
 """The garbage collector's view of a copy: a batch unpacked or copied allocates no more
 GC-tracked objects than building the same structure in Python does, so that a training loop
-with the collector on (default thresholds) runs no full collection because of the copies."""
+with the collector on (default thresholds) runs no full collection because of the copies; a
+batch of more objects than the collector's first threshold is not promoted to the oldest
+generation either (the engine runs the middle-generation collection its outputs would trigger
+before making them, collector.h)."""
+import contextlib
 import gc
+import subprocess
+import sys
+import sysconfig
 import threading
 
 import pytest
 import torch
 
 import mtc_loader
-from conftest import requires_cuda, seed_batch, tree_to
+from conftest import package_parent, requires_cuda, seed_batch, subprocess_env, tree_to
 
 
 def _clone(x):
@@ -29,6 +36,26 @@ def _numpy(x):
     if isinstance(x, list):
         return [_numpy(v) for v in x]
     return x
+
+
+# The collector of CPython 3.10 to 3.13 with the GIL: the one the engine times its collections for
+generational = pytest.mark.skipif(
+    sys.version_info >= (3, 14) or bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+    reason="the engine runs collections ahead only for the generational collector of CPython 3.10-3.13")
+
+
+@contextlib.contextmanager
+def _early_gc(on):
+    prev = mtc_loader._engine._early_gc(on)
+    try:
+        yield
+    finally:
+        mtc_loader._engine._early_gc(prev)
+
+
+def _uniform(n, nbytes):
+    g = torch.Generator().manual_seed(0)
+    return [torch.rand(nbytes // 4, generator=g) for _ in range(n)]
 
 
 def _net_tracked(call, rounds=5):
@@ -138,3 +165,91 @@ def test_3000_gpu_copies_run_no_full_collection(direction, default_collector):
             mtc_loader.start_copy(src, target).get()
     torch.cuda.synchronize()
     assert seen.by_gen[2] == 0, seen.by_gen
+
+
+def _large(name):
+    return seed_batch(64) if name == "seed64" else _uniform(4096, 64)
+
+
+def _calls(how, batch, target="cpu"):
+    if how == "unpack":
+        pc = mtc_loader.PackedCollate(list)
+        return lambda: pc(batch).unpack(target)
+    src = _numpy(batch) if target == "cpu" and how == "copy" else batch
+    return lambda: mtc_loader.start_copy(src, target).get()
+
+
+@generational
+@pytest.mark.parametrize("how,name", [("unpack", "seed64"), ("unpack", "4096x64B"), ("copy", "seed64")])
+def test_batches_above_the_threshold_run_no_full_collection(how, name, default_collector):
+    # 2112 or 4096 tensors a batch: every call triggers young collections with the batch alive;
+    # without the engine's collections ahead, a full one runs every couple of hundred calls
+    call = _calls(how, _large(name))
+    for _ in range(20):
+        call()
+    thresholds = gc.get_threshold()
+    early = mtc_loader.stats()["gc_early_collections"]
+    with _early_gc(True), _Collections() as seen:
+        for _ in range(2000):
+            call()
+    assert seen.by_gen[2] == 0, seen.by_gen
+    assert seen.by_gen[0] > 0 and mtc_loader.stats()["gc_early_collections"] > early, seen.by_gen
+    # nothing of the program's collector settings changed
+    assert gc.isenabled() and gc.get_threshold() == thresholds
+
+
+@generational
+def test_without_collections_ahead_the_batches_reach_the_oldest_generation(default_collector):
+    # the control of the test above: the same loop with the engine's collections ahead off
+    call = _calls("unpack", _large("4096x64B"))
+    for _ in range(20):
+        call()
+    with _early_gc(False), _Collections() as seen:
+        for _ in range(2000):
+            call()
+    assert seen.by_gen[2] > 0, seen.by_gen
+
+
+def test_a_disabled_collector_sees_no_collection():
+    call = _calls("unpack", _large("4096x64B"))
+    early = mtc_loader.stats()["gc_early_collections"]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _Collections() as seen:
+            for _ in range(50):
+                call()
+    finally:
+        if enabled:
+            gc.enable()
+    assert seen.by_gen == [0, 0, 0]
+    assert mtc_loader.stats()["gc_early_collections"] == early
+
+
+@requires_cuda
+@generational
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("name", ["seed64", "4096x64B"])
+def test_3000_large_gpu_copies_run_no_full_collection(direction, name, default_collector):
+    batch = _large(name)
+    src, target = (batch, "cuda:0") if direction == "h2d" else (tree_to(batch, "cuda:0"), "cpu")
+    for _ in range(20):
+        mtc_loader.start_copy(src, target).get()
+    torch.cuda.synchronize()
+    with _early_gc(True), _Collections() as seen:
+        for _ in range(3000):
+            mtc_loader.start_copy(src, target).get()
+    torch.cuda.synchronize()
+    assert seen.by_gen[2] == 0, seen.by_gen
+
+
+@generational
+@pytest.mark.parametrize("value,expected", [("0", False), ("1", True)])
+def test_mtc_early_gc_turns_it_off(value, expected):
+    env = subprocess_env()
+    env["MTC_EARLY_GC"] = value
+    code = "import mtc_loader; print(mtc_loader._engine._early_gc(True))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=package_parent())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(expected)
