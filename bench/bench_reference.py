@@ -23,8 +23,9 @@ its settings):
    build of its sources on PYTHONPATH).
 2. Distributions: ``--calls`` calls of start_copy (``--baseline-calls`` of each baseline), one
    at a time with a sync before and after each, for H2D and D2H of seed16, seed64 and
-   4096 x 64 B: mean, p50, p90, p99 and max, and the collections the collector ran per
-   generation meanwhile (of them, the middle-generation ones the engine ran ahead of a batch's
+   4096 x 64 B: mean, p50, p90, p99 and max, the machine's own speed meanwhile (a fixed
+   pure-CPU loop timed after every 100 calls: its slowest against its median), and the
+   collections the collector ran per generation meanwhile (of them, the middle-generation ones the engine ran ahead of a batch's
    outputs; ``--early-gc-off`` adds start_copy without those, ``mtc_no_early_gc``).
 
 Targets (one run on the GPU machine): harness mean of ``start_copy`` at least 9x
@@ -144,6 +145,7 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
     ones; the mean per run; mean and std over runs, and the speedup over ``.to()`` written out
     as the reference reports it: the mean over runs of each run's ratio."""
     per_run: dict[str, list[float]] = {m: [] for m in methods}
+    speed: dict[str, list[float]] = {m: [] for m in methods}  # machine_speed() after each run
     names = list(methods)
     for r in range(runs):
         k = r % len(names)
@@ -152,6 +154,7 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
                 methods[m](batch, dev)
             secs = [_timed(methods[m], batch, dev) for _ in range(iters)]
             per_run[m].append(statistics.fmean(secs) * 1e3)
+            speed[m].append(machine_speed())
     out = {}
     base_runs = per_run["to_hardcoded"]
     for m, means in per_run.items():
@@ -159,24 +162,44 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
         out[m] = {"mean_ms": statistics.fmean(means),
                   "std_ms": statistics.stdev(means) if len(means) > 1 else 0.0, "runs_ms": means,
                   "speedup_vs_to_hardcoded": statistics.fmean(ratios),
-                  "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0}
+                  "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+                  "machine_loop_ms": speed[m]}
     return out
 
 
+def machine_speed() -> float:
+    """A fixed pure-CPU loop (Python integers, no allocation, no memory traffic), in ms: how fast
+    the machine's CPU runs right now. On a shared virtual machine it can run markedly slower for
+    seconds at a time, which stretches every call timed then, whatever the code."""
+    t0 = time.perf_counter()
+    s = 0
+    for i in range(20000):
+        s += i
+    return (time.perf_counter() - t0) * 1e3
+
+
 def distribution(batch: Any, dev: Any, calls: int, fn: Callable[[Any, Any], Any]) -> dict:
-    """``calls`` calls, sync before and after each: mean and percentiles in ms, collections."""
+    """``calls`` calls, sync before and after each: mean and percentiles in ms, collections, and
+    the machine's speed (``machine_speed``) measured after every 100 calls."""
     for _ in range(20):
         _timed(fn, batch, dev)
     seen = _Collections()
+    speed: list[float] = []
     gc.callbacks.append(seen)
     try:
-        ms = np.array([_timed(fn, batch, dev) * 1e3 for _ in range(calls)])
+        ms = np.zeros(calls)
+        for i in range(calls):
+            ms[i] = _timed(fn, batch, dev) * 1e3
+            if i % 100 == 99:
+                speed.append(machine_speed())
     finally:
         gc.callbacks.remove(seen)
     return {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
             "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)),
             "max_ms": float(ms.max()), "median_ms": float(np.median(ms)),
-            "collections_by_generation": seen.by_gen}
+            "collections_by_generation": seen.by_gen,
+            "machine_loop_ms": speed, "machine_slowest_vs_median": (max(speed) / statistics.median(speed))
+            if speed else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
               "iterations (mean per run; mean +- std over runs; speedup: mean +- std of the runs' ratios)")
         for m, v in h.items():
             print(f"  {m:<14} {v['mean_ms']:8.3f} +- {v['std_ms']:.3f} ms   "
-                  f"{v['speedup_vs_to_hardcoded']:6.2f}x +- {v['speedup_std']:.2f}x to_hardcoded")
+                  f"{v['speedup_vs_to_hardcoded']:6.2f}x +- {v['speedup_std']:.2f}x to_hardcoded; runs "
+                  + " ".join(f"{x:.3f}" for x in v["runs_ms"]))
+        loops = [x for v in h.values() for x in v["machine_loop_ms"]]
+        print(f"  machine: a fixed CPU loop after each run took {min(loops):.2f} to {max(loops):.2f} ms")
     print(f"\ndistributions: {args.calls} calls each, sync before and after each (ms)")
     print(f"  {'workload':<10} {'dir':<4} {'method':<16} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} "
-          f"{'max':>8}  collections (gen0, gen1, gen2), of them run ahead by the engine")
+          f"{'max':>8}  collections (gen0, gen1, gen2), of them run ahead by the engine; machine: "
+          "the slowest run of a fixed CPU loop against its median")
     cpu = torch.device("cpu")
     for name in args.only:
         data = WORKLOADS[name]()
@@ -235,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                     mtc_loader._engine._early_gc(prev)
                 d["gc_early_collections"] = mtc_loader.stats()["gc_early_collections"] - early
                 results["distribution"][f"{name}_{direction}_{m}"] = d
+                slow = d["machine_slowest_vs_median"]
                 print(f"  {name:<10} {direction:<4} {m:<16} {d['mean_ms']:8.3f} {d['p50_ms']:8.3f} "
                       f"{d['p90_ms']:8.3f} {d['p99_ms']:8.3f} {d['max_ms']:8.3f}  "
-                      f"{tuple(d['collections_by_generation'])}, {d['gc_early_collections']}")
+                      f"{tuple(d['collections_by_generation'])}, {d['gc_early_collections']}"
+                      + (f"; machine {slow:.2f}x" if slow else ""))
     results["stats"] = mtc_loader.stats()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_reference.json")
