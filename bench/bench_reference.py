@@ -205,7 +205,7 @@ def distribution(batch: Any, dev: Any, calls: int, fn: Callable[[Any, Any], Any]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--runs", type=int, default=10, help="runs of the reference's harness (0: skip it)")
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=100, help="untimed calls per method and run")
     p.add_argument("--calls", type=int, default=3000)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'imported' if ref_start_copy else 'not available (its comparison is skipped)'}")
     results: dict[str, Any] = {"device": str(dev), "gc_threshold": gc.get_threshold(), "harness": {},
                                "distribution": {}}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and args.runs > 0:
         seed16 = WORKLOADS["seed16"]()
         h = harness(seed16, dev, args.runs, args.iters, args.warmup, methods_for("seed16"))
         results["harness"]["seed16_h2d"] = h
