@@ -7,8 +7,8 @@
  * that crosses the threshold up to Python 3.11, when the call returns from
  * 3.12), and whatever is alive when a collection of the middle generation
  * runs is promoted to the oldest one. Batch after batch the promotions add
- * up to a full collection, over every object the program holds (80-110 ms
- * with torch imported), every couple of hundred calls.
+ * up to a full collection, over every object the program holds (tens of
+ * milliseconds with torch imported), every couple of hundred calls.
  *
  * mtc_collector_before_outputs() runs, before the outputs are made, the
  * middle-generation collection those allocations would otherwise trigger
