@@ -9,11 +9,22 @@ calls, and per stage (traverse, plan, outputs, views, waiting in get; on the tra
 queueing, staging, issuing DMAs, synchronizing) the mean over the calls between p40 and p60 and
 over the calls at or above p99, in microseconds, so that the stage that grows in the tail is
 named rather than guessed.
+
+Beside the stages it reads the calling thread's own counters around each call (perf_event_open:
+instructions and cycles where the machine exposes a hardware PMU; time on the CPU, page faults,
+context switches and migrations always), so that a slow call is classed by what grew: more
+instructions (more work in the call), more cycles for the same instructions (a slower core:
+caches or a busy sibling), or more wall time for the same cycles and CPU time (a clock that runs
+slower, or a virtual CPU the host did not run). After each call it also times a fixed piece of
+pure-CPU work (the yardstick, about 20 us, outside the call's time): if the yardstick is slow
+right beside the slow calls, the machine was slow, not the call.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import struct
 import os
 import sys
 import time
@@ -31,6 +42,41 @@ WORKLOADS = {"seed16": lambda: seed_batch(16, 0), "seed64": lambda: seed_batch(6
              "4096x64B": lambda: uniform(4096, 64, 0)}
 
 
+class _ThreadCounters:
+    """The calling thread's counters, opened with perf_event_open (Linux x86-64)."""
+
+    EVENTS = [("instructions", 0, 1), ("cycles", 0, 0), ("cpu_ns", 1, 1), ("faults", 1, 2),
+              ("switches", 1, 3), ("migrations", 1, 4)]
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.names: list[str] = []
+        self.fds: list[int] = []
+        self.missing: list[str] = []
+        for name, kind, config in self.EVENTS:
+            attr = ctypes.create_string_buffer(struct.pack("=IIQQQQQIIQ", kind, 64, config, 0, 0, 0, 0, 0, 0, 0))
+            fd = libc.syscall(298, attr, 0, -1, -1, 0)  # __NR_perf_event_open; this thread, any CPU
+            if fd < 0:
+                self.missing.append(f"{name} ({os.strerror(ctypes.get_errno())})")
+            else:
+                self.names.append(name)
+                self.fds.append(fd)
+
+    def read(self) -> list[int]:
+        return [int.from_bytes(os.read(fd, 8), "little") for fd in self.fds]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _yardstick() -> float:
+    """Microseconds for a fixed piece of pure-CPU work that touches neither torch nor the engine."""
+    t0 = time.perf_counter()
+    sum(range(600))
+    return (time.perf_counter() - t0) * 1e6
+
+
 class _GcWatch:
     def __init__(self) -> None:
         self.gens: list[int] = []
@@ -46,10 +92,13 @@ class _GcWatch:
 
 
 def probe(name: str, src, target, calls: int, opts: dict) -> None:
-    sync = torch.cuda.synchronize
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(50):
         mtc_loader.start_copy(src, target, **opts).get()
     watch = _GcWatch()
+    counters = _ThreadCounters()
+    counts = np.zeros((calls, len(counters.names)))
+    yard = np.zeros(calls)
     gc.callbacks.append(watch)
     wall = np.zeros(calls)
     stages = np.zeros((calls, len(STAGES)))
@@ -60,16 +109,20 @@ def probe(name: str, src, target, calls: int, opts: dict) -> None:
             before = mtc_loader.stats()
             watch.gens, watch.ms = [], 0.0
             sync()
+            c0 = counters.read()
             t0 = time.perf_counter()
             mtc_loader.start_copy(src, target, **opts).get()
             sync()
             wall[i] = (time.perf_counter() - t0) * 1e3
+            counts[i] = np.subtract(counters.read(), c0)
+            yard[i] = _yardstick()
             after = mtc_loader.stats()
             stages[i] = [after[k] - before[k] for k in STAGES]
             gcs.append(tuple(watch.gens))
             gc_ms[i] = watch.ms
     finally:
         gc.callbacks.remove(watch)
+        counters.close()
     p50, p99 = np.percentile(wall, 50), np.percentile(wall, 99)
     mid = (wall >= np.percentile(wall, 40)) & (wall <= np.percentile(wall, 60))
     tail = wall >= p99
@@ -87,11 +140,42 @@ def probe(name: str, src, target, calls: int, opts: dict) -> None:
     for k, s in enumerate(STAGES):
         scale = 1e-3 if s.startswith("ns_") else 1.0
         print(f"  {s:<16} {stages[mid, k].mean() * scale:10.2f} {stages[tail, k].mean() * scale:10.2f}")
+    _print_counters(counters, counts, wall, mid, tail)
+    print(f"  yardstick after the call: p40-p60 calls {yard[mid].mean():.2f} us, >=p99 calls "
+          f"{yard[tail].mean():.2f} us (all calls: p50 {np.median(yard):.2f}, p99 {np.percentile(yard, 99):.2f}); "
+          f"correlation with the call's wall time {np.corrcoef(wall, yard)[0, 1]:.2f}")
     worst = np.argsort(wall)[-8:][::-1]
     print("  slowest calls (index: ms, gc gens, traverse/views/get_wait us):")
     for i in worst:
         print(f"    {i}: {wall[i]:.3f} {gcs[i]} {stages[i, 0] / 1e3:.0f}/{stages[i, 3] / 1e3:.0f}/"
               f"{stages[i, 4] / 1e3:.0f}")
+
+
+def _print_counters(counters: _ThreadCounters, counts: np.ndarray, wall: np.ndarray,
+                    mid: np.ndarray, tail: np.ndarray) -> None:
+    """The calling thread's counters of the median and the tail calls, and what they make."""
+    if counters.missing:
+        print(f"  counters not available here: {', '.join(counters.missing)}")
+    if not counters.names:
+        return
+    col = {n: counts[:, k] for k, n in enumerate(counters.names)}
+    rows = [("wall us", wall * 1e3)] + [(n, col[n]) for n in counters.names]
+    if "cpu_ns" in col:
+        rows.append(("cpu/wall", col["cpu_ns"] / (wall * 1e6)))
+    if "instructions" in col and "cycles" in col:
+        rows.append(("IPC", col["instructions"] / np.maximum(col["cycles"], 1)))
+        if "cpu_ns" in col:
+            rows.append(("GHz on CPU", col["cycles"] / np.maximum(col["cpu_ns"], 1)))
+    print(f"  {'thread counter':<16} {'p40-p60':>12} {'>=p99':>12} {'ratio':>7}  (mean per call)")
+    for name, v in rows:
+        m, t = v[mid].mean(), v[tail].mean()
+        print(f"  {name:<16} {m:12.4g} {t:12.4g} {t / m if m else float('nan'):7.2f}")
+    if "cpu_ns" in col:
+        r = np.corrcoef(wall, col["cpu_ns"])[0, 1]
+        print(f"  correlation of wall time with time on the CPU over all calls: {r:.2f}")
+    if "instructions" in col:
+        r = np.corrcoef(wall, col["instructions"])[0, 1]
+        print(f"  correlation of wall time with instructions over all calls: {r:.2f}")
 
 
 def main() -> None:
