@@ -16,7 +16,7 @@ context switches and migrations always), so that a slow call is classed by what 
 instructions (more work in the call), more cycles for the same instructions (a slower core:
 caches or a busy sibling), or more wall time for the same cycles and CPU time (a clock that runs
 slower, or a virtual CPU the host did not run). After each call it also times a fixed piece of
-pure-CPU work (the yardstick, about 20 us, outside the call's time): if the yardstick is slow
+pure-CPU work (the yardstick, a few microseconds, outside the call's time): if the yardstick is slow
 right beside the slow calls, the machine was slow, not the call.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import struct
 import os
+import platform
+import struct
 import sys
 import time
 
@@ -43,7 +44,9 @@ WORKLOADS = {"seed16": lambda: seed_batch(16, 0), "seed64": lambda: seed_batch(6
 
 
 class _ThreadCounters:
-    """The calling thread's counters, opened with perf_event_open (Linux x86-64)."""
+    """The calling thread's counters, opened with perf_event_open (Linux x86-64 and arm64)."""
+
+    SYSCALL = {"x86_64": 298, "aarch64": 241}  # __NR_perf_event_open
 
     EVENTS = [("instructions", 0, 1), ("cycles", 0, 0), ("cpu_ns", 1, 1), ("faults", 1, 2),
               ("switches", 1, 3), ("migrations", 1, 4)]
@@ -53,9 +56,13 @@ class _ThreadCounters:
         self.names: list[str] = []
         self.fds: list[int] = []
         self.missing: list[str] = []
+        nr = self.SYSCALL.get(platform.machine())
         for name, kind, config in self.EVENTS:
+            if nr is None:
+                self.missing.append(f"{name} (no perf_event_open number for {platform.machine()})")
+                continue
             attr = ctypes.create_string_buffer(struct.pack("=IIQQQQQIIQ", kind, 64, config, 0, 0, 0, 0, 0, 0, 0))
-            fd = libc.syscall(298, attr, 0, -1, -1, 0)  # __NR_perf_event_open; this thread, any CPU
+            fd = libc.syscall(nr, attr, 0, -1, -1, 0)  # this thread, any CPU
             if fd < 0:
                 self.missing.append(f"{name} ({os.strerror(ctypes.get_errno())})")
             else:
