@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import seed_batch, tree_map, uniform  # noqa: E402
+from workloads import machine_speed, seed_batch, tree_map, uniform  # noqa: E402
 
 import mtc_loader  # noqa: E402
 
@@ -145,7 +145,7 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
     ones; the mean per run; mean and std over runs, and the speedup over ``.to()`` written out
     as the reference reports it: the mean over runs of each run's ratio."""
     per_run: dict[str, list[float]] = {m: [] for m in methods}
-    speed: dict[str, list[float]] = {m: [] for m in methods}  # machine_speed() after each run
+    speed: dict[str, list[float]] = {m: [] for m in methods}  # machine_speed() after each run, in ms
     names = list(methods)
     for r in range(runs):
         k = r % len(names)
@@ -154,7 +154,7 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
                 methods[m](batch, dev)
             secs = [_timed(methods[m], batch, dev) for _ in range(iters)]
             per_run[m].append(statistics.fmean(secs) * 1e3)
-            speed[m].append(machine_speed())
+            speed[m].append(machine_speed() * 1e3)
     out = {}
     base_runs = per_run["to_hardcoded"]
     for m, means in per_run.items():
@@ -165,17 +165,6 @@ def harness(batch: Any, dev: Any, runs: int, iters: int, warmup: int, methods: d
                   "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
                   "machine_loop_ms": speed[m]}
     return out
-
-
-def machine_speed() -> float:
-    """A fixed pure-CPU loop (Python integers, no allocation, no memory traffic), in ms: how fast
-    the machine's CPU runs right now. On a shared virtual machine it can run markedly slower for
-    seconds at a time, which stretches every call timed then, whatever the code."""
-    t0 = time.perf_counter()
-    s = 0
-    for i in range(20000):
-        s += i
-    return (time.perf_counter() - t0) * 1e3
 
 
 def distribution(batch: Any, dev: Any, calls: int, fn: Callable[[Any, Any], Any]) -> dict:
@@ -191,7 +180,7 @@ def distribution(batch: Any, dev: Any, calls: int, fn: Callable[[Any, Any], Any]
         for i in range(calls):
             ms[i] = _timed(fn, batch, dev) * 1e3
             if i % 100 == 99:
-                speed.append(machine_speed())
+                speed.append(machine_speed() * 1e3)
     finally:
         gc.callbacks.remove(seen)
     return {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),

@@ -16,7 +16,8 @@ context switches and migrations always), so that a slow call is classed by what 
 instructions (more work in the call), more cycles for the same instructions (a slower core:
 caches or a busy sibling), or more wall time for the same cycles and CPU time (a clock that runs
 slower, or a virtual CPU the host did not run). After each call it also times a fixed piece of
-pure-CPU work (the yardstick, a few microseconds, outside the call's time): if the yardstick is slow
+pure-CPU work (the yardstick: workloads.machine_speed's loop, about ten microseconds, outside
+the call's time): if the yardstick is slow
 right beside the slow calls, the machine was slow, not the call.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mtc_loader  # noqa: E402
-from workloads import seed_batch, tree_map, uniform  # noqa: E402
+from workloads import machine_speed, seed_batch, tree_map, uniform  # noqa: E402
 
 STAGES = ["ns_traverse", "ns_plan", "ns_outputs", "ns_views", "ns_get_wait", "ns_queue", "ns_stage",
           "ns_dma_issue", "ns_sync", "jobs_inline", "jobs_taken_back", "worker_wakeups", "pinned_allocs", "gc_early_collections"]
@@ -77,13 +78,6 @@ class _ThreadCounters:
             os.close(fd)
 
 
-def _yardstick() -> float:
-    """Microseconds for a fixed piece of pure-CPU work that touches neither torch nor the engine."""
-    t0 = time.perf_counter()
-    sum(range(600))
-    return (time.perf_counter() - t0) * 1e6
-
-
 class _GcWatch:
     def __init__(self) -> None:
         self.gens: list[int] = []
@@ -122,7 +116,7 @@ def probe(name: str, src, target, calls: int, opts: dict) -> None:
             sync()
             wall[i] = (time.perf_counter() - t0) * 1e3
             counts[i] = np.subtract(counters.read(), c0)
-            yard[i] = _yardstick()
+            yard[i] = machine_speed(300) * 1e6  # us
             after = mtc_loader.stats()
             stages[i] = [after[k] - before[k] for k in STAGES]
             gcs.append(tuple(watch.gens))

@@ -19,6 +19,7 @@ arrays as leaves).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -152,3 +153,14 @@ if __name__ == "__main__":
     for name, build in WORKLOADS.items():
         n, b = count_tensors(build(0))
         print(f"{name:>10}: {n:5d} tensors, {b / 1024:10.1f} KiB")
+
+
+def machine_speed(iterations: int = 20000) -> float:
+    """Seconds for a fixed pure-CPU loop (Python integers, no allocation, no memory traffic): how
+    fast the machine's CPU runs right now. On a shared virtual machine it can run markedly slower
+    for seconds at a time, which stretches every call timed then, whatever the code."""
+    t0 = time.perf_counter()
+    s = 0
+    for i in range(iterations):
+        s += i
+    return time.perf_counter() - t0
