@@ -149,12 +149,6 @@ WORKLOADS: dict[str, Callable[[int], Any]] = {
 }
 
 
-if __name__ == "__main__":
-    for name, build in WORKLOADS.items():
-        n, b = count_tensors(build(0))
-        print(f"{name:>10}: {n:5d} tensors, {b / 1024:10.1f} KiB")
-
-
 def machine_speed(iterations: int = 20000) -> float:
     """Seconds for a fixed pure-CPU loop (Python integers, no allocation, no memory traffic): how
     fast the machine's CPU runs right now. On a shared virtual machine it can run markedly slower
@@ -164,3 +158,10 @@ def machine_speed(iterations: int = 20000) -> float:
     for i in range(iterations):
         s += i
     return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    for name, build in WORKLOADS.items():
+        n, b = count_tensors(build(0))
+        print(f"{name:>10}: {n:5d} tensors, {b / 1024:10.1f} KiB")
+
