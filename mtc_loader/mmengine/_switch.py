@@ -89,10 +89,9 @@ def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
             wrapper: dict[str, Any] = dict(type=_PRE)
             if pre is not None:
                 wrapper["preprocessor"] = pre
-            pre = wrapper
-            model["data_preprocessor"] = pre
+            model["data_preprocessor"] = wrapper
         if arena_bytes is not None:
-            pre["arena_bytes"] = arena_bytes
+            model["data_preprocessor"]["arena_bytes"] = arena_bytes  # (a Config holds a copy of what it is given)
     train = _train_loop(cfg.get("train_cfg"), prefetch_depth)
     loader = cfg.get("train_dataloader")
     if train is not None:
