@@ -91,14 +91,14 @@ _TRACK = "mmdet.structures.track_data_sample.TrackDataSample"
 
 
 @functools.lru_cache(maxsize=_tree._MAX_TYPES)  # bounded as the walk's own tables: classes made per batch die
-def _moves_lists(cls: type) -> bool:
+def _moves_lists(cls: Any) -> bool:
     """Whether ``cls.to`` is TrackDataSample's, which moves each element of a list data field
     that has a ``to`` (and keeps only those)."""
     return any(f"{c.__module__}.{c.__qualname__}" == _TRACK for c in cls.__mro__)
 
 
 @functools.lru_cache(maxsize=_tree._MAX_TYPES)
-def _slots(cls: type) -> tuple[str, ...]:
+def _slots(cls: Any) -> tuple[str, ...]:
     """The attribute names kept in the ``__slots__`` of ``cls`` and its bases (a subclass of a
     known structure type may keep some there), as ``getattr`` spells them."""
     names: list[str] = []
@@ -119,7 +119,8 @@ _UNSET = object()
 
 def _slot_values(obj: Any) -> tuple[tuple[str, Any], ...]:
     """The set slots of ``obj`` (see :func:`_slots`), as (name, value) pairs."""
-    names = _slots(type(obj))
+    tp: Any = type(obj)  # (a class is hashable: mypy's lru_cache stub says otherwise)
+    names = _slots(tp)
     if not names:
         return ()
     pairs = ((k, getattr(obj, k, _UNSET)) for k in names)
@@ -186,7 +187,8 @@ def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
                 state[k] = copy.deepcopy(state[k])
     keys: list[str] = []
     children: list[Any] = []
-    lists = _moves_lists(type(obj))
+    tp: Any = type(obj)
+    lists = _moves_lists(tp)
     for k, v in state.items():
         if type(v) is OnHost:  # a packed batch's skeleton: the marker is kept where it was put
             keys.append(k)
