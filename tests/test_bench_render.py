@@ -1,4 +1,4 @@
-"""bench/render_results.py: docs/benchmarks.md is what its committed JSON renders to, and the
+"""tools/release/render_results.py: docs/benchmarks.md is what its committed JSON renders to, and the
 renderer reads what the benchmarks write (bench_copy.py's CPU mode, run here)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools" / "release"))
 
 import render_results  # noqa: E402
 
@@ -18,7 +18,7 @@ import render_results  # noqa: E402
 def test_page_is_rendered_from_the_committed_results():
     assert render_results.main(["--check"]) == 0, (
         "docs/benchmarks.md differs from its tables rendered from bench/results/release: run "
-        "python3 bench/render_results.py")
+        "python3 tools/release/render_results.py")
 
 
 def _page(tmp_path: pathlib.Path) -> pathlib.Path:

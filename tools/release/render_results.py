@@ -2,10 +2,10 @@
 
 Usage::
 
-    python3 bench/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
-    python3 bench/render_results.py --check   # exit 1 when the page differs from a fresh render
+    python3 tools/release/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
+    python3 tools/release/render_results.py --check   # exit 1 when the page differs from a fresh render
 
-``bash bench/gpu_checks.sh release`` (on a GPU machine) writes one folder per benchmark
+``bash tools/release/gpu_checks.sh release`` (on a GPU machine) writes one folder per benchmark
 process under ``$OUT/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loader.json``,
 ``train/N/bench_train.json`` and ``files/N/bench_files.json``. Copy that ``release`` folder to
 ``bench/results/release`` (tracked by git, so the page's figures stay next to the page) and run
@@ -28,7 +28,7 @@ import statistics
 import sys
 from typing import Any, Callable, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench", "results", "release")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 
@@ -141,9 +141,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def placeholder(name: str) -> list[str]:
     return [f"!!! warning \"Not measured at this release yet\"",
-            f"    No `bench_{name}.json` in `bench/results/release/`: run `bash bench/gpu_checks.sh release` on",
+            f"    No `bench_{name}.json` in `bench/results/release/`: run `bash tools/release/gpu_checks.sh release` on",
             "    a GPU machine, copy its `release` folder to `bench/results/release/`, then",
-            "    `python3 bench/render_results.py`."]
+            "    `python3 tools/release/render_results.py`."]
 
 
 DRAW = [True]  # plots are drawn (not under --check, which only checks the page's text)
@@ -403,7 +403,7 @@ def render(page: str, results: str) -> str:
     commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in load(results, name)}
     if len(commits) > 1:
         raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
-                         "release run; run `bash bench/gpu_checks.sh release` and copy its folder whole")
+                         "release run; run `bash tools/release/gpu_checks.sh release` and copy its folder whole")
     for name, fn in SECTIONS.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:
