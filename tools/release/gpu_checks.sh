@@ -25,15 +25,10 @@
 #                                      # (FORCE_WHEELS=1: all), with no index and no dependency resolution;
 #                                      # it builds the engine in place itself (NO_INSTALL=1 skips pip -e);
 #                                      # FRAMEWORKS_ON_CPU=1 lets it run without a GPU (a dry run)
-#   bash tools/release/gpu_checks.sh release    # every benchmark of docs/benchmarks.md, in one call (~7 min on
-#                                      # one H100): bench_copy (3 processes), bench_loader, bench_files,
-#                                      # bench_train (2 processes), JSON + PNG into $OUT/release/<bench>/<n>/.
-#                                      # Copy that folder to bench/results/release/ and run
-#                                      # python3 tools/release/render_results.py. Set MTC_BENCH_COMMIT to the
-#                                      # commit where the tree has no git history; RELEASE_BUDGET_S
-#                                      # (default 420) caps the benchmarks' time, each run under its own
-#                                      # share of what is left; a dry run without a GPU:
-#                                      # RELEASE_DEVICE=cpu RELEASE_QUICK=1 NO_INSTALL=1
+#   bash tools/release/gpu_checks.sh release    # tools/release/run_benchmarks.sh --out $OUT/release: every
+#                                      # benchmark of docs/benchmarks.md (~7 min on one H100) and a
+#                                      # preview of the page; RELEASE_QUICK=1: --quick,
+#                                      # RELEASE_DEVICE=cpu: a dry run without a GPU
 #   bash tools/release/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
 #                                      # mmdet, mmdet3d and their pure-Python needs, setuptools<81)
 #                                      # into /tmp/site, mmcv 2.1.0 built there with its CPU ops from
@@ -69,47 +64,11 @@ alternate() {
     done
     cat "$out/$log"
 }
-# release_run NAME N CAP SCRIPT ARGS...: one benchmark process into $rel/NAME/N, killed after CAP
-# seconds or when the release budget is spent (it then writes no JSON; the renderer uses the rest)
-release_run() {
-    local name=$1 n=$2 cap=$3 left rc
-    shift 3
-    left=$(( ${RELEASE_BUDGET_S:-420} - (SECONDS - release_t0) ))
-    [ "$left" -lt "$cap" ] && cap=$left
-    if [ "$cap" -lt 20 ]; then echo "$name $n: skipped, the release budget is spent"; return; fi
-    mkdir -p "$rel/$name/$n"
-    timeout "$cap" python3 "$@" ${RELEASE_QUICK:+--quick} --out "$rel/$name/$n" > "$rel/$name/$n/log.txt" 2>&1
-    rc=$?
-    echo "$name $n rc=$rc ($(( SECONDS - release_t0 )) s; cap $cap s)"
-    [ $rc -ne 0 ] && tail -5 "$rel/$name/$n/log.txt"
-}
-# full ARGS...: the ARGS of a full-size release run, nothing in a dry run (RELEASE_QUICK: --quick)
-full() { [ -z "${RELEASE_QUICK:-}" ] && echo "$@"; }
 case "${1:-tests}" in
 release)
-    rel=$out/release
-    rm -rf "$rel"; mkdir -p "$rel"
-    export MTC_BENCH_COMMIT=${MTC_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-    python3 -c "import mtc_loader; print('FileTensor reader:', mtc_loader.file_reader())"
-    release_t0=$SECONDS
-    dev=${RELEASE_DEVICE:-cuda:0}
-    for n in 1 2 3; do
-        release_run copy $n 75 bench/bench_copy.py --device "$dev" $(full --rounds "${COPY_ROUNDS:-12}")
-    done
-    release_run loader 1 75 bench/bench_loader.py --device "$dev" --workers 4 $(full --rounds 3) --step-ms 5
-    # the data files outside $OUT: a run cut short leaves them behind (~440 MB)
-    release_run files 1 75 bench/bench_files.py --device "$dev" --dir /tmp/release_files_data $(full --rounds 2)
-    for n in 1 2; do
-        release_run train $n 100 bench/bench_train.py --device "$dev" --workers 4 \
-            $(full --batches "${TRAIN_BATCHES:-30}" --rounds 1)
-    done
-    # a preview of the page's tables, rendered from this call's JSON
-    mkdir -p /tmp/release_preview && cp docs/benchmarks.md /tmp/release_preview/benchmarks.md
-    python3 tools/release/render_results.py --results "$rel" --page /tmp/release_preview/benchmarks.md 2>&1 | tail -1
-    cp /tmp/release_preview/benchmarks.md "$rel/benchmarks_preview.md"
-    echo "JSON files: $(find "$rel" -name 'bench_*.json' | wc -l) (7 when every run finished)"
-    # one archive too: the device tool brings back files at most two folders under $OUT
-    tar -C "$out" -czf "$out/release.tgz" release && echo "archive: $out/release.tgz" ;;
+    # tools/release/run_benchmarks.sh into $out/release (with a preview of the page and an archive)
+    bash tools/release/run_benchmarks.sh --out "$out/release" --device "${RELEASE_DEVICE:-cuda:0}" \
+        ${RELEASE_QUICK:+--quick} ;;
 tests)
     python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -8 ;;
 sanitize)
