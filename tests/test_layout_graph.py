@@ -75,3 +75,23 @@ def test_a_breach_fails(tmp_path: Path, change: dict[str, str], message: str) ->
     r = _run(_tree(tmp_path, {**_GOOD, **change}))
     assert r.returncode == 1, r.stdout
     assert message in r.stdout, r.stdout
+
+
+def test_design_doc_draws_the_layers_the_tool_finds() -> None:
+    """docs/design.md draws the floors (sources only) the graph has: the picture changes with the code."""
+    r = _run(ROOT / "csrc")
+    found: dict[int, set[str]] = {}
+    for line in r.stdout.splitlines():
+        if line.strip().startswith("layer "):
+            head, _, files = line.partition(":")
+            names = {f.split("/")[-1] for f in files.split() if f.endswith(".c")}
+            if names:
+                found[int(head.split()[1])] = names
+    doc = (ROOT / "docs" / "design.md").read_text()
+    picture = doc.split("## Two wings", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    drawn: dict[int, set[str]] = {}
+    for line in picture.splitlines():
+        parts = line.split()
+        if parts and parts[0].isdigit():
+            drawn[int(parts[0])] = {p for p in parts[1:] if p.endswith(".c")}
+    assert drawn == found, (drawn, found)
