@@ -1,18 +1,18 @@
-# Stub of the C extension mtc_loader._engine (csrc/module.c, csrc/handle.c, csrc/collate.c,
-# csrc/files.c).
+# Stub of the C extension mtc_loader._engine (csrc/binding/module.c, csrc/binding/handle.c, csrc/binding/collate.c,
+# csrc/binding/files.c).
 # The engine is reached only through mtc_loader's Python modules; these are its entry points as
 # those modules call them.
 from typing import Any, Optional, type_check_only
 
 class mtc_handle:
-    """One copy in flight (csrc/handle.c)."""
+    """One copy in flight (csrc/binding/handle.c)."""
     def ready(self) -> bool: ...
     def get(self) -> Any: ...
     def buffers(self) -> list[Any]: ...
 
 @type_check_only
 class Arena:
-    """The shared memfd arena (csrc/collate.c); made by arena_create / arena_attach."""
+    """The shared memfd arena (csrc/binding/collate.c); made by arena_create / arena_attach."""
     def fileno(self) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def reclaim_dead(self) -> int: ...

@@ -3,7 +3,9 @@
  * FileTensor's metadata (dtype, shape, strides, place, layout flags) read
  * into the next leaf slot of a tree, and the hand-off of a leaf that fails
  * the fast checks to mtc_loader._tree.diagnose. Called by the walk
- * (traverse.c) with the GIL held; mtc_tree_reread (traverse.h) is here too.
+ * (traverse.c) with the GIL held, and never calling back into it: what a
+ * reader needs of the tree (tree.h) is below both. mtc_tree_reread, the
+ * re-read of one leaf after start_copy replaced it, is here too.
  *
  * Functions return 0, or -1 with an exception set (naming the leaf's path).
  * Names starting with `_` are internal to leaves.c.
@@ -11,7 +13,7 @@
 #ifndef MTC_LEAVES_H
 #define MTC_LEAVES_H
 
-#include "traverse.h"
+#include "tree.h"
 
 /* Room for one more leaf of `ndim` dims in t (leaves, objs, leaf_node, and
  * the dims arrays). */
@@ -32,10 +34,8 @@ int mtc_leaves_read_file(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj
  * replacement tensor read in its place. */
 int mtc_leaves_diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj);
 
-/* Shared by the walk and the leaf readers only (defined in traverse.c): a
- * growable array of `elsize` items to at least `need` (capacity in *cap),
- * and the path of node `ni` ("data[3]['cams']"), a new reference or NULL. */
-int mtc_tree_grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize);
-PyObject *mtc_node_path(const mtc_tree *t, int32_t ni);
+/* Re-reads leaf i's metadata from t->objs[i] (after the binding layer
+ * replaced it by a contiguous copy). 0 or -1 with an exception. */
+int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i);
 
 #endif /* MTC_LEAVES_H */

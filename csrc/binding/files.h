@@ -7,7 +7,7 @@
 #ifndef MTC_FILES_H
 #define MTC_FILES_H
 
-#include "module.h"
+#include "state.h"
 #include "plan.h"
 
 /*

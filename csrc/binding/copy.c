@@ -19,6 +19,7 @@
 #include "cuda.h"
 #include "handle.h"
 #include "hostcopy.h"
+#include "leaves.h"
 #include "outputs.h"
 #include "nvtx.h"
 

@@ -1,12 +1,13 @@
 /*
- * module.h - the state of the _engine module, shared by the files that talk
- * to Python (module.c, handle.c, copy.c, outputs.c, collate.c, traverse.c),
- * and the calling-thread counters that stats() reports. Everything torch-specific arrives from
+ * state.h - the state of the _engine module, shared by every file of the
+ * binding wing (csrc/binding/) and below all of them, and the calling-thread
+ * counters that stats() reports (state.c). module.c, which makes the module,
+ * is above them all: none of them includes or calls it. Everything torch-specific arrives from
  * mtc_loader/_setup.py through _engine._setup(): the engine never imports torch
  * itself and never links against it.
  */
-#ifndef MTC_MODULE_H
-#define MTC_MODULE_H
+#ifndef MTC_STATE_H
+#define MTC_STATE_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,7 +86,7 @@ typedef struct mtc_state {
 static inline mtc_state *mtc_get_state(PyObject *module) { return (mtc_state *)PyModule_GetState(module); }
 
 /* Calling-thread counters of start_copy / get() (the GIL serialises their
- * updates); defined in module.c, reported by stats(). */
+ * updates); defined in state.c, reported by stats() (module.c). */
 typedef struct mtc_counters {
     uint64_t calls, leaves, leaves_dlpack, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
         made_contiguous, segments, chunks;
@@ -97,4 +98,8 @@ typedef struct mtc_counters {
 } mtc_counters;
 extern mtc_counters mtc_cnt;
 
-#endif /* MTC_MODULE_H */
+/* Fills numpy's C API table that the binding's numpy calls go through
+ * (state.c; called by the module's exec). 0, or -1 with an exception set. */
+int mtc_state_import_numpy(void);
+
+#endif /* MTC_STATE_H */

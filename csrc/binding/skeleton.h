@@ -19,7 +19,7 @@
 #ifndef MTC_SKELETON_H
 #define MTC_SKELETON_H
 
-#include "module.h"
+#include "state.h"
 #include "traverse.h"
 
 typedef struct mtc_skeleton {

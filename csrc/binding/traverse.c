@@ -1,6 +1,6 @@
 /*
- * traverse.c - the walk over a nested batch (see traverse.h; the leaf readers
- * are in leaves.c, the rebuild in rebuild.c).
+ * traverse.c - the walk over a nested batch (see traverse.h; the tree it
+ * fills is in tree.c, the leaf readers in leaves.c, the rebuild in rebuild.c).
  */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL mtc_ARRAY_API
@@ -9,29 +9,9 @@
 #include <numpy/arrayobject.h>
 #include <string.h>
 
-#include "files.h"
 #include "leaves.h"
 
-/* ---- growable arrays ---- */
-
-int mtc_tree_grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize)
-{
-    if (need <= *cap) return 0;
-    if (need > (uint32_t)INT32_MAX) { /* node and leaf indices are int32 */
-        PyErr_SetString(PyExc_MemoryError, "mtc_loader: the batch has 2^31 or more nodes, leaves or dims");
-        return -1;
-    }
-    uint32_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *p = PyMem_Realloc(*buf, (size_t)c * elsize);
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *buf = p;
-    *cap = c;
-    return 0;
-}
+/* ---- nodes ---- */
 
 static int32_t _add_node(mtc_tree *t, uint8_t kind, int32_t parent, int32_t pos)
 {
@@ -45,79 +25,6 @@ static int32_t _add_node(mtc_tree *t, uint8_t kind, int32_t parent, int32_t pos)
     n->leaf = -1;
     n->obj = NULL;
     return (int32_t)t->nnodes++;
-}
-
-void mtc_tree_clear(mtc_tree *t)
-{
-    for (uint32_t i = 0; i < t->nnodes; i++) Py_XDECREF(t->nodes[i].obj);
-    for (uint32_t i = 0; i < t->nleaves; i++) Py_XDECREF(t->objs[i]);
-    PyMem_Free(t->nodes);
-    PyMem_Free(t->leaves);
-    PyMem_Free(t->objs);
-    PyMem_Free(t->leaf_node);
-    PyMem_Free(t->shape);
-    PyMem_Free(t->strides);
-    PyMem_Free(t->ostrides);
-    memset(t, 0, sizeof *t);
-}
-
-/* ---- paths ---- */
-
-/* Appends the path segment of node `ni` within its parent to `parts`. */
-static int _path_segment(const mtc_tree *t, int32_t ni, PyObject *parts)
-{
-    const mtc_node *n = &t->nodes[ni];
-    const mtc_node *p = &t->nodes[n->parent];
-    PyObject *seg = NULL;
-    if (p->kind == MTC_NODE_DICT) {
-        PyObject *key = PyList_GetItem(p->obj, n->pos);
-        seg = key ? PyUnicode_FromFormat("[%R]", key) : NULL;
-    } else if (p->kind == MTC_NODE_HOST) {
-        return 0; /* the OnHost marker is not part of the path the user sees */
-    } else if (p->kind == MTC_NODE_GENERIC) {
-        /* context tuple: (context, [segment strings]) */
-        PyObject *names = PyTuple_GetItem(p->obj, 1);
-        seg = names ? PySequence_GetItem(names, n->pos) : NULL;
-    } else {
-        seg = PyUnicode_FromFormat("[%d]", (int)n->pos);
-    }
-    if (!seg) return -1;
-    int rc = PyList_Append(parts, seg);
-    Py_DECREF(seg);
-    return rc;
-}
-
-PyObject *mtc_node_path(const mtc_tree *t, int32_t ni)
-{
-    PyObject *parts = PyList_New(0), *res = NULL, *empty = NULL;
-    if (!parts) return NULL;
-    for (; ni >= 0 && t->nodes[ni].parent >= 0; ni = t->nodes[ni].parent)
-        if (_path_segment(t, ni, parts)) goto done;
-    if (PyList_Reverse(parts)) goto done;
-    if (!(empty = PyUnicode_FromString(""))) goto done;
-    PyObject *joined = PyUnicode_Join(empty, parts);
-    if (joined) {
-        res = PyUnicode_FromFormat("data%U", joined);
-        Py_DECREF(joined);
-    }
-done:
-    Py_XDECREF(empty);
-    Py_DECREF(parts);
-    return res;
-}
-
-PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf)
-{
-    return mtc_node_path(t, (int32_t)t->leaf_node[leaf]);
-}
-
-PyObject *mtc_leaf_file_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got)
-{
-    PyObject *where = mtc_leaf_path(t, leaf);
-    if (!where) return NULL;
-    PyObject *exc = mtc_files_error((const void *)t->leaves[leaf].data, where, part, err, got);
-    Py_DECREF(where);
-    return exc;
 }
 
 /* ---- the walk ---- */
@@ -239,7 +146,7 @@ static int _cycle_error(const mtc_tree *t, int32_t node)
  * registrations (and bump type_gen): its answer is then used for this object
  * but not kept. Nothing between the generation check and the insert can run
  * another thread (a type hashes and compares by identity). The cache holds its
- * types strongly, so it is bounded (module.h's MTC_TYPE_CACHE_MAX). */
+ * types strongly, so it is bounded (state.h's MTC_TYPE_CACHE_MAX). */
 static int _classify(mtc_state *st, PyObject *obj)
 {
     PyObject *tp = (PyObject *)Py_TYPE(obj);
@@ -268,6 +175,9 @@ static int _host_leaf(mtc_tree *t, int32_t n)
     return 0;
 }
 
+static int _open(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, uint8_t nkind, int32_t parent, int32_t pos,
+                 int host);
+
 /* Visits one object: adds its node, a leaf, or pushes a frame. host: the
  * object is under an OnHost (pack and slots walks). */
 static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t parent, int32_t pos, int host)
@@ -289,9 +199,9 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
     }
     if ((PyObject *)tp == st->tensor_type) kind = MTC_KIND_TENSOR;
     else if (tp == &PyArray_Type) kind = MTC_KIND_NDARRAY;
-    else if (tp == &PyList_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_LIST; goto container; }
-    else if (tp == &PyDict_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_DICT; goto container; }
-    else if (tp == &PyTuple_Type) { kind = MTC_KIND_GENERIC; nkind = MTC_NODE_TUPLE; goto container; }
+    else if (tp == &PyList_Type) return _open(st, t, s, obj, MTC_NODE_LIST, parent, pos, host);
+    else if (tp == &PyDict_Type) return _open(st, t, s, obj, MTC_NODE_DICT, parent, pos, host);
+    else if (tp == &PyTuple_Type) return _open(st, t, s, obj, MTC_NODE_TUPLE, parent, pos, host);
     else if (tp == &PyUnicode_Type || tp == &PyLong_Type || tp == &PyFloat_Type ||
              obj == Py_None || tp == &PyBool_Type || tp == &PyBytes_Type)
         kind = MTC_KIND_LEAF;
@@ -332,8 +242,16 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
         }
         nkind = MTC_NODE_HOST;
     }
+    return _open(st, t, s, obj, nkind, parent, pos, host);
+}
 
-container:;
+/* Opens container obj as a node of kind nkind (list, tuple, dict, a
+ * flattened type, an OnHost marker): adds the node, checks for a cycle and
+ * pushes its frame, whose children the walk visits next. host: as _visit's. */
+static int _open(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, uint8_t nkind, int32_t parent, int32_t pos,
+                 int host)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
     int32_t n = _add_node(t, nkind, parent, pos);
     if (n < 0) return -1;
     if (_stack_has(s, obj)) return _cycle_error(t, n);

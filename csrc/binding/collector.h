@@ -25,7 +25,7 @@
 
 #include <stdint.h>
 
-#include "module.h"
+#include "state.h"
 
 /* Looks up the gc module's functions (engine_exec). 0 or -1. */
 int mtc_collector_init(mtc_state *st);

@@ -8,7 +8,7 @@
 #define MTC_ARENAOBJ_H
 
 #include "arena.h"
-#include "module.h"
+#include "state.h"
 
 /* An _engine.Arena object. */
 typedef struct {

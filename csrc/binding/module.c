@@ -1,15 +1,13 @@
 /*
- * module.c - the _engine module itself: its state, method table and
- * multi-phase init, _setup() (the torch objects and Python helpers the engine
+ * module.c - the _engine module itself, the top of the binding wing: nothing
+ * calls into it. Its state (state.h), method table and multi-phase init, _setup() (the torch objects and Python helpers the engine
  * uses), stats(), configure/trim/shutdown. The work lives elsewhere, one file
  * per stage (docs/design.md, "Where to find what"): copy.c (start_copy),
  * handle.c (get/ready), outputs.c (torch outputs and views), collate.c (the
  * packed-batch side).
  */
-#define PY_ARRAY_UNIQUE_SYMBOL mtc_ARRAY_API
-#include "module.h"
+#include "state.h"
 
-#include <numpy/arrayobject.h>
 #include <errno.h>
 #include <string.h>
 
@@ -26,8 +24,6 @@
 #include "transfer.h"
 #include "nvtx.h"
 #include "uring.h"
-
-mtc_counters mtc_cnt;
 
 /* ---------------------------------------------------------------- _setup */
 
@@ -488,7 +484,7 @@ static PyMethodDef engine_methods[] = {
 
 static int engine_exec(PyObject *module)
 {
-    if (_import_array() < 0) return -1;
+    if (mtc_state_import_numpy() < 0) return -1;
     mtc_state *st = mtc_get_state(module);
     st->handle_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_handle_spec, NULL);
     if (!st->handle_type) return -1;

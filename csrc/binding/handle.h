@@ -11,7 +11,7 @@
 #ifndef MTC_HANDLE_H
 #define MTC_HANDLE_H
 
-#include "module.h"
+#include "state.h"
 #include "transfer.h"
 #include "traverse.h"
 

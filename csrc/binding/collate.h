@@ -8,7 +8,7 @@
 #define MTC_COLLATE_H
 
 #include "arenaobj.h"
-#include "module.h"
+#include "state.h"
 
 /* _engine.pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton) */
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -1,22 +1,16 @@
 /*
- * traverse.h - walks a nested batch (GIL held), collects its tensor and
- * numpy leaves with their metadata for the planner, records a compact
- * skeleton, and rebuilds the same structure around new leaves.
+ * tree.h - the tree a walk fills (traverse.h) and its leaf readers write
+ * into (leaves.h): nodes, leaves and their dims, below both. Growing its
+ * arrays, clearing it, and the path of a node as the user wrote it
+ * ("data[3]['cams_gt'][2]"), for error messages.
  *
- * Containers: exact list / tuple / dict are walked in C; every other type is
- * classified once (mtc_loader._tree.classify, cached per type): subclasses of
- * list/tuple/dict, namedtuples and dataclass instances are flattened and
- * rebuilt by mtc_loader._tree; any other object is a passthrough leaf,
- * returned as the same object. The walk is iterative, so depth is bounded by
- * memory, not by the C stack; a container that contains itself is an error.
- *
- * Functions that touch Python return -1 with an exception set, or 0.
- * Names starting with `_` are internal to traverse.c.
+ * Functions that touch Python return -1 (or NULL) with an exception set,
+ * or 0 (or a new reference). Names starting with `_` are internal to tree.c.
  */
-#ifndef MTC_TRAVERSE_H
-#define MTC_TRAVERSE_H
+#ifndef MTC_TREE_H
+#define MTC_TREE_H
 
-#include "module.h"
+#include "state.h"
 #include "plan.h"
 
 enum {
@@ -27,12 +21,6 @@ enum {
     MTC_NODE_DICT,       /* exact dict: keys tuple in `obj` */
     MTC_NODE_GENERIC,    /* flattened by Python: context in `obj` */
     MTC_NODE_HOST,       /* an OnHost in a pack or slots walk: one child (its value); `obj` its type */
-};
-
-/* kinds returned by the Python classifier */
-enum {
-    MTC_KIND_LEAF = 0, MTC_KIND_TENSOR = 1, MTC_KIND_NDARRAY = 2, MTC_KIND_GENERIC = 3, MTC_KIND_FILE = 4,
-    MTC_KIND_HOST = 5,   /* mtc_loader._tree.OnHost */
 };
 
 /*
@@ -83,17 +71,16 @@ typedef struct mtc_tree {
                             to another walk */
 } mtc_tree;
 
-/* Walks `data` into t (zeroed by the caller). 0, or -1 with an exception
- * naming the offending leaf. On error t holds what was collected; clear it. */
-int mtc_traverse(mtc_state *st, PyObject *data, mtc_tree *t);
-
 /* Releases everything t owns and zeroes it. */
 void mtc_tree_clear(mtc_tree *t);
 
-/* rebuild.c: builds the output structure; outputs[i] (borrowed) replaces leaf i, and
- * atoms[i] (borrowed; t->natoms of them, NULL when there are none) the
- * per-batch atom i. Returns a new reference, or NULL with an exception set. */
-PyObject *mtc_rebuild(mtc_state *st, const mtc_tree *t, PyObject *const *outputs, PyObject *const *atoms);
+/* Grows a growable array of `elsize` items to at least `need` (capacity
+ * in *cap). 0, or -1 with an exception (MemoryError; 2^31 items or more). */
+int mtc_tree_grow(void **buf, uint32_t *cap, uint32_t need, size_t elsize);
+
+/* The path of node `ni` ("data[3]['cams']"). New reference, or NULL with an
+ * exception set. */
+PyObject *mtc_node_path(const mtc_tree *t, int32_t ni);
 
 /* The path of leaf i in the structure, e.g. "data[3]['cams_gt'][2]". New
  * reference, or NULL with an exception set. */
@@ -103,8 +90,4 @@ PyObject *mtc_leaf_path(const mtc_tree *t, uint32_t leaf);
  * the leaf's path). New reference, or NULL with an exception set. */
 PyObject *mtc_leaf_file_error(const mtc_tree *t, uint32_t leaf, uint32_t part, int err, uint64_t got);
 
-/* Re-reads leaf i's metadata from t->objs[i] (after the binding layer
- * replaced it by a contiguous copy). 0 or -1 with an exception. */
-int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i);
-
-#endif /* MTC_TRAVERSE_H */
+#endif /* MTC_TREE_H */

@@ -9,7 +9,7 @@
 #ifndef MTC_OUTPUTS_H
 #define MTC_OUTPUTS_H
 
-#include "module.h"
+#include "state.h"
 #include "plan.h"
 #include "transfer.h"
 #include "traverse.h"

@@ -6,7 +6,7 @@
 #ifndef MTC_COPY_H
 #define MTC_COPY_H
 
-#include "module.h"
+#include "state.h"
 #include "transfer.h"
 #include "traverse.h"
 
