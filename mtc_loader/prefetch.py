@@ -346,8 +346,11 @@ class _Service:
     def _run(self) -> None:
         it = take = None
         # the copies this thread starts keep their temporary views for the hand-out to drop
-        # (SideCopy._keep); a copy started on any other thread drops them as it goes
-        _engine.keep_temporaries(True)
+        # (SideCopy._keep; a copy started on any other thread drops them as it goes), and skip
+        # the early collection and the staging of small jobs on the calling thread: both would
+        # hold the GIL here, in the training thread's time, for batches that are handed over
+        # and die young
+        _engine.service_thread(True)
         try:
             self._wait_for_previous()
             if self.stopping:
