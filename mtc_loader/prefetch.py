@@ -740,6 +740,12 @@ class PrefetchLoader:
             training thread holds the GIL almost always, and the thread waits for a forced
             switch each time it needs the GIL back, 5 ms by default. ``None`` leaves the
             interval alone.
+        produce_on_caller: Whether the caller's thread takes each batch from the iterable, inside
+            ``__next__`` (where a plain loop takes it), the thread only copying it: then the
+            pipeline's random transforms and the training step draw from the global generators
+            in a plain loop's order, and the same seed gives the same data. ``None`` (default):
+            for every iterable but a DataLoader with workers (or an iterator of one), whose
+            pipeline runs in the workers; the thread then takes batches ahead of the step.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
             ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
             here, whatever the batches are.

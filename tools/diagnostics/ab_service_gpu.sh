@@ -3,7 +3,7 @@
 # loop and bench_loader's __next__ with the defaults (new: the service thread skips the early
 # collection and the inline staging), with the service thread running both (old), and with both
 # turned off by their environment switches (off). One line per run, then the medians.
-# Usage: tools/ab_service_gpu.sh RUNS OUTDIR
+# Usage: tools/diagnostics/ab_service_gpu.sh RUNS OUTDIR
 set -u
 runs=${1:-5}; out=${2:-/tmp/ab}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

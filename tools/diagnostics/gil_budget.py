@@ -1,6 +1,6 @@
 """Where the GIL time goes per batch in a launch-bound loop fed by the prefetch service.
 
-    python3 bench/gil_budget.py [--device cuda:0] [--batches 300] [--workers 2] [--step-ms 5]
+    python3 tools/diagnostics/gil_budget.py [--device cuda:0] [--batches 300] [--workers 2] [--step-ms 5]
                                 [--rounds 2] [--height 256 --width 448] [--json PATH]
 
 The loader is bench_train's (``collate_samples`` under ``PackedCollate``: per sample 6 camera
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from bench_train import CameraSamples, collate_samples  # noqa: E402
 
