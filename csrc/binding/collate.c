@@ -611,7 +611,7 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
-    if (mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves) ||
+    if ((!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves)) ||
         _unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
         goto error;
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);

@@ -451,7 +451,7 @@ static int _small_h2d(const mtc_job *j)
 static int _submit(_copy *c, mtc_handle *h)
 {
     if (!c->job) return 0;
-    if (c->background && !_small_h2d(c->job)) {
+    if (c->background && (mtc_handle_on_service() || !_small_h2d(c->job))) {
         int rc = mtc_job_submit(c->job);
         if (rc) {
             PyErr_Format(PyExc_RuntimeError, "mtc_loader: cannot start the transfer thread: %s", strerror(-rc));
@@ -501,7 +501,8 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
     c.t = &h->tree;
     /* the outputs: a tensor per leaf (and a padding piece at most) and a container per node */
     if (_read_leaves(&c, args[0]) || _plan(&c) ||
-        mtc_collector_before_outputs(st, (int64_t)c.t->nnodes + c.t->nleaves) || _alloc_outputs(&c) ||
+        (!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)c.t->nnodes + c.t->nleaves)) ||
+        _alloc_outputs(&c) ||
         _collect_buffers(&c, h) ||
         _submit(&c, h) || _views_and_rebuild(&c, h))
         goto error;

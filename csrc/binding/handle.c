@@ -234,8 +234,22 @@ PyType_Spec mtc_handle_spec = {
  * tensor releases the GIL, see Handle_temporaries); every other caller drops
  * them where they are made. */
 static _Thread_local int _keeps;
+static _Thread_local int _service;
 
 int mtc_handle_keeps(void) { return _keeps; }
+
+int mtc_handle_on_service(void) { return _service; }
+
+PyObject *mtc_handle_service_thread(PyObject *module, PyObject *flag)
+{
+    (void)module;
+    int v = PyObject_IsTrue(flag);
+    if (v < 0) return NULL;
+    int was = _service;
+    _service = v;
+    _keeps = v;
+    return PyBool_FromLong(was);
+}
 
 PyObject *mtc_handle_keep_temporaries(PyObject *module, PyObject *flag)
 {

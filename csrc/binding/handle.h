@@ -46,6 +46,18 @@ int mtc_handle_keeps(void);
 /* _engine.keep_temporaries(flag) -> the previous setting, for the calling thread. */
 PyObject *mtc_handle_keep_temporaries(PyObject *module, PyObject *flag);
 
+/* Whether the calling thread is a prefetch service's (_engine.service_thread):
+ * its copies skip the two rules that serve a caller waiting on its own call,
+ * the early collection (collector.h) and staging small host -> device jobs on
+ * the calling thread (copy.c), since on the service thread both run under the
+ * GIL in the training thread's time, and its batches are handed over to die
+ * young. */
+int mtc_handle_on_service(void);
+
+/* _engine.service_thread(flag) -> the previous setting: marks the calling
+ * thread as a prefetch service's (the above, and it keeps its temporaries). */
+PyObject *mtc_handle_service_thread(PyObject *module, PyObject *flag);
+
 /* Releases the inputs once the job completed and turns a failed job into
  * h->error (naming the leaf), and a job orphaned by fork() into an error
  * saying so. Idempotent. Precondition: the job completed, or is orphaned,

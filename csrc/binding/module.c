@@ -466,6 +466,9 @@ static PyMethodDef engine_methods[] = {
     {"keep_temporaries", mtc_handle_keep_temporaries, METH_O,
      "keep_temporaries(flag) -> previous: copies started on this thread keep their temporary views "
      "for Handle.temporaries() (the prefetch service's thread)."},
+    {"service_thread", mtc_handle_service_thread, METH_O,
+     "service_thread(flag) -> previous: the calling thread is a prefetch service's: its copies keep their "
+     "temporaries and skip the early collection and the staging of small jobs on the calling thread."},
     {"skeleton", mtc_skeleton_make, METH_O, "skeleton(obj) -> Skeleton: a packed batch's structure walked once."},
     {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
     {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
