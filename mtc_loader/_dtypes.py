@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import torch
 
-# Flags understood by the engine (csrc/module.h): MTC_DT_FLOAT, MTC_DT_COMPLEX.
+# Flags understood by the engine (csrc/binding/state.h): MTC_DT_FLOAT, MTC_DT_COMPLEX.
 _DT_FLOAT, _DT_COMPLEX = 0x1, 0x2
 
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
