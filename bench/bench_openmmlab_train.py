@@ -42,7 +42,10 @@ by as much as the step waited for its data (a model this size on an H100 is clos
 with 4 workers decoding and augmenting 8 images a batch).
 
 ``--quick``: tiny images (160x120 .. 320x180), the multi-scale range 96..160, batch 2, 2 workers,
-6 iterations, warm-up 2: a check that the stack runs, in about a minute on a CPU.
+6 iterations, warm-up 2: a check that the stack runs (a few minutes on 2 CPU cores).
+
+On a machine without a package index, ``bash tools/release/gpu_checks.sh openmmlab-train`` sets up
+the stack from carried wheels (``tools/release/fetch_wheels.sh``) and runs this benchmark.
 """
 from __future__ import annotations
 
@@ -230,9 +233,17 @@ def run_arm(config: str, work_dir: str, result: str) -> None:
 
     runner = Runner.from_cfg(cfg)
     runner.register_hook(Recorder(), priority="LOWEST")
+    if torch.are_deterministic_algorithms_enabled():
+        # an op with no deterministic kernel warns instead of stopping the run: the report names
+        # it, and the losses' agreement shows what it changed
+        torch.use_deterministic_algorithms(True, warn_only=True)
     t0 = time.perf_counter()
-    runner.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message=".*deterministic implementation")
+        runner.train()
     record["train_s"] = time.perf_counter() - t0
+    record["nondeterministic_ops"] = sorted({str(w.message).splitlines()[0] for w in caught
+                                             if "deterministic implementation" in str(w.message)})
     device = next(runner.model.parameters()).device
     record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     record["loop"] = type(runner.train_loop).__name__
@@ -275,6 +286,7 @@ def summarise(arm: str, rec: dict, ref: dict, warmup: int) -> dict:
         loss_max_abs_diff=max((a["max_abs_diff"] for a in agree), default=0.0),
         loss_first_diff_iter=first_diff, loss_per_iter=agree,
         final_loss=rec["losses"].get("loss", [math.nan])[-1],
+        nondeterministic_ops=rec.get("nondeterministic_ops", []),
     )
 
 
@@ -374,6 +386,9 @@ def main() -> int:
           f"{args.iters} iterations per arm, timings without the first {args.warmup}; losses against "
           f"{records[0][0] if records[0][1] is ref else 'the first plain arm'}")
     print_table(rows)
+    for r in rows:
+        for op in r["nondeterministic_ops"]:
+            print(f"{r['arm']}: no deterministic kernel: {op}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import mmcv

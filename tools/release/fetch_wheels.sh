@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Downloads, on a machine with a package index, the wheels `bash tools/release/gpu_checks.sh frameworks`
-# and `bash tools/release/gpu_checks.sh mmengine` install on the GPU machine (which has no network) where
-# they are missing there: Lightning, accelerate, mmengine, pytest and hypothesis and their
+# Downloads, on a machine with a package index, the wheels `bash tools/release/gpu_checks.sh frameworks`,
+# `mmengine`, `openmmlab` and `openmmlab-train` install on the GPU machine (which has no network) where
+# they are missing there: Lightning, accelerate, mmengine, mmdet, mmdet3d, pytest and hypothesis and their
 # pure-Python or abi3 needs for CPython 3.12 on
 # x86-64 Linux, never torch or the nvidia-* CUDA libraries (torch is installed there).
 # nvidia-nvtx-cu12 is the header-only NVTX v3 (85 KB), the engine's build requirement: the
@@ -11,7 +11,8 @@
 # mmengine's other needs: numpy, pyyaml (carried above), rich (the GPU machine has it) and
 # opencv-python, which is installed with no dependency resolution and so never pulled: the GPU
 # machine's opencv-python-headless gives the same cv2 module. Matplotlib: the Visualizer that
-# every Runner builds imports it.
+# every Runner builds imports it. What mmdet and mmdet3d.structures import besides (scipy, six, tqdm,
+# numba) is on the GPU machine; mmcv 2.1.0 comes as its sdist.
 set -euo pipefail
 dir=${1:-.whl}
 mkdir -p "$dir"
@@ -25,10 +26,16 @@ wheels=(
     matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
     pillow==13.0.0 pyparsing==3.3.2 python-dateutil==2.9.0.post0 six==1.17.0  # mmengine's Visualizer
     nvidia-nvtx-cu12==12.9.79                                          # nvtx3 headers
+    mmdet==3.3.0 mmdet3d==1.4.0 pycocotools==2.0.11 terminaltables==3.1.10 shapely==2.2.0 \
+    setuptools==80.10.2                                                # openmmlab modes (mmcv's setup.py: <81)
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" "${wheels[@]}" 2>&1 \
     | grep -v "is ignored" || true
+# mmcv 2.1.0 as its source distribution: no wheel of it exists for recent torch; the openmmlab
+# modes build it on the GPU machine with its CPU ops
+python3 -m pip download -q --no-deps --no-binary :all: -d "$dir" mmcv==2.1.0 2>&1 | grep -v "is ignored" || true
+ls "$dir"/mmcv-2.1.0.tar.gz
 ls "$dir"/*.whl | wc -l | xargs echo "wheels in $dir:"
 du -sh "$dir"

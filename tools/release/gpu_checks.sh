@@ -36,6 +36,14 @@
 #                                      # index), the engine in place; then tests/test_openmmlab.py and
 #                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
 #                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
+#   bash tools/release/gpu_checks.sh openmmlab-train  # the openmmlab mode's set-up, then
+#                                      # bench/bench_openmmlab_train.py: mmdet's YOLOv3 config trained
+#                                      # through the Runner, plain and switched, alternating in fresh
+#                                      # processes (~5 min on one H100 with the mmcv build): it/s,
+#                                      # data_time, the losses' agreement; the JSON into $OUT, the
+#                                      # child configs and each arm's log in $OUT/openmmlab_train.tgz. TRAIN_ITERS
+#                                      # (300), TRAIN_ARM_TIMEOUT_S (150), TRAIN_TIMEOUT_S (420); a dry
+#                                      # run without a GPU: TRAIN_DEVICE=cpu TRAIN_QUICK=1
 #   bash tools/release/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
 #                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
 #                                      # pseudo_collate + cast_data against the config switch); the
@@ -63,6 +71,29 @@ alternate() {
         PYTHONPATH=$p python3 "$@" --out /tmp/alternate_$v 2>&1 | grep -E "$pattern" >> "$out/$log"
     done
     cat "$out/$log"
+}
+# openmmlab_setup: OpenMMLab's stack on a machine with no index: the carried wheels (.whl) that
+# are missing here, and setuptools<81, into /tmp/site; mmcv 2.1.0 built from the carried sdist
+# with its CPU ops (no GPU visible to the build: what mmdet3d.structures imports; training a model
+# whose step calls no mmcv kernel needs no more); the engine in place. Exits on a failure.
+openmmlab_setup() {
+    local site=/tmp/site
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" $(python3 tools/release/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    if ! python3 -c "import mmcv.ops" 2>/dev/null; then
+        rm -rf /tmp/mmcv-2.1.0 && tar xzf .whl/mmcv-2.1.0.tar.gz -C /tmp
+        local t0=$SECONDS
+        (cd /tmp/mmcv-2.1.0 && CUDA_VISIBLE_DEVICES= MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) python3 -m pip wheel -q \
+            --no-build-isolation --no-deps -w /tmp/mmcv_wheel . > "$out/mmcv_build.log" 2>&1) \
+            || { tail -20 "$out/mmcv_build.log"; exit 1; }
+        echo "mmcv built with its CPU ops in $(( SECONDS - t0 )) s"
+        python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
+    fi
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures; print('torch', torch.__version__, '| mmcv',
+        mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 \
+        | tee "$out/openmmlab_versions.log" || exit 1
 }
 case "${1:-tests}" in
 release)
@@ -180,26 +211,21 @@ PY
         echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
     fi ;;
 openmmlab)
-    site=/tmp/site
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" $(python3 tools/release/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
-    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
-    if ! python3 -c "import mmcv.ops" 2>/dev/null; then
-        # CPU ops only (no GPU visible to the build): what mmdet3d.structures imports
-        rm -rf /tmp/mmcv-2.1.0 && tar xzf .whl/mmcv-2.1.0.tar.gz -C /tmp
-        (cd /tmp/mmcv-2.1.0 && CUDA_VISIBLE_DEVICES= MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) python3 -m pip wheel -q \
-            --no-build-isolation --no-deps -w /tmp/mmcv_wheel . > "$out/mmcv_build.log" 2>&1) \
-            || { tail -20 "$out/mmcv_build.log"; exit 1; }
-        python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
-    fi
-    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures; print('torch', torch.__version__, '| mmcv',
-        mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/openmmlab_versions.log"
+    openmmlab_setup
     [ -n "${SETUP_ONLY:-}" ] && exit 0
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_openmmlab.py > "$out/openmmlab_tests.log" 2>&1
     echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$out/openmmlab_tests.log" | tail -15
     python3 bench/bench_openmmlab.py --device cuda:0 --out "$out" > "$out/bench_openmmlab.log" 2>&1
     echo "bench_openmmlab rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab.log" | tail -12 ;;
+openmmlab-train)
+    openmmlab_setup
+    timeout "${TRAIN_TIMEOUT_S:-420}" python3 bench/bench_openmmlab_train.py --device "${TRAIN_DEVICE:-cuda:0}" \
+        --iters "${TRAIN_ITERS:-300}" --arm-timeout "${TRAIN_ARM_TIMEOUT_S:-150}" ${TRAIN_QUICK:+--quick} \
+        --out /tmp/openmmlab_train > "$out/bench_openmmlab_train.log" 2>&1
+    echo "bench_openmmlab_train rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab_train.log" | tail -20
+    # few files back (the device tool brings back 8): the JSON, and the configs and arms' logs in one archive
+    cp /tmp/openmmlab_train/bench_openmmlab_train.json "$out/" 2>/dev/null
+    tar -C /tmp -czf "$out/openmmlab_train.tgz" openmmlab_train ;;
 mmengine)
     site=/tmp/site
     if [ -d .whl ]; then
