@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -401,3 +402,36 @@ def test_the_profiling_example_uses_no_private_torch_module_and_gives_a_verdict(
          "service_cpu_ms_per_batch": 1.0}
     assert ex.verdict(s).startswith("DATA-BOUND")
     assert ex.verdict({**s, "data_bound": 0.01}).startswith("not data-bound")
+
+
+def _import_source_copy(tmp_path, *extra_path):
+    """Imports, in a fresh interpreter started in its parent folder, a copy of the package's
+    Python sources without the built engine: a repository root after ``pip install .``. -S keeps
+    site's path hooks (an editable install's) out; torch and numpy come from their folders."""
+    import numpy
+    src = tmp_path / "checkout"
+    shutil.copytree(Path(mtc_loader.__file__).parent, src / "mtc_loader",
+                    ignore=shutil.ignore_patterns("_engine*.so", "_engine*.pyd", "__pycache__"))
+    deps = [os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, numpy)]
+    code = f"import sys; sys.path[1:1] = {[*extra_path, *deps]!r}; import mtc_loader"
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=src)
+    assert r.returncode != 0, r.stdout + r.stderr
+    return r.stderr, str(src / "mtc_loader")
+
+
+def test_a_source_folder_without_its_engine_says_it_hides_the_installed_package(tmp_path):
+    err, here = _import_source_copy(tmp_path, package_parent())
+    last = err.strip().splitlines()[-1]
+    assert "circular import" not in err, err
+    assert last.startswith("ImportError: mtc_loader was imported from the source folder"), err
+    assert here in last and "not built" in last, err
+    assert f"hides the installed mtc_loader in {os.path.join(package_parent(), 'mtc_loader')}" in last, err
+    assert "Run Python from another folder" in last and "pip install -e ." in last, err
+
+
+def test_a_source_folder_without_its_engine_says_how_to_build_it(tmp_path):
+    err, here = _import_source_copy(tmp_path)
+    last = err.strip().splitlines()[-1]
+    assert "circular import" not in err, err
+    assert here in last and "not built" in last and "build_ext --inplace" in last, err
