@@ -435,3 +435,25 @@ def test_a_source_folder_without_its_engine_says_how_to_build_it(tmp_path):
     last = err.strip().splitlines()[-1]
     assert "circular import" not in err, err
     assert here in last and "not built" in last and "build_ext --inplace" in last, err
+
+
+def test_the_profiling_example_writes_its_trace_where_it_says_and_quiets_a_cuda_build_without_gpu(
+        monkeypatch, tmp_path):
+    ex = _load_example("profile_prefetch")
+    monkeypatch.chdir(tmp_path)
+    out = Path(ex.trace_path(["profile_prefetch.py"]))
+    assert out.parent.is_dir() and tmp_path not in out.parents and out.parent != tmp_path
+    assert ex.trace_path(["profile_prefetch.py", "t.json"]) == "t.json"
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ex.quiet_cuda_build_without_gpu()
+    assert os.environ["KINETO_LOG_LEVEL"] == "5"
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "1")  # the user's own setting stays
+    ex.quiet_cuda_build_without_gpu()
+    assert os.environ["KINETO_LOG_LEVEL"] == "1"
+    monkeypatch.delenv("KINETO_LOG_LEVEL")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: Kineto's log as it is
+    ex.quiet_cuda_build_without_gpu()
+    assert "KINETO_LOG_LEVEL" not in os.environ
+    out.parent.rmdir()
