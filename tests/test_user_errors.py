@@ -391,6 +391,9 @@ def test_the_example_times_against_to_and_says_what_a_cpu_run_shows():
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reuse" not in r.stdout and "needs a GPU" in r.stdout, r.stdout
+    # nothing was copied, and no CUDA context was made: the output says neither
+    assert "copied" not in r.stdout and "CUDA context" not in r.stdout, r.stdout
+    assert "528 tensors" in r.stdout and "returned as they are (already there: no copy)" in r.stdout, r.stdout
 
 
 def test_the_profiling_example_uses_no_private_torch_module_and_gives_a_verdict():
