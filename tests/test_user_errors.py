@@ -460,3 +460,13 @@ def test_the_profiling_example_writes_its_trace_where_it_says_and_quiets_a_cuda_
     ex.quiet_cuda_build_without_gpu()
     assert "KINETO_LOG_LEVEL" not in os.environ
     out.parent.rmdir()
+
+
+def test_the_training_example_says_why_more_batches_were_packed_than_trained_on():
+    note = _load_example("train_loop").packed_note
+    assert note(30, 24, 2, 2, 2) == (
+        "30 batches packed for 24 steps: the last 6 were packed ahead of the loop and not trained on when it "
+        "stopped (the DataLoader's 2 workers keep up to 4 ready (prefetch_factor 2 each); PrefetchLoader holds "
+        "up to 2, its depth)")
+    assert "no workers" in note(26, 24, 0, None, 2)
+    assert note(24, 24, 2, 2, 2) == "24 batches packed for 24 steps"
