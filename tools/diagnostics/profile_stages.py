@@ -1,6 +1,6 @@
 """Where the time of one start_copy goes, stage by stage, from the engine's counters.
 
-    python3 bench/profile_stages.py [--device cuda:0] [--calls 200] [--gc both|on|off]
+    python3 tools/diagnostics/profile_stages.py [--device cuda:0] [--calls 200] [--gc both|on|off]
 
 For each workload: wall time per call (start_copy + get + synchronize), and per call the
 calling thread's stages (traverse, plan, outputs, views + rebuild, waiting in get) and the
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from workloads import seed_batch, uniform  # noqa: E402
 

@@ -2,7 +2,7 @@
 the garbage collector on) with the engine's stage counters read around it, then the stages of
 the median calls compared with those of the slowest 1%.
 
-    python3 bench/probe_tail.py [--device cuda:0] [--calls 3000] [--only seed16 seed64]
+    python3 tools/diagnostics/probe_tail.py [--device cuda:0] [--calls 3000] [--only seed16 seed64]
 
 Per workload and direction it prints the distribution, the collections that ran inside slow
 calls, and per stage (traverse, plan, outputs, views, waiting in get; on the transfer thread
@@ -34,7 +34,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from workloads import machine_speed, seed_batch, tree_map, uniform  # noqa: E402
 

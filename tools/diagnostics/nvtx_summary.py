@@ -1,7 +1,7 @@
 """Summarise the NVTX ranges mtc_loader pushed, from a log written by tests/nvtx_tool.c with
 MTC_NVTX_TIMES set (lines "<ns> <pid> <tid> push <domain> <name>" / "<ns> <pid> <tid> pop - -").
 
-    python3 bench/nvtx_summary.py LOG [--main PID]
+    python3 tools/diagnostics/nvtx_summary.py LOG [--main PID]
 
 Prints, per range name: the count, the total and mean time, and where it ran (the main process's
 threads, or worker processes). The main process is the first process that initialised the tool

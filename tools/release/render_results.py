@@ -2,16 +2,16 @@
 
 Usage::
 
-    python3 bench/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
-    python3 bench/render_results.py --check   # exit 1 when the page differs from a fresh render
+    python3 tools/release/render_results.py [--results bench/results/release] [--page docs/benchmarks.md]
+    python3 tools/release/render_results.py --check   # exit 1 when the page differs from a fresh render
 
-``bash bench/gpu_checks.sh release`` (on a GPU machine) writes one folder per benchmark
-process under ``$OUT/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loader.json``,
-``train/N/bench_train.json`` and ``files/N/bench_files.json``. Copy that ``release`` folder to
-``bench/results/release`` (tracked by git, so the page's figures stay next to the page) and run
+``tools/release/run_benchmarks.sh`` (on a GPU machine) writes one folder per benchmark
+process under ``bench/results/release``: ``copy/N/bench_copy.json``, ``loader/N/bench_loader.json``,
+``train/N/bench_train.json`` and ``files/N/bench_files.json`` (tracked by git, so the page's
+figures stay next to the page), then runs
 this script: it replaces what stands between the page's markers ``<!-- BEGIN render:NAME -->``
 and ``<!-- END render:NAME -->`` with the table rendered from every JSON of that benchmark (the
-median over processes, and their spread), its commit, machine and command, and draws each
+median over processes, and their spread), its machine, date and command, and draws each
 section's plot next to the page (``docs/bench_NAME.png``, with matplotlib) from the same
 numbers as its table: the plots show what the tables say, nothing else (no targets).
 The page's runs must come from one commit: a results folder that mixes commits is refused.
@@ -28,7 +28,7 @@ import statistics
 import sys
 from typing import Any, Callable, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench", "results", "release")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 
@@ -42,6 +42,7 @@ COPY_LABELS = {
     "mtc_no_pinned": "no pinned staging",
     "mtc_no_thread": "no background thread",
 }
+VARIANT_LABELS = {COPY_LABELS[m] for m in ("mtc_no_pack", "mtc_no_pinned", "mtc_no_thread")}
 LOADER_LABELS = {
     "plain_to": "DataLoader(list) + `.to()`",
     "plain_pin_nb": "DataLoader(list, pin_memory) + `.to(nb)`",
@@ -115,16 +116,15 @@ def _command(cmd: str) -> str:
 
 
 def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
-    """Commit, machine, command and date of a table's runs."""
+    """Machine, date and command of a table's runs (the commit stays in the JSON)."""
     provs = [r.get("provenance") or {} for r in runs]
-    commits = sorted({p.get("commit", "unknown") for p in provs})
     machines = sorted({p.get("machine", "unknown machine") for p in provs})
     commands = sorted({_command(p.get("command", "?")) for p in provs})
     times = sorted(p.get("time", "") for p in provs if p.get("time"))
     n = len(runs)
     procs = f"{n} processes" if n > 1 else "one process"
     when = f", {times[0][:10]}" if times else ""
-    return (f"Commit `{', '.join(commits)}`; {'; '.join(machines)}{when}; {procs} of "
+    return (f"{'; '.join(machines)}{when}; {procs} of "
             + ", ".join(f"`{c}`" for c in commands) + f". {what}")
 
 
@@ -141,9 +141,8 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def placeholder(name: str) -> list[str]:
     return [f"!!! warning \"Not measured at this release yet\"",
-            f"    No `bench_{name}.json` in `bench/results/release/`: run `bash bench/gpu_checks.sh release` on",
-            "    a GPU machine, copy its `release` folder to `bench/results/release/`, then",
-            "    `python3 bench/render_results.py`."]
+            f"    No `bench_{name}.json` in `bench/results/release/`: run",
+            "    `tools/release/run_benchmarks.sh` on a GPU machine (it renders this page when it is done)."]
 
 
 DRAW = [True]  # plots are drawn (not under --check, which only checks the page's text)
@@ -233,7 +232,7 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
                 if m not in methods:
                     methods.append(m)
     header = ["workload", "tensors, bytes", "`.to()` ms"] + [COPY_LABELS.get(m, m) for m in methods if m != "to"]
-    rows = []
+    rows: list[list[str]] = []
     groups: list[tuple[str, list[tuple[str, float]]]] = []
     for w in names:
         res = [r["workloads"][w] for r in runs if w in r["workloads"]]
@@ -258,7 +257,14 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
     out = plot("copy", docs, "start_copy against .to() per workload", lambda plt: _barh(
         plt, groups, "times faster than .to() (median over processes; log scale; 1 = .to())",
         "start_copy and the other methods against .to(), per workload", log=True, fmt=ratio, ref=1.0))
-    out += table(header, rows)
+    # two tables, each narrow enough for a page: the other ways against start_copy's defaults, then
+    # start_copy with one optimization off at a time
+    first = [i for i, h in enumerate(header) if h not in VARIANT_LABELS]
+    second = [0] + [i for i, h in enumerate(header) if h == COPY_LABELS["mtc"] or h in VARIANT_LABELS]
+    out += table([header[i] for i in first], [[r[i] for i in first] for r in rows])
+    if len(second) > 2:
+        out += ["", "The same runs, `start_copy` with one optimization switched off at a time:", ""]
+        out += table([header[i] for i in second], [[r[i] for i in second] for r in rows])
     bw = [r["workloads"][w]["bandwidth"] for r in runs for w in r["workloads"] if "bandwidth" in r["workloads"][w]]
     big = [(w, r["workloads"][w]) for r in runs for w in r["workloads"] if r["workloads"][w].get("bandwidth")]
     if big:
@@ -406,7 +412,7 @@ def render(page: str, results: str) -> str:
     commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in load(results, name)}
     if len(commits) > 1:
         raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
-                         "release run; run `bash bench/gpu_checks.sh release` and copy its folder whole")
+                         "release run; run `tools/release/run_benchmarks.sh`, which empties the folder first")
     for name, fn in SECTIONS.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:

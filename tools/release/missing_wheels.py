@@ -1,11 +1,11 @@
 """Prints the wheels in DIR whose distribution this Python does not have installed (all of them
-with --all), one path a line: what `bash bench/gpu_checks.sh frameworks` installs, without
+with --all), one path a line: what `bash tools/release/gpu_checks.sh frameworks` installs, without
 dependency resolution, on a machine with no package index. Installing only what is missing
 keeps the machine's own packages (pytest and its plugins, torch's needs) in charge. nvidia-*
 wheels are never listed: an ``nvidia`` folder first on the path could stand in front of the
 CUDA libraries torch loads (gpu_checks.sh takes only the nvtx3 headers out of that wheel).
 
-    python3 bench/missing_wheels.py DIR [--all]
+    python3 tools/release/missing_wheels.py DIR [--all]
 """
 from __future__ import annotations
 

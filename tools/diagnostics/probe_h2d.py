@@ -1,6 +1,6 @@
 """Variants of the staged large H2D path, interleaved in one process.
 
-    MTC_HELPER_THREADS=N python3 bench/probe_h2d.py [--device cuda:0] [--rounds 15]
+    MTC_HELPER_THREADS=N python3 tools/diagnostics/probe_h2d.py [--device cuda:0] [--rounds 15]
                                                     [--only 16x16MB 256x64KB]
 
 The engine reads its tuning switches at every large copy, so the variants run in a new random order every round in
@@ -34,7 +34,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from workloads import WORKLOADS, count_tensors  # noqa: E402
 

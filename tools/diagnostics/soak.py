@@ -31,8 +31,8 @@ Writes ``soak.json`` and ``soak.png`` (4 panels vs iteration: RSS, pinned bytes,
 descriptors) to ``--out`` (default ``bench/results``), prints a summary and exits with 1 if a
 series is not flat or a batch was wrong. ``--quick`` is a short run (10,000 copies, 1,000 batches).
 
-    python3 bench/soak.py                # on the GPU machine: a few minutes
-    python3 bench/soak.py --quick --device cpu
+    python3 tools/diagnostics/soak.py                # on the GPU machine: a few minutes
+    python3 tools/diagnostics/soak.py --quick --device cpu
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 from workloads import seed_batch  # noqa: E402
 
 import mtc_loader  # noqa: E402
@@ -378,7 +379,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--samples", type=int, default=200, help="samples per phase (default 200)")
     p.add_argument("--arena-bytes", type=int, default=8 * MiB, help="PackedCollate arena (default 8 MiB)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("--out", default=os.path.normpath(os.path.join(here, os.pardir, os.pardir, "bench", "results")))
     p.add_argument("--quick", action="store_true", help="10,000 copies, 1,000 batches, 100 per epoch")
     a = p.parse_args(argv)
     if a.quick:

@@ -1,6 +1,6 @@
 """Where the prefetch service's CPU per packed batch goes, stage by stage.
 
-    python3 bench/profile_service.py [--device cuda:0] [--batches 60] [--samples 8]
+    python3 tools/diagnostics/profile_service.py [--device cuda:0] [--batches 60] [--samples 8]
                                      [--height 256 --width 448] [--align 16] [--idle-ms 5]
                                      [--json PATH]
 
@@ -48,7 +48,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from bench_train import CameraSamples, collate_samples  # noqa: E402
 

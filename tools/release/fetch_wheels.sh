@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Downloads, on a machine with a package index, the wheels `bash bench/gpu_checks.sh frameworks`
-# and `bash bench/gpu_checks.sh mmengine` install on the GPU machine (which has no network) where
+# Downloads, on a machine with a package index, the wheels `bash tools/release/gpu_checks.sh frameworks`
+# and `bash tools/release/gpu_checks.sh mmengine` install on the GPU machine (which has no network) where
 # they are missing there: Lightning, accelerate, mmengine, pytest and hypothesis and their
 # pure-Python or abi3 needs for CPython 3.12 on
 # x86-64 Linux, never torch or the nvidia-* CUDA libraries (torch is installed there).
 # nvidia-nvtx-cu12 is the header-only NVTX v3 (85 KB), the engine's build requirement: the
 # GPU machine rebuilds the engine against it if its own build found no nvtx3 headers.
-#   bash bench/fetch_wheels.sh [DIR]     # default DIR: .whl (ignored by git; carry it: [".whl"])
+#   bash tools/release/fetch_wheels.sh [DIR]     # default DIR: .whl (ignored by git; carry it: [".whl"])
 # The versions are those the integration tests were last run with on the CPU machine.
 # mmengine's other needs: numpy, pyyaml (carried above), rich (the GPU machine has it) and
 # opencv-python, which is installed with no dependency resolution and so never pulled: the GPU

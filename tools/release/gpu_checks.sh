@@ -1,50 +1,45 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in one place (see docs/benchmarks.md for the figures they produced).
-#   bash bench/gpu_checks.sh tests     # build in place; the whole test suite (CUDA tests run)
-#   bash bench/gpu_checks.sh sanitize  # compute-sanitizer memcheck + racecheck over the CUDA tests
-#   bash bench/gpu_checks.sh bench     # bench_copy.py and bench_loader.py
-#   bash bench/gpu_checks.sh soak      # bench/soak.py (100,000 start_copy, 10,000 loader batches)
-#   bash bench/gpu_checks.sh cuda      # build in place; the CUDA tests only (-m cuda)
-#   bash bench/gpu_checks.sh train     # bench_train.py (both loops) and bench_loader.py with a 5 ms step
-#   bash bench/gpu_checks.sh ab DIR    # bench_copy.py of this tree and of the tree in DIR (built in
+#   bash tools/release/gpu_checks.sh tests     # build in place; the whole test suite (CUDA tests run)
+#   bash tools/release/gpu_checks.sh sanitize  # compute-sanitizer memcheck + racecheck over the CUDA tests
+#   bash tools/release/gpu_checks.sh bench     # bench_copy.py and bench_loader.py
+#   bash tools/release/gpu_checks.sh soak      # tools/diagnostics/soak.py (100,000 start_copy, 10,000 loader batches)
+#   bash tools/release/gpu_checks.sh cuda      # build in place; the CUDA tests only (-m cuda)
+#   bash tools/release/gpu_checks.sh train     # bench_train.py (both loops) and bench_loader.py with a 5 ms step
+#   bash tools/release/gpu_checks.sh ab DIR    # bench_copy.py of this tree and of the tree in DIR (built in
 #                                      # place there), alternating: new, old, old, new
-#   bash bench/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
-#   bash bench/gpu_checks.sh sanitize-prefetch  # memcheck + racecheck over the prefetch CUDA tests
-#   bash bench/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
+#   bash tools/release/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
+#   bash tools/release/gpu_checks.sh sanitize-prefetch  # memcheck + racecheck over the prefetch CUDA tests
+#   bash tools/release/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
 #                                      # thread's __next__) with this tree's package and DIR's,
 #                                      # alternating: new, old, old, new
-#   bash bench/gpu_checks.sh ab-train DIR  # bench_train.py (ideal and packed; TRAIN_CONFIG: launch
+#   bash tools/release/gpu_checks.sh ab-train DIR  # bench_train.py (ideal and packed; TRAIN_CONFIG: launch
 #                                      # and/or gpu, default launch) with this tree's package and
 #                                      # DIR's, alternating: new, old, old, new
-#   bash bench/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
+#   bash tools/release/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
 #                                      # launcher (ddp_spawn) tests, then the profile ranges of a
 #                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
 #                                      # trace and summary) and the engine's NVTX ranges (tests/
-#                                      # nvtx_tool.c). Wheels carried in .whl (bench/fetch_wheels.sh)
+#                                      # nvtx_tool.c). Wheels carried in .whl (tools/release/fetch_wheels.sh)
 #                                      # are installed into /tmp/site where the machine lacks them
 #                                      # (FORCE_WHEELS=1: all), with no index and no dependency resolution;
 #                                      # it builds the engine in place itself (NO_INSTALL=1 skips pip -e);
 #                                      # FRAMEWORKS_ON_CPU=1 lets it run without a GPU (a dry run)
-#   bash bench/gpu_checks.sh release    # every benchmark of docs/benchmarks.md, in one call (~7 min on
-#                                      # one H100): bench_copy (3 processes), bench_loader, bench_files,
-#                                      # bench_train (2 processes), JSON + PNG into $OUT/release/<bench>/<n>/.
-#                                      # Copy that folder to bench/results/release/ and run
-#                                      # python3 bench/render_results.py. Set MTC_BENCH_COMMIT to the
-#                                      # commit where the tree has no git history; RELEASE_BUDGET_S
-#                                      # (default 420) caps the benchmarks' time, each run under its own
-#                                      # share of what is left; a dry run without a GPU:
-#                                      # RELEASE_DEVICE=cpu RELEASE_QUICK=1 NO_INSTALL=1
-#   bash bench/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
+#   bash tools/release/gpu_checks.sh release    # tools/release/run_benchmarks.sh --out $OUT/release: every
+#                                      # benchmark of docs/benchmarks.md (~7 min on one H100) and a
+#                                      # preview of the page; RELEASE_QUICK=1: --quick,
+#                                      # RELEASE_DEVICE=cpu: a dry run without a GPU
+#   bash tools/release/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
 #                                      # mmdet, mmdet3d and their pure-Python needs, setuptools<81)
 #                                      # into /tmp/site, mmcv 2.1.0 built there with its CPU ops from
 #                                      # the carried .whl/mmcv-2.1.0.tar.gz (the machine has no
 #                                      # index), the engine in place; then tests/test_openmmlab.py and
 #                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
 #                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
-#   bash bench/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
+#   bash tools/release/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
 #                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
 #                                      # pseudo_collate + cast_data against the config switch); the
-#                                      # carried wheels (.whl, bench/fetch_wheels.sh) that are missing
+#                                      # carried wheels (.whl, tools/release/fetch_wheels.sh) that are missing
 #                                      # here go to /tmp/site as in the frameworks mode
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
@@ -69,47 +64,11 @@ alternate() {
     done
     cat "$out/$log"
 }
-# release_run NAME N CAP SCRIPT ARGS...: one benchmark process into $rel/NAME/N, killed after CAP
-# seconds or when the release budget is spent (it then writes no JSON; the renderer uses the rest)
-release_run() {
-    local name=$1 n=$2 cap=$3 left rc
-    shift 3
-    left=$(( ${RELEASE_BUDGET_S:-420} - (SECONDS - release_t0) ))
-    [ "$left" -lt "$cap" ] && cap=$left
-    if [ "$cap" -lt 20 ]; then echo "$name $n: skipped, the release budget is spent"; return; fi
-    mkdir -p "$rel/$name/$n"
-    timeout "$cap" python3 "$@" ${RELEASE_QUICK:+--quick} --out "$rel/$name/$n" > "$rel/$name/$n/log.txt" 2>&1
-    rc=$?
-    echo "$name $n rc=$rc ($(( SECONDS - release_t0 )) s; cap $cap s)"
-    [ $rc -ne 0 ] && tail -5 "$rel/$name/$n/log.txt"
-}
-# full ARGS...: the ARGS of a full-size release run, nothing in a dry run (RELEASE_QUICK: --quick)
-full() { [ -z "${RELEASE_QUICK:-}" ] && echo "$@"; }
 case "${1:-tests}" in
 release)
-    rel=$out/release
-    rm -rf "$rel"; mkdir -p "$rel"
-    export MTC_BENCH_COMMIT=${MTC_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-    python3 -c "import mtc_loader; print('FileTensor reader:', mtc_loader.file_reader())"
-    release_t0=$SECONDS
-    dev=${RELEASE_DEVICE:-cuda:0}
-    for n in 1 2 3; do
-        release_run copy $n 75 bench/bench_copy.py --device "$dev" $(full --rounds "${COPY_ROUNDS:-12}")
-    done
-    release_run loader 1 75 bench/bench_loader.py --device "$dev" --workers 4 $(full --rounds 3) --step-ms 5
-    # the data files outside $OUT: a run cut short leaves them behind (~440 MB)
-    release_run files 1 75 bench/bench_files.py --device "$dev" --dir /tmp/release_files_data $(full --rounds 2)
-    for n in 1 2; do
-        release_run train $n 100 bench/bench_train.py --device "$dev" --workers 4 \
-            $(full --batches "${TRAIN_BATCHES:-30}" --rounds 1)
-    done
-    # a preview of the page's tables, rendered from this call's JSON
-    mkdir -p /tmp/release_preview && cp docs/benchmarks.md /tmp/release_preview/benchmarks.md
-    python3 bench/render_results.py --results "$rel" --page /tmp/release_preview/benchmarks.md 2>&1 | tail -1
-    cp /tmp/release_preview/benchmarks.md "$rel/benchmarks_preview.md"
-    echo "JSON files: $(find "$rel" -name 'bench_*.json' | wc -l) (7 when every run finished)"
-    # one archive too: the device tool brings back files at most two folders under $OUT
-    tar -C "$out" -czf "$out/release.tgz" release && echo "archive: $out/release.tgz" ;;
+    # tools/release/run_benchmarks.sh into $out/release (with a preview of the page and an archive)
+    bash tools/release/run_benchmarks.sh --out "$out/release" --device "${RELEASE_DEVICE:-cuda:0}" \
+        ${RELEASE_QUICK:+--quick} ;;
 tests)
     python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -8 ;;
 sanitize)
@@ -126,7 +85,7 @@ bench)
     python3 bench/bench_loader.py --device cuda:0 --workers 2 4 8 --out "$out" > "$out/bench_loader.log" 2>&1
     echo "bench_loader rc=$?"; tail -30 "$out/bench_loader.log" ;;
 soak)
-    python3 bench/soak.py --out "$out" 2>&1 | tail -25 ;;
+    python3 tools/diagnostics/soak.py --out "$out" 2>&1 | tail -25 ;;
 cuda)
     python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.log" | grep -E "passed|failed|FAILED" | tail -12 ;;
 train)
@@ -139,7 +98,7 @@ ab)
     alternate "${2:?ab needs the old tree}" copy.log " mtc | to " \
         bench/bench_copy.py --only seed16 seed4 seed64 4096x64B --rounds 12 ;;
 profile)
-    { python3 bench/profile_stages.py --calls 100 --gc both
+    { python3 tools/diagnostics/profile_stages.py --calls 100 --gc both
       for n in 4 8 14; do
           echo "== MTC_HELPER_THREADS=$n"
           MTC_HELPER_THREADS=$n python3 bench/bench_copy.py --only 16x16MB --rounds 6 --out /tmp/sweep_$n 2>&1 \
@@ -163,7 +122,7 @@ ab-train)
 frameworks)
     site=/tmp/site
     if [ -d .whl ]; then
-        whl=$(python3 bench/missing_wheels.py .whl ${FORCE_WHEELS:+--all})
+        whl=$(python3 tools/release/missing_wheels.py .whl ${FORCE_WHEELS:+--all})
         if [ -n "$whl" ]; then
             echo "installing into $site: $(for w in $whl; do basename "$w"; done | tr '\n' ' ')"
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
@@ -207,7 +166,7 @@ PY
     # torch.profiler (every thread, CPU + CUDA) over examples/profile_prefetch.py: Chrome trace into $out
     python3 examples/profile_prefetch.py "$out/trace.json" 2>&1 | grep -v "^USDT\|profiler_st" | tee "$out/profile.log"
     echo "profile_prefetch rc=${PIPESTATUS[0]}"
-    python3 bench/trace_summary.py "$out/trace.json" 2>&1 | tee -a "$out/profile.log"
+    python3 tools/diagnostics/trace_summary.py "$out/trace.json" 2>&1 | tee -a "$out/profile.log"
     # the same loop with an NVTX tool attached (as Nsight Systems attaches): the engine's ranges, workers included
     inc=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from test_nvtx import nvtx_headers; print(nvtx_headers() or '')")
     [ -z "$inc" ] && [ -d /tmp/nvtx_wheel/nvidia/nvtx/include ] && inc=/tmp/nvtx_wheel/nvidia/nvtx/include
@@ -216,14 +175,14 @@ PY
         NVTX_INJECTION64_PATH=/tmp/nvtx_tool.so MTC_NVTX_LOG=/tmp/nvtx.log MTC_NVTX_TIMES=1 \
             python3 examples/profile_prefetch.py /tmp/trace_nvtx.json > /tmp/profile_nvtx.log 2>&1
         echo "profile_prefetch with the NVTX tool rc=$?"
-        python3 bench/nvtx_summary.py /tmp/nvtx.log 2>&1 | tee -a "$out/profile.log"
+        python3 tools/diagnostics/nvtx_summary.py /tmp/nvtx.log 2>&1 | tee -a "$out/profile.log"
     else
         echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
     fi ;;
 openmmlab)
     site=/tmp/site
     [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" $(python3 bench/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
+        --target "$site" $(python3 tools/release/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
     export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
     if ! python3 -c "import mmcv.ops" 2>/dev/null; then
         # CPU ops only (no GPU visible to the build): what mmdet3d.structures imports
@@ -244,7 +203,7 @@ openmmlab)
 mmengine)
     site=/tmp/site
     if [ -d .whl ]; then
-        whl=$(python3 bench/missing_wheels.py .whl)
+        whl=$(python3 tools/release/missing_wheels.py .whl)
         [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" $whl 2>&1 | grep -v "root user"
     fi

@@ -1,6 +1,6 @@
 """Why is start_copy slower inside the interleaved benchmark than in a hot loop?
 
-    python3 bench/probe_interleave.py [--device cuda:0] [--calls 100]
+    python3 tools/diagnostics/probe_interleave.py [--device cuda:0] [--calls 100]
 
 Times one seed16 start_copy(...).get() + synchronize in three conditions: back to back (hot),
 right after a per-tensor .to() of the same batch (caches and branch predictors polluted), and
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' workloads, in bench/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from workloads import seed_batch, tree_map  # noqa: E402
 

@@ -4,7 +4,7 @@ copies and kernels by CUDA stream, the CUDA API calls that issue copies or order
 how much of the host-to-device copy time ran while a kernel was running (the overlap the
 prefetch service is for).
 
-    python3 bench/trace_summary.py trace.json
+    python3 tools/diagnostics/trace_summary.py trace.json
 """
 from __future__ import annotations
 
