@@ -48,6 +48,20 @@ DTYPES = _bytewise_dtypes()
 _SUPPORTED = set(DTYPES)
 
 
+def other_samples() -> list[torch.Tensor]:
+    """An empty tensor of each dtype this torch has that is not in :data:`DTYPES` (shell dtypes
+    such as int1..int7, quantized ones), where torch can make one."""
+    out = []
+    for dt in {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - _SUPPORTED:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out.append(torch.empty(0, dtype=torch.uint8).view(dt))
+        except Exception:
+            continue
+    return out
+
+
 def supported_dtype(dt: torch.dtype) -> bool:
     return dt in _SUPPORTED
 

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools" / "release"))
 
@@ -56,6 +58,22 @@ def test_renders_what_bench_copy_writes(tmp_path):
     assert "abc1234" not in copy  # the commit stays in the JSON: the page cites none
     assert "--out" not in copy
     assert "Not measured" not in copy and "Not measured" in text  # the other three stay placeholders
+
+
+@pytest.mark.parametrize("n_groups", [1, 3, 8])
+def test_a_plots_legend_covers_neither_its_x_label_nor_its_bars(n_groups):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [(f"group {g}", [(f"method {m}", 1.0 + m) for m in range(4)]) for g in range(n_groups)]
+    fig = render_results._barh(plt, groups, "a long x label, with its unit (log scale)", "title", log=True)
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.xaxis.label.get_window_extent())
+    assert not legend.overlaps(ax.get_window_extent())
+    plt.close(fig)
 
 
 def _tables(text: str) -> list[list[str]]:

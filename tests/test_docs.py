@@ -19,6 +19,15 @@ def test_reference_lists_every_public_name():
         assert getattr(mtc_loader, name).__doc__, f"mtc_loader.{name} has no docstring"
 
 
+def test_the_api_page_names_the_whole_public_surface():
+    """docs/api.md's opening list of the public surface names every name in __all__."""
+    text = (DOCS / "api.md").read_text()
+    surface = text[text.index("The public surface"):text.index("## `start_copy`")]
+    missing = sorted(n for n in mtc_loader.__all__ if f"`{n}`" not in surface)
+    assert not missing, f"docs/api.md's public surface lacks {missing}"
+    assert text.startswith("# API and semantics\n")  # the Reference page is the API reference
+
+
 def _code_lines(text: str) -> list[str]:
     """The lines inside fenced code blocks of a markdown page."""
     lines, inside = [], False

@@ -5,7 +5,7 @@ is compared bitwise with what a plain ``DataLoader(..., collate_fn=c)`` (no pack
 processes) gives for the same indices, moved with per-tensor ``.to(device)`` (conftest.tree_to).
 
 CPU tests run everywhere (device "cpu"); the ``cuda`` variants run the same checks with
-device "cuda:0" on the GPU machine (skipped here). The datasets are module-level classes so
+device "cuda:0" where a GPU is (skipped elsewhere). The datasets are module-level classes so
 that workers started by spawn / forkserver can unpickle them.
 """
 from __future__ import annotations

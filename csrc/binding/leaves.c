@@ -298,7 +298,8 @@ static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl, int conti
  * dim of size 0 or 1 may carry any stride (tensor.to() keeps it), so those
  * are read through stride() as the attribute path reads them. 0; 1 when the
  * tensor is to be read the attribute way (a dtype or device the table does
- * not describe, or torch declined: sparse, meta, ...); -1 with an exception. */
+ * not describe, a dtype torch describes as one of ours, such as int4 as
+ * int8, or torch declined: sparse, meta, ...); -1 with an exception. */
 static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, mtc_leaf *l, int *code,
                         int *contiguous)
 {
@@ -310,6 +311,17 @@ static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj,
     if (dl.dtype.lanes != 1 || dl.dtype.code >= MTC_DL_CODES) return 1;
     int c = st->dl_codes[dl.dtype.code][dl.dtype.bits];
     if (c < 0) return 1;
+    if (st->dl_verify[dl.dtype.code][dl.dtype.bits]) {
+        /* the description is also a dtype the engine does not copy: one of ours only by name */
+        PyObject *v = _tattr(obj, 1, st->d_dtype, st->s_dtype);
+        if (!v) {
+            PyErr_Clear();
+            return 1;
+        }
+        int ours = v == st->dtypes[c];
+        Py_DECREF(v);
+        if (!ours) return 1;
+    }
     int32_t dev;
     if (dl.device.device_type == MTC_DL_CUDA && dl.device.device_id >= 0 && dl.device.device_id < MTC_MAX_DEVICES)
         dev = dl.device.device_id;

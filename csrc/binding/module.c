@@ -42,17 +42,24 @@ static int _take(PyObject *cfg, const char *name, PyObject **slot)
  * and the DLPack dtype of each of the engine's dtypes, learnt from torch
  * itself: cfg["dlpack_samples"][code] is an empty tensor of dtype `code`. A
  * DLPack dtype two torch dtypes share, or none has, maps to -1: such leaves
- * are read through their dtype attribute. No table (an older torch, another
- * major version): every leaf is. 0 or -1. */
+ * are read through their dtype attribute. cfg["dlpack_others"] holds empty
+ * tensors of the dtypes torch has and the engine does not copy: a DLPack
+ * dtype one of them shares with one of ours is marked in dl_verify, and its
+ * leaves' dtype attribute is checked (so that an int4 tensor is refused as
+ * the attribute path refuses it, not copied as int8). No table (an older
+ * torch, another major version): every leaf is read through its attributes.
+ * 0 or -1. */
 static int _setup_dlpack(mtc_state *st, PyObject *cfg)
 {
     st->dl_view = st->dl_offered = NULL;
     memset(st->dl_codes, -1, sizeof st->dl_codes);
+    memset(st->dl_verify, 0, sizeof st->dl_verify);
     PyObject *cap = PyDict_GetItemString(cfg, "dlpack_api");
     PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
+    PyObject *others = PyDict_GetItemString(cfg, "dlpack_others");
     if (!cap || cap == Py_None) return 0;
     if (!PyCapsule_IsValid(cap, "dlpack_exchange_api") || !samples || !PyList_Check(samples) ||
-        PyList_GET_SIZE(samples) != st->ndtypes) {
+        PyList_GET_SIZE(samples) != st->ndtypes || !others || !PyList_Check(others)) {
         PyErr_SetString(PyExc_TypeError, "_setup: bad dlpack_api capsule or dlpack_samples");
         return -1;
     }
@@ -74,6 +81,14 @@ static int _setup_dlpack(mtc_state *st, PyObject *cfg)
     for (int k = 0; k < MTC_DL_CODES; k++)
         for (int b = 0; b < 256; b++)
             if (st->dl_codes[k][b] < 0) st->dl_codes[k][b] = -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(others); i++) {
+        mtc_dl_tensor dl;
+        if (view(PyList_GET_ITEM(others, i), &dl)) {
+            PyErr_Clear();
+            continue;
+        }
+        if (dl.dtype.lanes == 1 && dl.dtype.code < MTC_DL_CODES) st->dl_verify[dl.dtype.code][dl.dtype.bits] = 1;
+    }
     st->dl_view = st->dl_offered = view;
     return 0;
 }

@@ -69,6 +69,9 @@ typedef struct mtc_state {
     mtc_dl_view_fn dl_offered;          /* what torch offers; _use_dlpack(False) sets dl_view NULL */
     int8_t dl_codes[MTC_DL_CODES][256]; /* (DLPack code, bits) -> dtype code; -1: not one of ours or
                                          * shared by two torch dtypes (read through dtype instead) */
+    uint8_t dl_verify[MTC_DL_CODES][256]; /* 1: a torch dtype the engine does not copy has this
+                                           * description too (torch's DLPack calls int1..int7
+                                           * int8): the dtype attribute tells them apart */
 
     /* interned names; s_split_with_sizes is unsafe_split_with_sizes: outputs are not
      * tracked as autograd views of the private chunk (~40% cheaper per view) */

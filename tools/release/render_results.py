@@ -210,9 +210,12 @@ def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: s
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_title(title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i % 10}") for i in range(len(methods))]
-    # below the axes, so that it covers no bar
+    # below the axes and their x label, so that it covers no bar and no text: a fixed distance in
+    # points under the axes (tick labels, label pad, the label), whatever the figure's height
+    from matplotlib.transforms import offset_copy
+    below_label = offset_copy(ax.transAxes, fig=fig, x=0, y=-(8 + 3.5 + 4 + 9 + 10), units="points")
     ax.legend(handles, [m.replace("*", "").replace("`", "") for m in methods], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.09 * 6 / height), ncol=3, frameon=False)
+              bbox_to_anchor=(0.5, 0.0), bbox_transform=below_label, ncol=3, frameon=False)
     return fig
 
 
