@@ -113,7 +113,8 @@ def write_dataset(root: str, entries: int, batch_size: int, unique: int, quick: 
     classes = CocoDataset.METAINFO["classes"]
     batches = entries // batch_size
     tall_batches = batches // 8
-    images, annotations = [], []
+    images: list[dict] = []
+    annotations: list[dict] = []
     for i in range(batches * batch_size):
         tall = i < tall_batches * batch_size
         name, w, h = files[tall][i % len(files[tall])]
@@ -362,8 +363,11 @@ def main() -> int:
         work = os.path.join(args.data, "work", name)
         result = os.path.join(work, "record.json")
         os.makedirs(work, exist_ok=True)
+        if os.path.exists(result):
+            os.remove(result)
         log = os.path.join(out, f"arm_{name}.log")
         t1 = time.perf_counter()
+        rc: int | str
         try:
             with open(log, "w") as f:
                 rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", configs[arm], work, result],
@@ -398,7 +402,8 @@ def main() -> int:
         batch_size=args.batch_size, workers=args.workers, iters=args.iters, warmup=args.warmup,
         images=args.images, quick=args.quick, arms=args.arms,
         versions=dict(python=platform.python_version(), torch=torch.__version__, mmengine=mmengine.__version__,
-                      mmcv=mmcv.__version__, mmdet=mmdet.__version__, mtc_loader=getattr(mtc_loader, "__version__", "?")),
+                      mmcv=mmcv.__version__, mmdet=mmdet.__version__,
+                      mtc_loader=getattr(mtc_loader, "__version__", "?")),
         commit=os.environ.get("MTC_BENCH_COMMIT") or _commit(root),
         results=rows, records={name: rec for name, rec in records},
     )
