@@ -243,6 +243,8 @@ def test_an_epoch_leaves_the_switch_interval_as_it_was(own_interval):
 
 
 def test_two_loaders_at_once_work_at_the_shorter_interval(own_interval):
+    # the generators run on the services' threads (produce_on_caller=False), where the
+    # interval applies while a service works on a batch
     sys.setswitchinterval(0.005)
     a_working, b_done, seen = threading.Event(), threading.Event(), []
 
@@ -258,10 +260,11 @@ def test_two_loaders_at_once_work_at_the_shorter_interval(own_interval):
 
     out = []
     a = threading.Thread(target=lambda: out.extend(
-        mtc_loader.PrefetchLoader(batches_a(), "cpu", gil_switch_interval=0.001)))
+        mtc_loader.PrefetchLoader(batches_a(), "cpu", gil_switch_interval=0.001, produce_on_caller=False)))
     a.start()
     try:
-        out.extend(mtc_loader.PrefetchLoader(batches_b(), "cpu", gil_switch_interval=0.0002))
+        out.extend(mtc_loader.PrefetchLoader(batches_b(), "cpu", gil_switch_interval=0.0002,
+                                              produce_on_caller=False))
     finally:
         b_done.set()
         a.join(30)
