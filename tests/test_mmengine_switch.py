@@ -393,7 +393,8 @@ def test_hooks_and_metrics_receive_the_batch(tmp_path, loop, prefetch_depth):
     # validation at the end of training, and runner.val()
     assert where.count("after_val_iter") == where.count("before_val_iter") == 4
     assert where.count("after_test_iter") == 2 and where.count("metric") == 6
-    assert {(t, d) for _, t, d in SEEN} == {("Sample", "cpu")}
+    device = next(runner.model.parameters()).device.type  # (CUDA where there is one: the Runner's choice)
+    assert {(t, d) for _, t, d in SEEN} == {("Sample", device)}
 
 
 def test_mmengine_val_loop_would_hand_a_packed_batch(tmp_path):
