@@ -1,0 +1,182 @@
+"""Small synthetic datasets in the on-disk formats of OpenMMLab's real dataset classes, for the
+tests that train real mmdet3d / mmdet configs (tests/test_openmmlab_models.py).
+
+Each writer lays out a data root as the dataset's own converter would (mmdet3d's
+``create_data.py`` for KITTI and nuScenes, COCO's annotation json for mmdet), so that the real
+dataset class, its pipeline and its metric read it unchanged. The content is random but seeded,
+small (a few samples, a few thousand points, small images) and made so that the models have
+positives to learn from: points are dense inside the boxes, boxes lie inside the shrunk ranges.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import numpy as np
+
+# KITTI's calibration: the LiDAR frame (x forward, y left, z up) to the rectified camera frame
+# (x right, y down, z forward), the camera 1.5 m above the ground, focal length 720 px
+KITTI_CATEGORIES = {"Pedestrian": 0, "Cyclist": 1, "Car": 2, "Van": 3, "Truck": 4,
+                    "Person_sitting": 5, "Tram": 6, "Misc": 7}
+KITTI_SIZES = {"Pedestrian": (0.8, 0.6, 1.73), "Cyclist": (1.76, 0.6, 1.73), "Car": (3.9, 1.6, 1.56)}
+
+
+def _kitti_calib() -> dict:
+    velo_to_cam = np.array([[0, -1, 0, 0], [0, 0, -1, -0.08], [1, 0, 0, -0.27], [0, 0, 0, 1]],
+                           dtype=np.float64)
+    r0_rect = np.eye(4)
+    cam2img = np.array([[720.0, 0, 620, 0], [0, 720.0, 187, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    lidar2cam = r0_rect @ velo_to_cam
+    return dict(velo_to_cam=velo_to_cam, r0_rect=r0_rect, cam2img=cam2img, lidar2cam=lidar2cam,
+                lidar2img=cam2img @ lidar2cam)
+
+
+def _points_in_box(rng: np.random.Generator, box: np.ndarray, n: int) -> np.ndarray:
+    """n LiDAR points (x, y, z, intensity) inside a LiDAR box (x, y, z bottom centre, dx, dy, dz,
+    yaw), relative to its bottom centre."""
+    local = (rng.random((n, 3)) - [0.5, 0.5, 0.0]) * box[3:6]
+    c, s = np.cos(box[6]), np.sin(box[6])
+    xy = local[:, :2] @ np.array([[c, s], [-s, c]])
+    return np.concatenate([xy, local[:, 2:3], rng.random((n, 1))], axis=1).astype(np.float32)
+
+
+def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, seed: int = 0) -> None:
+    """A KITTI data root as ``tools/create_data.py kitti`` writes it (info version 1.1):
+    ``training/velodyne_reduced/NNNNNN.bin`` (float32 x, y, z, intensity),
+    ``kitti_infos_{train,val}.pkl``, ``kitti_gt_database/`` and ``kitti_dbinfos_train.pkl`` for
+    ``ObjectSample``. Boxes and points lie in ``xy_range`` = (x_min, y_min, x_max, y_max)."""
+    from mmdet3d.structures import Box3DMode, CameraInstance3DBoxes, LiDARInstance3DBoxes
+
+    rng = np.random.default_rng(seed)
+    calib = _kitti_calib()
+    x0, y0, x1, y1 = xy_range
+    os.makedirs(os.path.join(root, "training", "velodyne_reduced"), exist_ok=True)
+    os.makedirs(os.path.join(root, "kitti_gt_database"), exist_ok=True)
+    infos: list = []
+    dbinfos: dict = {name: [] for name in KITTI_SIZES}
+    for idx in range(n_train + n_val):
+        names = list(KITTI_SIZES)
+        boxes, clouds, instances = [], [], []
+        for k, name in enumerate(names):
+            dx, dy, dz = KITTI_SIZES[name]
+            cx = x0 + 3 + (x1 - x0 - 6) * (k + rng.random()) / len(names)
+            cy = y0 + 3 + (y1 - y0 - 6) * rng.random()
+            box = np.array([cx, cy, -1.6, dx, dy, dz, rng.uniform(-np.pi, np.pi)])
+            boxes.append(box)
+            clouds.append(_points_in_box(rng, box, 60) + np.r_[box[:3], 0].astype(np.float32))
+        lidar_boxes = LiDARInstance3DBoxes(np.stack(boxes).astype(np.float32))
+        cam_boxes = lidar_boxes.convert_to(Box3DMode.CAM, calib["lidar2cam"]).tensor.numpy()
+        for k, (name, box) in enumerate(zip(names, cam_boxes)):
+            centre = calib["cam2img"][:3, :3] @ box[:3]
+            u, v = centre[:2] / centre[2]
+            instances.append(dict(
+                bbox=[float(u - 20), float(v - 20), float(u + 20), float(v + 20)],
+                bbox_label=KITTI_CATEGORIES[name], bbox_3d=[float(b) for b in box],
+                bbox_label_3d=KITTI_CATEGORIES[name], depth=float(centre[2]),
+                center_2d=[float(u), float(v)], num_lidar_pts=60, difficulty=0, truncated=0.0,
+                occluded=0, alpha=float(-np.arctan2(-box[0], box[2]) + box[6]), score=0.0,
+                index=k, group_id=k))
+            if idx < n_train:  # the ground-truth database of the training split
+                path = f"kitti_gt_database/{idx}_{name}_{k}.bin"
+                (clouds[k] - np.r_[boxes[k][:3], 0].astype(np.float32)).tofile(os.path.join(root, path))
+                dbinfos[name].append(dict(
+                    name=name, path=path, image_idx=idx, gt_idx=k,
+                    box3d_lidar=boxes[k].astype(np.float32), num_points_in_gt=60, difficulty=0,
+                    group_id=len(dbinfos[name]), score=0.0))
+        ground = np.concatenate([rng.uniform(x0, x1, (1500, 1)), rng.uniform(y0, y1, (1500, 1)),
+                                 rng.uniform(-1.7, -1.5, (1500, 1)), rng.random((1500, 1))], axis=1)
+        points = np.concatenate([ground.astype(np.float32)] + clouds)
+        points.tofile(os.path.join(root, "training", "velodyne_reduced", f"{idx:06d}.bin"))
+        images = {f"CAM{c}": dict(img_path=f"{idx:06d}.png", height=375, width=1242,
+                                  cam2img=calib["cam2img"].tolist(), lidar2cam=calib["lidar2cam"].tolist(),
+                                  lidar2img=calib["lidar2img"].tolist()) for c in range(4)}
+        images["R0_rect"] = calib["r0_rect"].tolist()
+        infos.append(dict(
+            sample_idx=idx, images=images, plane=[0.0, -1.0, 0.0, 1.6],
+            lidar_points=dict(num_pts_feats=4, lidar_path=f"{idx:06d}.bin",
+                              Tr_velo_to_cam=calib["velo_to_cam"].tolist(),
+                              Tr_imu_to_velo=np.eye(4).tolist()),
+            instances=instances))
+    metainfo = dict(categories=KITTI_CATEGORIES, dataset="kitti", info_version="1.1")
+    for split, part in (("train", infos[:n_train]), ("val", infos[n_train:])):
+        with open(os.path.join(root, f"kitti_infos_{split}.pkl"), "wb") as f:
+            pickle.dump(dict(metainfo=metainfo, data_list=part), f)
+    with open(os.path.join(root, "kitti_dbinfos_train.pkl"), "wb") as f:
+        pickle.dump(dbinfos, f)
+
+
+def snapshot(x):
+    """What a model receives or returns, as comparable values: classes, attributes, and tensors as
+    (device, dtype, shape, strides, bytes)."""
+    import torch
+    from mmengine.structures import BaseDataElement
+
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        return ("tensor", str(x.device), x.dtype, tuple(x.shape), x.stride(),
+                t.reshape(-1).view(torch.uint8).clone() if t.numel() else t.clone())
+    if isinstance(x, BaseDataElement):
+        return (type(x), sorted(((k, sorted(v) if k in ("_metainfo_fields", "_data_fields") else snapshot(v))
+                                 for k, v in vars(x).items()), key=lambda kv: kv[0]))
+    if isinstance(x, dict):
+        return (type(x), [(k, snapshot(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x), [snapshot(v) for v in x])
+    if isinstance(x, np.ndarray):
+        return ("ndarray", x.dtype.str, x.shape, x.tobytes())
+    if hasattr(x, "__dict__") and type(x).__module__.startswith(("mmdet", "mmcv", "mmengine")):
+        return (type(x), sorted(((k, snapshot(v)) for k, v in vars(x).items()), key=lambda kv: kv[0]))
+    return x
+
+
+def assert_same(a, b, where: str) -> None:
+    """a and b (snapshots) are equal, tensors bitwise; the first difference is named by its path."""
+    import torch
+
+    if isinstance(a, tuple) and len(a) == 6 and a[0] == "tensor" and isinstance(a[5], torch.Tensor):
+        assert isinstance(b, tuple) and len(b) == 6 and b[0] == "tensor", f"{where}: {b!r:.200} is not a tensor"
+        assert a[1:5] == b[1:5], f"{where}: (device, dtype, shape, strides) {b[1:5]} != {a[1:5]}"
+        assert torch.equal(a[5], b[5]), f"{where}: values differ"
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {b!r:.300} != {a!r:.300}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {b!r:.200} != {a!r:.200}"
+
+
+def write_coco(root: str, n_train: int, n_val: int, size: tuple = (160, 120), seed: int = 0) -> None:
+    """A COCO data root: ``{train,val}2017/NNNNNNNNNNNN.png`` images of ``size`` (w, h) with a few
+    bright rectangles, and ``annotations/instances_{train,val}2017.json`` boxing them (the 80 COCO
+    categories, with COCO's ids)."""
+    import cv2
+    from mmdet.datasets import CocoDataset
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    # COCO's category ids skip numbers: 1..90 for the 80 classes
+    coco_ids = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
+    categories = [dict(id=i, name=name, supercategory="thing")
+                  for i, name in zip(coco_ids, CocoDataset.METAINFO["classes"])]
+    os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
+    image_id = ann_id = 0
+    for split, n in (("train2017", n_train), ("val2017", n_val)):
+        os.makedirs(os.path.join(root, split), exist_ok=True)
+        images, annotations = [], []
+        for _ in range(n):
+            image_id += 1
+            img = rng.integers(0, 64, (h, w, 3), dtype=np.uint8)
+            for _k in range(3):
+                bw, bh = int(rng.integers(20, w // 2)), int(rng.integers(20, h // 2))
+                x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+                img[y:y + bh, x:x + bw] = rng.integers(128, 256, 3, dtype=np.uint8)
+                ann_id += 1
+                annotations.append(dict(id=ann_id, image_id=image_id, category_id=coco_ids[int(rng.integers(0, 3))],
+                                        bbox=[x, y, bw, bh], area=bw * bh, iscrowd=0,
+                                        segmentation=[[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]))
+            name = f"{image_id:012d}.png"
+            cv2.imwrite(os.path.join(root, split, name), img)
+            images.append(dict(id=image_id, file_name=name, width=w, height=h))
+        with open(os.path.join(root, "annotations", f"instances_{split}.json"), "w") as f:
+            json.dump(dict(images=images, annotations=annotations, categories=categories), f)
