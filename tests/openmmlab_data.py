@@ -180,3 +180,82 @@ def write_coco(root: str, n_train: int, n_val: int, size: tuple = (160, 120), se
             images.append(dict(id=image_id, file_name=name, width=w, height=h))
         with open(os.path.join(root, "annotations", f"instances_{split}.json"), "w") as f:
             json.dump(dict(images=images, annotations=annotations, categories=categories), f)
+
+
+NUS_CLASSES = ["car", "truck", "construction_vehicle", "bus", "trailer", "barrier", "motorcycle",
+               "bicycle", "pedestrian", "traffic_cone"]
+NUS_SIZES = {"car": (4.0, 1.8, 1.6), "truck": (6.0, 2.4, 2.8), "construction_vehicle": (5.6, 2.6, 3.0),
+             "bus": (10.0, 2.8, 3.4), "trailer": (8.0, 2.4, 3.6), "barrier": (0.5, 2.4, 1.0),
+             "motorcycle": (2.1, 0.8, 1.5), "bicycle": (1.7, 0.6, 1.3), "pedestrian": (0.7, 0.7, 1.7),
+             "traffic_cone": (0.4, 0.4, 1.0)}
+
+
+def write_nuscenes(root: str, n_train: int, n_val: int, xy_range: tuple, classes: list,
+                   n_sweeps: int = 2, seed: int = 0) -> None:
+    """A nuScenes data root as ``tools/create_data.py nuscenes`` writes it (info version 1.1):
+    ``samples/LIDAR_TOP/*.bin`` and ``sweeps/LIDAR_TOP/*.bin`` (float32 x, y, z, intensity, ring),
+    ``nuscenes_infos_{train,val}.pkl`` with ``lidar_sweeps``, ``nuscenes_gt_database/`` and
+    ``nuscenes_dbinfos_train.pkl``. Each sample holds one box of each of ``classes`` inside
+    ``xy_range`` = (x_min, y_min, x_max, y_max)."""
+    rng = np.random.default_rng(seed)
+    x0, y0, x1, y1 = xy_range
+    for d in ("samples/LIDAR_TOP", "sweeps/LIDAR_TOP", "nuscenes_gt_database"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    eye = np.eye(4).tolist()
+
+    def cloud(boxes: list, n_ground: int) -> tuple:
+        ground = np.stack([rng.uniform(x0, x1, n_ground), rng.uniform(y0, y1, n_ground),
+                           rng.uniform(-1.9, -1.7, n_ground), rng.random(n_ground),
+                           np.zeros(n_ground)], axis=1).astype(np.float32)
+        inside = [np.concatenate([_points_in_box(rng, b, 40) + np.r_[b[:3], 0].astype(np.float32),
+                                  np.zeros((40, 1), np.float32)], axis=1) for b in boxes]
+        return ground, inside
+
+    infos: list = []
+    dbinfos: dict = {name: [] for name in NUS_CLASSES}
+    for idx in range(n_train + n_val):
+        token = f"{idx:032x}"
+        timestamp = 1_533_000_000_000_000 + idx * 500_000
+        boxes, instances = [], []
+        for k, name in enumerate(classes):
+            dx, dy, dz = NUS_SIZES[name]
+            cx = x0 + 2 + (x1 - x0 - 4) * (k + 0.5) / len(classes)
+            cy = y0 + (y1 - y0) * rng.uniform(0.3, 0.7)
+            box = np.array([cx, cy, -1.8, dx, dy, dz, rng.uniform(-np.pi, np.pi)])  # bottom centre
+            boxes.append(box)
+            instances.append(dict(
+                bbox_3d=[float(cx), float(cy), float(-1.8 + dz / 2), dx, dy, dz, float(box[6])],  # gravity centre
+                bbox_label_3d=NUS_CLASSES.index(name), bbox_3d_isvalid=True,
+                velocity=[float(v) for v in rng.normal(0, 1, 2)], num_lidar_pts=40, num_radar_pts=0))
+        ground, inside = cloud(boxes, 1500)
+        lidar_path = f"n008__LIDAR_TOP__{timestamp}.pcd.bin"
+        np.concatenate([ground] + inside).tofile(os.path.join(root, "samples/LIDAR_TOP", lidar_path))
+        if idx < n_train:
+            for k, (name, box) in enumerate(zip(classes, boxes)):
+                path = f"nuscenes_gt_database/{token}_{name}_{k}.bin"
+                (inside[k] - np.r_[box[:3], 0, 0].astype(np.float32)).tofile(os.path.join(root, path))
+                dbinfos[name].append(dict(
+                    name=name, path=path, image_idx=idx, gt_idx=k,
+                    box3d_lidar=np.r_[box, instances[k]["velocity"]].astype(np.float32),
+                    num_points_in_gt=40, difficulty=0, group_id=len(dbinfos[name])))
+        sweeps = []
+        for s in range(n_sweeps):
+            sweep_ts = timestamp - (s + 1) * 50_000
+            sweep_path = f"n008__LIDAR_TOP__{sweep_ts}.pcd.bin"
+            ground, inside = cloud(boxes, 500)
+            np.concatenate([ground] + inside).tofile(os.path.join(root, "sweeps/LIDAR_TOP", sweep_path))
+            sweeps.append(dict(
+                lidar_points=dict(lidar_path=f"sweeps/LIDAR_TOP/{sweep_path}", lidar2ego=eye,
+                                  lidar2sensor=np.eye(4).tolist()),
+                ego2global=eye, timestamp=sweep_ts / 1e6, sample_data_token=f"{idx:016x}{s:016x}"))
+        infos.append(dict(
+            sample_idx=idx, token=token, timestamp=timestamp / 1e6, ego2global=eye,
+            lidar_points=dict(num_pts_feats=5, lidar_path=lidar_path, lidar2ego=eye),
+            lidar_sweeps=sweeps, instances=instances, images={}))
+    metainfo = dict(categories={c: i for i, c in enumerate(NUS_CLASSES)}, dataset="nuscenes",
+                    version="v1.0-trainval", info_version="1.1")
+    for split, part in (("train", infos[:n_train]), ("val", infos[n_train:])):
+        with open(os.path.join(root, f"nuscenes_infos_{split}.pkl"), "wb") as f:
+            pickle.dump(dict(metainfo=metainfo, data_list=part), f)
+    with open(os.path.join(root, "nuscenes_dbinfos_train.pkl"), "wb") as f:
+        pickle.dump(dbinfos, f)
