@@ -22,11 +22,12 @@ KITTI_CATEGORIES = {"Pedestrian": 0, "Cyclist": 1, "Car": 2, "Van": 3, "Truck": 
 KITTI_SIZES = {"Pedestrian": (0.8, 0.6, 1.73), "Cyclist": (1.76, 0.6, 1.73), "Car": (3.9, 1.6, 1.56)}
 
 
-def _kitti_calib() -> dict:
+def _kitti_calib(width: int = 1242) -> dict:
     velo_to_cam = np.array([[0, -1, 0, 0], [0, 0, -1, -0.08], [1, 0, 0, -0.27], [0, 0, 0, 1]],
                            dtype=np.float64)
     r0_rect = np.eye(4)
-    cam2img = np.array([[720.0, 0, 620, 0], [0, 720.0, 187, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    f = width / 1242  # a smaller camera: the intrinsics scaled with the image
+    cam2img = np.array([[720.0 * f, 0, 620 * f, 0], [0, 720.0 * f, 187 * f, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
     lidar2cam = r0_rect @ velo_to_cam
     return dict(velo_to_cam=velo_to_cam, r0_rect=r0_rect, cam2img=cam2img, lidar2cam=lidar2cam,
                 lidar2img=cam2img @ lidar2cam)
@@ -41,15 +42,23 @@ def _points_in_box(rng: np.random.Generator, box: np.ndarray, n: int) -> np.ndar
     return np.concatenate([xy, local[:, 2:3], rng.random((n, 1))], axis=1).astype(np.float32)
 
 
-def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, seed: int = 0) -> None:
+def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, image_size: tuple | None = None,
+                seed: int = 0) -> None:
     """A KITTI data root as ``tools/create_data.py kitti`` writes it (info version 1.1):
     ``training/velodyne_reduced/NNNNNN.bin`` (float32 x, y, z, intensity),
     ``kitti_infos_{train,val}.pkl``, ``kitti_gt_database/`` and ``kitti_dbinfos_train.pkl`` for
-    ``ObjectSample``. Boxes and points lie in ``xy_range`` = (x_min, y_min, x_max, y_max)."""
+    ``ObjectSample``. Boxes and points lie in ``xy_range`` = (x_min, y_min, x_max, y_max). With
+    ``image_size`` (w, h), also the left colour camera's images ``training/image_2/NNNNNN.png``
+    and the ``cam_instances`` that monocular 3D detection reads (a camera with KITTI's field of
+    view at that size)."""
+    import cv2
+
     from mmdet3d.structures import Box3DMode, CameraInstance3DBoxes, LiDARInstance3DBoxes
 
     rng = np.random.default_rng(seed)
-    calib = _kitti_calib()
+    width, height = image_size or (1242, 375)
+    calib = _kitti_calib(width)
+    os.makedirs(os.path.join(root, "training", "image_2"), exist_ok=True)
     x0, y0, x1, y1 = xy_range
     os.makedirs(os.path.join(root, "training", "velodyne_reduced"), exist_ok=True)
     os.makedirs(os.path.join(root, "kitti_gt_database"), exist_ok=True)
@@ -71,7 +80,8 @@ def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, seed: int 
             centre = calib["cam2img"][:3, :3] @ box[:3]
             u, v = centre[:2] / centre[2]
             instances.append(dict(
-                bbox=[float(u - 20), float(v - 20), float(u + 20), float(v + 20)],
+                bbox=[float(u - 0.02 * width), float(v - 0.05 * height), float(u + 0.02 * width),
+                      float(v + 0.05 * height)],
                 bbox_label=KITTI_CATEGORIES[name], bbox_3d=[float(b) for b in box],
                 bbox_label_3d=KITTI_CATEGORIES[name], depth=float(centre[2]),
                 center_2d=[float(u), float(v)], num_lidar_pts=60, difficulty=0, truncated=0.0,
@@ -88,7 +98,14 @@ def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, seed: int 
                                  rng.uniform(-1.7, -1.5, (1500, 1)), rng.random((1500, 1))], axis=1)
         points = np.concatenate([ground.astype(np.float32)] + clouds)
         points.tofile(os.path.join(root, "training", "velodyne_reduced", f"{idx:06d}.bin"))
-        images = {f"CAM{c}": dict(img_path=f"{idx:06d}.png", height=375, width=1242,
+        if image_size:
+            img = rng.integers(0, 64, (height, width, 3), dtype=np.uint8)
+            for inst in instances:
+                x_a, y_a, x_b, y_b = (int(np.clip(v, 0, lim)) for v, lim in
+                                      zip(inst["bbox"], (width, height, width, height)))
+                img[y_a:y_b, x_a:x_b] = rng.integers(128, 256, 3, dtype=np.uint8)
+            cv2.imwrite(os.path.join(root, "training", "image_2", f"{idx:06d}.png"), img)
+        images = {f"CAM{c}": dict(img_path=f"{idx:06d}.png", height=height, width=width,
                                   cam2img=calib["cam2img"].tolist(), lidar2cam=calib["lidar2cam"].tolist(),
                                   lidar2img=calib["lidar2img"].tolist()) for c in range(4)}
         images["R0_rect"] = calib["r0_rect"].tolist()
@@ -97,7 +114,9 @@ def write_kitti(root: str, n_train: int, n_val: int, xy_range: tuple, seed: int 
             lidar_points=dict(num_pts_feats=4, lidar_path=f"{idx:06d}.bin",
                               Tr_velo_to_cam=calib["velo_to_cam"].tolist(),
                               Tr_imu_to_velo=np.eye(4).tolist()),
-            instances=instances))
+            instances=instances,
+            cam_instances=dict(CAM2=[{k: inst[k] for k in ("bbox", "bbox_label", "bbox_3d", "bbox_label_3d",
+                                                           "center_2d", "depth")} for inst in instances])))
     metainfo = dict(categories=KITTI_CATEGORIES, dataset="kitti", info_version="1.1")
     for split, part in (("train", infos[:n_train]), ("val", infos[n_train:])):
         with open(os.path.join(root, f"kitti_infos_{split}.pkl"), "wb") as f:
@@ -190,13 +209,13 @@ NUS_SIZES = {"car": (4.0, 1.8, 1.6), "truck": (6.0, 2.4, 2.8), "construction_veh
              "traffic_cone": (0.4, 0.4, 1.0)}
 
 
-def write_nuscenes(root: str, n_train: int, n_val: int, xy_range: tuple, classes: list,
+def write_nuscenes(root: str, n_train: int, n_val: int, xy_range: tuple, classes: list[list],
                    n_sweeps: int = 2, seed: int = 0) -> None:
     """A nuScenes data root as ``tools/create_data.py nuscenes`` writes it (info version 1.1):
     ``samples/LIDAR_TOP/*.bin`` and ``sweeps/LIDAR_TOP/*.bin`` (float32 x, y, z, intensity, ring),
     ``nuscenes_infos_{train,val}.pkl`` with ``lidar_sweeps``, ``nuscenes_gt_database/`` and
-    ``nuscenes_dbinfos_train.pkl``. Each sample holds one box of each of ``classes`` inside
-    ``xy_range`` = (x_min, y_min, x_max, y_max)."""
+    ``nuscenes_dbinfos_train.pkl``. Sample i holds one box of each class of
+    ``classes[i % len(classes)]``, inside ``xy_range`` = (x_min, y_min, x_max, y_max)."""
     rng = np.random.default_rng(seed)
     x0, y0, x1, y1 = xy_range
     for d in ("samples/LIDAR_TOP", "sweeps/LIDAR_TOP", "nuscenes_gt_database"):
@@ -217,9 +236,10 @@ def write_nuscenes(root: str, n_train: int, n_val: int, xy_range: tuple, classes
         token = f"{idx:032x}"
         timestamp = 1_533_000_000_000_000 + idx * 500_000
         boxes, instances = [], []
-        for k, name in enumerate(classes):
+        names = classes[idx % len(classes)]
+        for k, name in enumerate(names):
             dx, dy, dz = NUS_SIZES[name]
-            cx = x0 + 2 + (x1 - x0 - 4) * (k + 0.5) / len(classes)
+            cx = x0 + 2 + (x1 - x0 - 4) * (k + 0.5) / len(names)
             cy = y0 + (y1 - y0) * rng.uniform(0.3, 0.7)
             box = np.array([cx, cy, -1.8, dx, dy, dz, rng.uniform(-np.pi, np.pi)])  # bottom centre
             boxes.append(box)
@@ -231,7 +251,7 @@ def write_nuscenes(root: str, n_train: int, n_val: int, xy_range: tuple, classes
         lidar_path = f"n008__LIDAR_TOP__{timestamp}.pcd.bin"
         np.concatenate([ground] + inside).tofile(os.path.join(root, "samples/LIDAR_TOP", lidar_path))
         if idx < n_train:
-            for k, (name, box) in enumerate(zip(classes, boxes)):
+            for k, (name, box) in enumerate(zip(names, boxes)):
                 path = f"nuscenes_gt_database/{token}_{name}_{k}.bin"
                 (inside[k] - np.r_[box[:3], 0, 0].astype(np.float32)).tofile(os.path.join(root, path))
                 dbinfos[name].append(dict(

@@ -156,9 +156,10 @@ def centerpoint(root: str) -> tuple[str, dict]:
     base = real_config(mmdet3d, "centerpoint/centerpoint_pillar02_second_secfpn_8xb4-cyclic-20e_nus-3d.py")
     real = Config.fromfile(base)
     pcr = [-6.4, -6.4, -5.0, 6.4, 6.4, 3.0]  # a 64 x 64 pillar grid instead of 512 x 512
-    # five classes in each sample: CBGSDataset resamples 2 samples into 5
+    # CBGSDataset needs every class in the training set: five in each of the 2 samples, which it
+    # resamples into 10 (batches of 5 instead of 4)
     data.write_nuscenes(root, n_train=2, n_val=2, xy_range=(pcr[0], pcr[1], pcr[3], pcr[4]),
-                        classes=["car", "barrier", "motorcycle", "pedestrian", "traffic_cone"])
+                        classes=[data.NUS_CLASSES[:5], data.NUS_CLASSES[5:]])
     pipeline = rewrite(real.train_pipeline, "point_cloud_range", pcr)
     pipeline = rewrite(pipeline, "data_root", root + "/")
     pipeline = rewrite(pipeline, "info_path", root + "/nuscenes_dbinfos_train.pkl")
@@ -169,10 +170,12 @@ def centerpoint(root: str) -> tuple[str, dict]:
             pts_middle_encoder=dict(in_channels=16, output_shape=(64, 64)),
             pts_backbone=dict(in_channels=16, layer_nums=[1, 1, 1], out_channels=[16, 32, 64]),
             pts_neck=dict(in_channels=[16, 32, 64], out_channels=[32, 32, 32]),
-            pts_bbox_head=dict(in_channels=96, share_conv_channel=16, bbox_coder=dict(pc_range=pcr[:2])),
+            # at most 100 boxes: the 16 x 16 heatmap has fewer cells than 500
+            pts_bbox_head=dict(in_channels=96, share_conv_channel=16,
+                               bbox_coder=dict(pc_range=pcr[:2], max_num=100)),
             train_cfg=dict(pts=dict(grid_size=[64, 64, 1], point_cloud_range=pcr)),
             test_cfg=dict(pts=dict(pc_range=pcr[:2]))),
-        train_dataloader=dict(batch_size=3, dataset=dict(dataset=dict(data_root=root + "/", pipeline=pipeline))),
+        train_dataloader=dict(batch_size=5, dataset=dict(dataset=dict(data_root=root + "/", pipeline=pipeline))),
         val_dataloader=dict(dataset=dict(data_root=root + "/")),
         # nuScenes' evaluation reads the devkit's tables: the metric writes the predictions in
         # nuScenes' submission format instead
@@ -182,7 +185,30 @@ def centerpoint(root: str) -> tuple[str, dict]:
     return base, values
 
 
-MODELS = {"pointpillars": pointpillars, "retinanet": retinanet, "centerpoint": centerpoint}
+def pgd(root: str) -> tuple[str, dict]:
+    base = real_config(mmdet3d, "pgd/pgd_r101-caffe_fpn_head-gn_4xb3-4x_kitti-mono3d.py")
+    real = Config.fromfile(base)
+    # 312 x 94 images instead of 1242 x 375 (the pipeline's Resize is to the images' own size,
+    # as in the real config), ResNet-18 with no pretrained ResNet-101, 32 channels instead of 256
+    data.write_kitti(root, n_train=4, n_val=2, xy_range=(8, -3, 30, 3), image_size=(312, 94))
+    pipeline = rewrite(real.train_pipeline, "scale", (312, 94))
+    branch = (32,)
+    values = dict(
+        model=dict(
+            backbone=dict(depth=18, init_cfg=None),
+            neck=dict(in_channels=[64, 128, 256, 512], out_channels=32),
+            bbox_head=dict(in_channels=32, feat_channels=32, cls_branch=branch, reg_branch=(branch,) * 6,
+                           dir_branch=branch, attr_branch=branch, centerness_branch=branch,
+                           depth_branch=branch)),
+        train_dataloader=dict(batch_size=2, dataset=dict(data_root=root + "/", pipeline=pipeline)),
+        val_dataloader=dict(dataset=dict(data_root=root + "/")),
+        val_evaluator=dict(ann_file=root + "/kitti_infos_val.pkl", format_only=True,
+                           submission_prefix=root + "/submission"),
+    )
+    return base, values
+
+
+MODELS = {"pointpillars": pointpillars, "retinanet": retinanet, "centerpoint": centerpoint, "pgd": pgd}
 
 
 # ---------------------------------------------------------------------------------------------
