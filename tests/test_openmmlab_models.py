@@ -275,9 +275,10 @@ def warm_up(cfg: Config) -> None:
     WARM.add(cfg.filename)
 
 
-def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None) -> tuple[list, dict]:
+def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None) -> tuple[list, dict, bool]:
     """Trains cfg_path with mmengine's Runner (as tools/train.py does), returning what the model's
-    forward received and returned at each call, and the weights after training."""
+    forward received and returned at each call, the weights after training, and whether the run
+    had the switch (mtc_loader's loop, preprocessor and collate)."""
     cfg = Config.fromfile(cfg_path)
     cfg.merge_from_dict({
         "train_dataloader.num_workers": workers, "train_dataloader.persistent_workers": workers > 0,
@@ -298,11 +299,19 @@ def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None)
         runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
         runner.train()
     state = {k: snap(v) for k, v in runner.model.state_dict().items()}
-    return list(RECORDS), state
+    collate = runner.train_dataloader.collate_fn
+    collate = getattr(collate, "func", collate)  # mmengine passes it as a functools.partial
+    switched = (type(runner.train_loop).__name__.startswith("MTC")
+                and type(runner.model.data_preprocessor).__name__ == "MTCDataPreprocessor"
+                and str(getattr(collate, "__module__", "")).startswith("mtc_loader"))
+    return list(RECORDS), state, switched
 
 
 def assert_same_runs(ref, got, what: str) -> None:
-    (ref_records, ref_state), (got_records, got_state) = ref, got
+    """got (the switch on) and ref (off) trained on the same data, with the same losses and
+    predictions, to the same weights."""
+    (ref_records, ref_state, ref_switched), (got_records, got_state, got_switched) = ref, got
+    assert got_switched and not ref_switched, f"{what}: the switch is not where it should be"
     assert [r[0] for r in got_records] == [r[0] for r in ref_records], f"{what}: forward calls differ"
     for k, (r, g) in enumerate(zip(ref_records, got_records)):
         data.assert_same(r[1], g[1], f"{what}: call {k} ({r[0]}) inputs")
