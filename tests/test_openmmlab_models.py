@@ -67,6 +67,12 @@ def _plain(v):
     return v
 
 
+def _merge(a, b):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **{k: _merge(a.get(k), v) for k, v in b.items()}}
+    return b
+
+
 def write_config(path: str, base: str, values: dict) -> str:
     """A child config file: ``_base_`` and the top-level values given (merged into the base's
     dicts by mmengine, lists and other values replacing the base's)."""
@@ -240,13 +246,8 @@ def configs(tmp_path, model: str) -> dict:
     return out
 
 
-def _merge(a, b):
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {**a, **{k: _merge(a.get(k), v) for k, v in b.items()}}
-    return b
-
-
-RECORDS: list = []
+snap = data.snapshot
+RECORDS: list = []  # (mode, what the model's forward received, what it returned), call by call
 _run_forward = BaseModel._run_forward
 
 
@@ -254,9 +255,6 @@ def _recording_run_forward(self, data, mode):
     out = _run_forward(self, data, mode)
     RECORDS.append((mode, snap(data), snap(out)))
     return out
-
-
-snap = data.snapshot
 
 
 WARM: set = set()
@@ -323,9 +321,8 @@ def assert_same_runs(ref, got, what: str) -> None:
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_epoch_loop_workers_validation_resume(tmp_path, monkeypatch, model):
-    """2 workers, 2 epochs with a validation pass after each, then a resume from the first
-    epoch's checkpoint: plain and switched agree call for call, and the resumed runs repeat the
-    second epoch of the whole run."""
+    """2 workers, 2 epochs with a validation pass after each, then each run resumed from its
+    first epoch's checkpoint: plain and switched agree call for call, in both."""
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # mmengine 0.10 on torch >= 2.6
     cfgs = configs(tmp_path, model)
     runs = {}
@@ -349,4 +346,5 @@ def test_iter_loop_no_workers(tmp_path, model):
     cfgs = configs(tmp_path, model)
     runs = {kind: train(cfgs[kind, "Iter"], str(tmp_path / kind), workers=0) for kind in ("plain", "switched")}
     assert sum(r[0] == "loss" for r in runs["plain"][0]) == 3
+    assert sum(r[0] == "predict" for r in runs["plain"][0]) == 2
     assert_same_runs(runs["plain"], runs["switched"], "switched vs plain")
