@@ -32,7 +32,10 @@ import tempfile
 import numpy
 from setuptools import Extension, setup
 
-sources = sorted(glob.glob("csrc/*.c"))
+# The C sources in two wings: csrc/engine (no Python: rings, slabs, the arena, jobs and their
+# runners, host copies, file reads, plans, layouts, CUDA loading, NVTX) and csrc/binding (the
+# _engine module over it, the only C that includes Python.h). Both folders are on the include path.
+sources = sorted(glob.glob("csrc/engine/*.c")) + sorted(glob.glob("csrc/binding/*.c"))
 extra_compile = ["-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter",
                  "-Wno-missing-field-initializers", "-fvisibility=hidden", "-D_GNU_SOURCE"]
 extra_link = ["-pthread", "-ldl"]
@@ -49,7 +52,7 @@ def nvtx_include():
     return None
 
 
-include_dirs = ["csrc", numpy.get_include()]
+include_dirs = ["csrc/engine", "csrc/binding", numpy.get_include()]
 nvtx_dir = nvtx_include()
 if nvtx_dir:
     include_dirs.append(nvtx_dir)
