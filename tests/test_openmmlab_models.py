@@ -83,15 +83,9 @@ def write_config(path: str, base: str, values: dict) -> str:
 
 
 def switch(plain: Config, loop: str) -> dict:
-    """The lines of docs/mmengine.md's config diff that a child config of ``plain`` adds."""
-    return dict(
-        custom_imports=dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False),
-        train_dataloader=dict(collate_fn=dict(type="mtc_packed_collate")),
-        model=dict(data_preprocessor=dict(_delete_=True, type="MTCDataPreprocessor",
-                                          preprocessor=plain.model.data_preprocessor, arena_bytes=64 << 20)),
-        train_cfg=dict(_delete_=True, type=f"MTC{loop}BasedTrainLoop",
-                       **{k: v for k, v in plain.train_cfg.items() if k not in ("type", "by_epoch")}),
-    )
+    """The lines of docs/mmengine.md that a child config of ``plain`` adds."""
+    return dict(custom_imports=dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False),
+                runner_type="MTCRunner")
 
 
 def rewrite(node, key: str, value):
@@ -273,10 +267,12 @@ def warm_up(cfg: Config) -> None:
     WARM.add(cfg.filename)
 
 
-def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None) -> tuple[list, dict, bool]:
+def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None,
+          zero_edit: bool = False) -> tuple[list, dict, bool]:
     """Trains cfg_path with mmengine's Runner (as tools/train.py does), returning what the model's
     forward received and returned at each call, the weights after training, and whether the run
-    had the switch (mtc_loader's loop, preprocessor and collate)."""
+    had the switch (mtc_loader's loop, preprocessor and collate). With zero_edit, the config goes
+    through ``mtc_loader.mmengine.switch_config`` first."""
     cfg = Config.fromfile(cfg_path)
     cfg.merge_from_dict({
         "train_dataloader.num_workers": workers, "train_dataloader.persistent_workers": workers > 0,
@@ -287,6 +283,10 @@ def train(cfg_path: str, work_dir: str, workers: int, resume: str | None = None)
     cfg.experiment_name = f"{os.path.basename(cfg_path)}-{time.monotonic_ns()}"
     if resume:
         cfg.resume, cfg.load_from = True, resume
+    if zero_edit:
+        from mtc_loader.mmengine import switch_config
+
+        cfg = switch_config(cfg)
     RECORDS.clear()
     warm_up(cfg)
     # Config.pretty_text formats the whole config with yapf (seconds on a small CPU) for the log
@@ -348,3 +348,13 @@ def test_iter_loop_no_workers(tmp_path, model):
     assert sum(r[0] == "loss" for r in runs["plain"][0]) == 3
     assert sum(r[0] == "predict" for r in runs["plain"][0]) == 2
     assert_same_runs(runs["plain"], runs["switched"], "switched vs plain")
+
+
+@pytest.mark.parametrize("model", ["pointpillars"])
+def test_switch_config_without_editing_the_config(tmp_path, model):
+    """switch_config on the plain config, built by Runner.from_cfg, 2 workers: the same as the
+    plain run."""
+    cfgs = configs(tmp_path, model)
+    plain = train(cfgs["plain", "Iter"], str(tmp_path / "plain"), workers=2)
+    switched = train(cfgs["plain", "Iter"], str(tmp_path / "switched"), workers=2, zero_edit=True)
+    assert_same_runs(plain, switched, "switch_config vs plain")
