@@ -15,6 +15,7 @@ Three ways in, one C engine:
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Optional
 
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
@@ -41,7 +42,14 @@ _SUBMODULES = ("lightning", "accelerate", "mmengine")
 def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
         import importlib
-        return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+        try:
+            return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+        except ImportError as e:
+            # The framework is missing: no such attribute, so that hasattr(), dir()-walking
+            # tools (inspect.getmembers, help, IDEs) and getattr(..., default) see none.
+            # `import mtc_loader.<name>` still raises the ImportError that says what to install.
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({e})", name=name,
+                                 obj=sys.modules[__name__]) from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
