@@ -396,6 +396,8 @@ int mtc_arena_creator_gone(const mtc_arena *a)
     return _pid_dead(a->hdr->creator_pid);
 }
 
+int mtc_arena_pid_gone(uint32_t pid) { return _pid_dead(pid); }
+
 static int _reclaimable(uint32_t pid, uint32_t keep, uint32_t only)
 {
     if (!pid || pid == keep) return 0;
