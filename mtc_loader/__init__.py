@@ -21,7 +21,7 @@ from typing import Optional
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
 
 from . import _engine, _setup, _stack  # noqa: F401  (_setup configures the engine on import)
-from ._options import positive_int
+from ._options import positive_int, warn_environment
 from ._tree import register_container, unregister_container
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
@@ -64,7 +64,9 @@ def stats() -> dict[str, int]:
     ``file_reads_pread``: file parts read; ``file_bytes_read``, ``file_reads_direct``: O_DIRECT
     segments, ``file_reads_direct_cached``: aligned segments read buffered since the page cache
     held them, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
-    return _engine.stats()
+    out = _engine.stats()
+    warn_environment()  # a variable first read since import (the pinned cap, by this call)
+    return out
 
 
 def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:
@@ -86,3 +88,4 @@ def trim() -> int:
 
 
 atexit.register(_engine.shutdown)
+warn_environment(check=True)  # every MTC_* variable set now: a refused value is said at import
