@@ -32,7 +32,7 @@ import tempfile
 import numpy
 from setuptools import Extension, setup
 
-# Build switches are read whole, as the engine reads its run-time variables (csrc/env.c): a value
+# Build switches are read whole, as the engine reads its run-time variables (csrc/engine/env.c): a value
 # that is not one the switch takes stops the build with a message naming it, rather than
 # building something other than what was asked for.
 _YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -55,7 +55,11 @@ def _env_word(name: str, words: tuple) -> str:
         raise SystemExit(f"mtc_loader: {name}={v!r} is not one of {', '.join(map(repr, words))}")
     return v
 
-sources = sorted(glob.glob("csrc/*.c"))
+
+# The C sources in two wings: csrc/engine (no Python: rings, slabs, the arena, jobs and their
+# runners, host copies, file reads, plans, layouts, CUDA loading, NVTX) and csrc/binding (the
+# _engine module over it, the only C that includes Python.h). Both folders are on the include path.
+sources = sorted(glob.glob("csrc/engine/*.c")) + sorted(glob.glob("csrc/binding/*.c"))
 extra_compile = ["-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter",
                  "-Wno-missing-field-initializers", "-fvisibility=hidden", "-D_GNU_SOURCE"]
 extra_link = ["-pthread", "-ldl"]
@@ -72,7 +76,7 @@ def nvtx_include():
     return None
 
 
-include_dirs = ["csrc", numpy.get_include()]
+include_dirs = ["csrc/engine", "csrc/binding", numpy.get_include()]
 nvtx_dir = nvtx_include()
 if nvtx_dir:
     include_dirs.append(nvtx_dir)

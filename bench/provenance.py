@@ -1,7 +1,7 @@
 """Where a benchmark's figures come from: the commit, the machine and the command, for its JSON.
 
 Every bench script stores ``provenance(argv)`` under ``"provenance"`` in the JSON it writes, and
-``bench/render_results.py`` prints it under each table of docs/benchmarks.md.
+``tools/release/render_results.py`` prints it under each table of docs/benchmarks.md.
 
 The commit is ``git rev-parse --short HEAD`` of this tree (``+dirty`` when tracked files differ
 from it), or ``$MTC_BENCH_COMMIT`` where the tree has no git history (the GPU machine receives a

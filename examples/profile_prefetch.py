@@ -3,11 +3,12 @@ where a batch's time went (the profiling recipe, docs/profiler.md).
 
 Run it with::
 
-    python3 examples/profile_prefetch.py [trace.json]
+    python3 examples/profile_prefetch.py [OUT.json]
 
-It uses ``cuda:0`` when a GPU is available (CPU and CUDA activities) and the CPU otherwise,
-profiles every thread (so the prefetch service's ranges are in the trace), writes a Chrome
-trace (open it in Perfetto), and prints, for each mtc_loader range and each copy kind, the
+It uses ``cuda:0`` when a GPU is available (CPU and CUDA activities) and the CPU otherwise (CPU
+activities only), profiles every thread (so the prefetch service's ranges are in the trace),
+writes a Chrome trace to ``OUT.json`` (default: ``mtc_loader_trace.json`` in a new folder under
+the system's temporary directory; the path is printed; open it in Perfetto), and prints, for each mtc_loader range and each copy kind, the
 count, the total time and the threads (or device) it ran on; the trace shows the copies' stream.
 Then it says whether the loop was data-bound, from ``PrefetchLoader.stats()``.
 Exit code 0 when the trace holds the ranges it should (and, on a GPU, host-to-device copies).
@@ -15,7 +16,9 @@ Exit code 0 when the trace holds the ranges it should (and, on a GPU, host-to-de
 from __future__ import annotations
 
 import collections
+import os
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -70,9 +73,26 @@ def verdict(stats: dict) -> str:
             f"service spent {stats['service_cpu_ms_per_batch']:.2f} ms of CPU per batch")
 
 
+def quiet_cuda_build_without_gpu() -> None:
+    """A CUDA build of torch on a machine without a GPU logs ``ERROR ... gpuGetDeviceCount
+    failed`` from its profiler backend (Kineto) whenever a profile stops, even one of CPU
+    activities only: quiet Kineto's log there (unless KINETO_LOG_LEVEL is set). It is read when
+    the first profile starts."""
+    if torch.version.cuda and not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def trace_path(argv: list) -> str:
+    """The trace's path: the first argument, or a file in a new temporary folder."""
+    if len(argv) > 1:
+        return str(argv[1])
+    return os.path.join(tempfile.mkdtemp(prefix="mtc_loader_profile_"), "mtc_loader_trace.json")
+
+
 def main() -> int:
-    out = sys.argv[1] if len(sys.argv) > 1 else "trace.json"
+    out = trace_path(sys.argv)
     cuda = torch.cuda.is_available()
+    quiet_cuda_build_without_gpu()
     device = "cuda:0" if cuda else "cpu"
     loader = DataLoader(Samples(), batch_size=8, num_workers=2, collate_fn=mtc_loader.PackedCollate(list))
     prefetch = mtc_loader.PrefetchLoader(loader, device)
@@ -101,7 +121,7 @@ def main() -> int:
     for name, (n, ms, where) in sorted(ranges.items()):
         print(f"{name:44s} {n:6d} {ms:9.2f}  {', '.join(sorted(where))}")
     print("PrefetchLoader.stats():", verdict(prefetch.stats()))
-    print("trace written to", out)
+    print("trace written to", os.path.abspath(out))
     ok = ranges["mtc_loader.prefetch.next"][0] == 9 and (
         config is None or ranges["mtc_loader.prefetch.copy_batch"][0] == 8)
     if cuda:

@@ -158,8 +158,20 @@ def main() -> int:
           f"batch: median {median:.3f} ms, max {waits_sorted[-1]:.3f} ms (after the first batch)")
     s = collate.stats()
     print(f"arena: {s['bytes'] >> 20} MiB, high water {s['high_water_slots'] * s['slot_bytes'] >> 10} KiB, "
-          f"{s['allocs']} batches packed, waits for room: {s['waits']}")
+          f"waits for room: {s['waits']}")
+    print(packed_note(s["allocs"], step, args.workers, loader.prefetch_factor, prefetcher.depth))
     return 0
+
+
+def packed_note(packed: int, steps: int, workers: int, prefetch_factor: int | None, depth: int) -> str:
+    """Why more batches were packed than the loop trained on: the pipeline runs ahead of it."""
+    ahead = packed - steps
+    if ahead <= 0:
+        return f"{packed} batches packed for {steps} steps"
+    queue = (f"the DataLoader's {workers} workers keep up to {workers * prefetch_factor} ready "
+             f"(prefetch_factor {prefetch_factor} each)" if workers else "the DataLoader has no workers")
+    return (f"{packed} batches packed for {steps} steps: the last {ahead} were packed ahead of the loop "
+            f"and not trained on when it stopped ({queue}; PrefetchLoader holds up to {depth}, its depth)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,44 @@ from typing import Optional
 
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
 
-from . import _engine, _setup, _stack  # noqa: F401  (_setup configures the engine on import)
+
+def _source_folder_error() -> Optional[ImportError]:
+    """The error to raise when this package is a source folder whose C engine was never built:
+    Python's own message ("partially initialized module ... circular import") misleads. None
+    where an engine file is here (then the import's own error says what is wrong with it)."""
+    import importlib.machinery
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(os.path.exists(os.path.join(here, "_engine" + s)) for s in importlib.machinery.EXTENSION_SUFFIXES):
+        return None
+    parent = os.path.dirname(here)
+    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != parent]
+    spec = importlib.machinery.PathFinder.find_spec(__name__, others)
+    installed = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    build = ("build the engine in place (`python3 setup.py build_ext --inplace` in the repository "
+             "root) or install it editable (`python3 -m pip install -e .`)")
+    if installed:
+        return ImportError(
+            f"mtc_loader was imported from the source folder {here}, whose C engine (_engine) is not "
+            f"built; it hides the installed mtc_loader in {installed}, because {parent} comes first "
+            f"on sys.path (the current directory, or PYTHONPATH). Run Python from another folder to "
+            f"use the installed package, or {build}.", name=__name__)
+    return ImportError(
+        f"mtc_loader was imported from the source folder {here}, whose C engine (_engine) is not "
+        f"built: {build}, or install the package (`python3 -m pip install .`) and run Python from "
+        f"another folder.", name=__name__)
+
+
+try:
+    from . import _engine
+except ImportError:
+    _err = _source_folder_error()
+    if _err is None:
+        raise
+    raise _err from None
+from . import _setup, _stack  # noqa: F401,E402  (_setup configures the engine on import)
 from ._options import positive_int, warn_environment
 from ._tree import register_container, unregister_container
 from .collate import Arena, PackedBatch, PackedCollate

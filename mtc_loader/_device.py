@@ -8,7 +8,7 @@ import torch
 
 _TARGETS: dict[Any, int] = {}
 
-MAX_DEVICES = 64  # MTC_MAX_DEVICES in csrc/cuda.h
+MAX_DEVICES = 64  # MTC_MAX_DEVICES in csrc/engine/cuda.h
 
 
 def target_index(device: Union[str, torch.device, int]) -> int:

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import torch
 
-# Flags understood by the engine (csrc/module.h): MTC_DT_FLOAT, MTC_DT_COMPLEX.
+# Flags understood by the engine (csrc/binding/state.h): MTC_DT_FLOAT, MTC_DT_COMPLEX.
 _DT_FLOAT, _DT_COMPLEX = 0x1, 0x2
 
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
@@ -46,6 +46,20 @@ def _probe(dt: torch.dtype, size: int) -> None:
 
 DTYPES = _bytewise_dtypes()
 _SUPPORTED = set(DTYPES)
+
+
+def other_samples() -> list[torch.Tensor]:
+    """An empty tensor of each dtype this torch has that is not in :data:`DTYPES` (shell dtypes
+    such as int1..int7, quantized ones), where torch can make one."""
+    out = []
+    for dt in {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - _SUPPORTED:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out.append(torch.empty(0, dtype=torch.uint8).view(dt))
+        except Exception:
+            continue
+    return out
 
 
 def supported_dtype(dt: torch.dtype) -> bool:

@@ -39,6 +39,8 @@ _engine._setup({
     # the empty samples teach the engine the DLPack dtype of each of its dtypes
     "dlpack_api": getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
     "dlpack_samples": [torch.empty(0, dtype=dt) for dt in DTYPES],
+    # and of the dtypes it does not copy, whose DLPack form may be one of its own (int4 as int8)
+    "dlpack_others": _dtypes.other_samples(),
     "leaf_slot": _tree.LEAF,
     "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors

@@ -8,7 +8,7 @@ transfer thread into pinned memory (to ``"cpu"``: into ordinary tensors). Where 
 unavailable the same reads run as ``pread`` on helper threads (see :func:`file_reader`).
 
 The engine reads a FileTensor's ``_spec``: one immutable bytes object with its dtype, shape and
-file parts (csrc/uring.h describes the layout). ``default_collate`` stacks same-shaped
+file parts (csrc/engine/uring.h describes the layout). ``default_collate`` stacks same-shaped
 FileTensors into one FileTensor with one part per file (registered in torch's
 ``default_collate_fn_map`` on import), so a stacked batch is still read in place.
 """
@@ -31,7 +31,7 @@ from ._dtypes import DTYPES
 __all__ = ["FileTensor", "file_reader"]
 
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
-_MAGIC = 0x4654434D  # csrc/uring.h: MTC_FILE_SPEC_MAGIC
+_MAGIC = 0x4654434D  # csrc/engine/uring.h: MTC_FILE_SPEC_MAGIC
 _HDR = struct.Struct("=IHHIIq")  # mtc_file_spec_hdr
 _PART = struct.Struct("=QQII")  # mtc_file_part
 
@@ -67,7 +67,7 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def _spec(dtype: torch.dtype, shape: tuple[int, ...], parts: Sequence[Part]) -> bytes:
-    """The engine's view of a FileTensor (csrc/uring.h: header, dims, parts, path pool)."""
+    """The engine's view of a FileTensor (csrc/engine/uring.h: header, dims, parts, path pool)."""
     pool = bytearray()
     packed = []
     for path, offset, nbytes in parts:
@@ -94,7 +94,7 @@ def _open_data(path: Union[str, bytes]) -> tuple[int, int]:
     """(descriptor, size in bytes) of a FileTensor's file, opened for reading without blocking:
     only a regular file or a block device is read at offsets (a FIFO's open would wait for a
     writer; a FIFO, socket or character device has no offsets), as the engine checks its opens
-    (csrc/uring.c: _open_data)."""
+    (csrc/engine/uring.c: _open_data)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
@@ -367,7 +367,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
-_MAX_NDIM = 1024  # MTC_MAX_NDIM in csrc/plan.h
+_MAX_NDIM = 1024  # MTC_MAX_NDIM in csrc/engine/plan.h
 _MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t), and the engine's bound on a part's end
 
 

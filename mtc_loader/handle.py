@@ -1,4 +1,4 @@
-"""``AsyncCopyHandle``: the Python face of one copy in flight (its C side: csrc/handle.c)."""
+"""``AsyncCopyHandle``: the Python face of one copy in flight (its C side: csrc/binding/handle.c)."""
 from __future__ import annotations
 
 from typing import Any

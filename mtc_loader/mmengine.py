@@ -29,10 +29,11 @@ In a config (see the docs' mmengine recipe)::
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 try:
     from mmengine.dataset import pseudo_collate
@@ -484,6 +485,46 @@ class _Prefetching:
         self.it.close()  # type: ignore[attr-defined]  # a generator: stops the service thread
 
 
+class _Pass:
+    """One pass of mmengine's endless iterator (``_InfiniteDataloaderIterator``) over its
+    DataLoader: the iterator it holds now, after the pass's first batch when the restart took it."""
+
+    def __init__(self, endless: Any) -> None:
+        self.endless = endless
+        self._dataloader = endless._dataloader  # (PrefetchLoader: where the pipeline runs)
+        self.first: Any = _NO_BATCH
+
+    def __iter__(self) -> Iterator[Any]:
+        first, self.first = self.first, _NO_BATCH
+        it: Iterator[Any] = self.endless._iterator
+        return it if first is _NO_BATCH else itertools.chain((first,), it)
+
+
+_NO_BATCH = object()
+
+
+class _PrefetchedPasses(_Prefetching):
+    """The batches of mmengine's endless iterator, prefetched one pass of its DataLoader at a time:
+    at a pass's end mmengine's restart (its warning, ``set_epoch``, a new DataLoader iterator, whose
+    seed comes from torch's global generator) runs on the training thread in ``__next__``, where
+    the plain loop runs it, never on the service thread during a step."""
+
+    def __init__(self, endless: Any, device: torch.device, depth: int) -> None:
+        self.endless = endless
+        super().__init__(_Pass(endless), device, depth)
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except StopIteration:
+            pass
+        self.endless._iterator = iter(())  # spent: mmengine's next() restarts it, here
+        first = next(self.endless)
+        self.loader.iterable.first = first  # type: ignore[attr-defined]
+        self.it = iter(self.loader)
+        return super().__next__()
+
+
 _CKPT_KEY = "mtc_loader"  # the checkpoint's entry for the train loader's position
 
 
@@ -681,7 +722,9 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
 
     def run(self) -> Any:
         endless: Any = self.dataloader_iterator  # type: ignore[has-type]
-        prefetching = _Prefetching(endless, _device_of(self.runner), self.prefetch_depth)
+        passes = hasattr(endless, "_iterator") and hasattr(endless, "_dataloader")  # mmengine's own
+        prefetching = (_PrefetchedPasses if passes else _Prefetching)(endless, _device_of(self.runner),
+                                                                      self.prefetch_depth)
         self._prefetch = prefetching.loader
         self.dataloader_iterator = prefetching
         try:

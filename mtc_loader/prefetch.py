@@ -220,6 +220,16 @@ _NO_STATE = object()  # a batch of an iterable without state_dict (or no snapsho
 _UNSET = object()  # PrefetchLoader._state before its first hand-out: the iterable's own state
 
 
+class _Raised:
+    """An exception the caller's thread met producing a batch, posted to the service (which
+    hands it back in order, as one of its own)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class _FailedSnapshot:
     """The service's snapshot of the iterable's state when ``state_dict()`` raised: the batch is
     handed out all the same, and ``PrefetchLoader.state_dict()`` raises while it is the last."""
@@ -305,8 +315,12 @@ class _Service:
     def __init__(self, iterable: Iterable[Any], index: int, device: Any, depth: int, options: dict[str, Any],
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"], snapshot: Optional[Callable[[], Any]] = None,
-                 copy_snapshots: bool = False, prepare: Optional[Callable[[Any], Any]] = None) -> None:
+                 copy_snapshots: bool = False, prepare: Optional[Callable[[Any], Any]] = None,
+                 caller_produces: bool = False) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
+        # caller_produces: the caller's thread takes each batch from the iterable in its
+        # __next__ (where a plain loop takes it) and posts it here; this thread only copies it
+        self.inbox: Optional[deque[Any]] = deque() if caller_produces else None
         # applied to each batch that is not packed before its copy starts (mtc_loader.mmengine
         # marks what mmengine leaves on the host), on this thread
         self.prepare = prepare
@@ -332,8 +346,11 @@ class _Service:
     def _run(self) -> None:
         it = take = None
         # the copies this thread starts keep their temporary views for the hand-out to drop
-        # (SideCopy._keep); a copy started on any other thread drops them as it goes
-        _engine.keep_temporaries(True)
+        # (SideCopy._keep; a copy started on any other thread drops them as it goes), and skip
+        # the early collection and the staging of small jobs on the calling thread: both would
+        # hold the GIL here, in the training thread's time, for batches that are handed over
+        # and die young
+        _engine.service_thread(True)
         try:
             self._wait_for_previous()
             if self.stopping:
@@ -342,9 +359,12 @@ class _Service:
                 torch.cuda.set_device(self.index)
                 # this thread's current stream: every copy it starts is issued on it
                 torch.cuda.set_stream(_copy_stream(self.index))
-            it = iter(self.iterable)
-            take = _next_of(it)
-            while self._wait_for_room():
+            if self.inbox is None:
+                it = iter(self.iterable)
+                take = _next_of(it)
+            else:
+                take = self._from_caller
+            while self._wait_for_room() and self._wait_for_batch():
                 t0 = time.thread_time()
                 side, error, end = self._one_batch(take)
                 if error is not None:  # handed to the caller after the batches before it
@@ -425,6 +445,36 @@ class _Service:
         except Exception as e:  # raised by PrefetchLoader.state_dict() while it is the last
             return _FailedSnapshot(e)
 
+    def _wait_for_batch(self) -> bool:
+        """Where the caller produces the batches: waits until it has posted the next one (or the
+        end), outside the lowered switch interval (the caller runs its step meanwhile)."""
+        if self.inbox is None:
+            return True
+        with self.cond:
+            while not self.inbox and not self.stopping:
+                self.cond.wait()
+            return not self.stopping
+
+    def _from_caller(self) -> Any:
+        """The batch the caller posted (``take`` where the caller produces): raises
+        StopIteration at the end and the caller's exception where producing failed."""
+        assert self.inbox is not None
+        with self.cond:
+            item = self.inbox.popleft()
+        if item is _END:
+            raise StopIteration
+        if type(item) is _Raised:
+            raise item.error
+        return item
+
+    def give(self, item: Any) -> None:
+        """The caller posts the batch it produced (``_END`` at the end, a ``_Raised`` for an
+        exception of the iterable)."""
+        assert self.inbox is not None
+        with self.cond:
+            self.inbox.append(item)
+            self.cond.notify_all()
+
     def _wait_for_room(self) -> bool:
         with self.cond:
             while len(self.items) >= self.depth and not self.stopping:
@@ -457,6 +507,8 @@ class _Service:
         with self.cond:
             self.stopping = True
             self.items.clear()
+            if self.inbox is not None:
+                self.inbox.clear()
             self.cond.notify_all()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
@@ -509,6 +561,20 @@ def _dataloader_next(dl: Any) -> Any:
     data = dl._next_data()
     dl._num_yielded += 1
     return data
+
+
+def _produces_in_process(iterable: Any) -> bool:
+    """Whether taking a batch from ``iterable`` runs its pipeline in this process (on the thread
+    that takes it): anything but a DataLoader with workers, an iterator of one, or mmengine's
+    endless iterator over one."""
+    loader = iterable
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        loader = getattr(iterable, "_dataloader", None)  # mmengine's _InfiniteDataloaderIterator
+    if isinstance(loader, torch.utils.data.DataLoader):
+        return not loader.num_workers
+    if _DataLoaderIter is not None and isinstance(iterable, _DataLoaderIter):
+        return not iterable._num_workers
+    return True
 
 
 def _shares_iterator(iterable: Any) -> bool:
@@ -674,6 +740,12 @@ class PrefetchLoader:
             training thread holds the GIL almost always, and the thread waits for a forced
             switch each time it needs the GIL back, 5 ms by default. ``None`` leaves the
             interval alone.
+        produce_on_caller: Whether the caller's thread takes each batch from the iterable, inside
+            ``__next__`` (where a plain loop takes it), the thread only copying it: then the
+            pipeline's random transforms and the training step draw from the global generators
+            in a plain loop's order, and the same seed gives the same data. ``None`` (default):
+            for every iterable but a DataLoader with workers (or an iterator of one), whose
+            pipeline runs in the workers; the thread then takes batches ahead of the step.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
             ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
             here, whatever the batches are.
@@ -688,15 +760,19 @@ class PrefetchLoader:
         return object.__new__(cls)
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
-                 gil_switch_interval: Optional[float] = 0.0005, **start_copy_options: Any) -> None:
+                 gil_switch_interval: Optional[float] = 0.0005, produce_on_caller: Optional[bool] = None,
+                 **start_copy_options: Any) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
         if gil_switch_interval is not None and (isinstance(gil_switch_interval, bool) or not (
                 isinstance(gil_switch_interval, (int, float)) and 0 < gil_switch_interval <= 1)):
             raise ValueError("mtc_loader: gil_switch_interval must be None or a number of seconds in "
                              f"(0, 1], got {gil_switch_interval!r}")
+        if produce_on_caller is not None and not isinstance(produce_on_caller, bool):
+            raise TypeError(f"mtc_loader: produce_on_caller must be None, True or False, got {produce_on_caller!r}")
         target_index(device)  # fail early on a bad device
         _check_options(start_copy_options)
+        self.produce_on_caller = produce_on_caller
         self.iterable = iterable
         self.device = device
         self.depth = depth
@@ -759,9 +835,13 @@ class PrefetchLoader:
         if isinstance(self, _ResumablePrefetchLoader):
             snapshot = self.iterable.state_dict  # type: ignore[attr-defined]
             copy_snapshots = _snapshots_may_change(self.iterable)
+        on_caller = self.produce_on_caller
+        if on_caller is None:
+            on_caller = _produces_in_process(self.iterable)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
-                           getattr(self, "_prepare", None))
+                           getattr(self, "_prepare", None), on_caller)
+        hand = None
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over
             # the yield would free the previous batch (hundreds of tensors) inside the next
@@ -773,6 +853,8 @@ class PrefetchLoader:
                 except _EpochEnd:
                     return
         finally:
+            if hand is not None:
+                hand.it = hand.next = None  # the caller's iterator of the iterable, if any
             # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
             # the caller now; that thread ends by itself (stop's docstring)
             service.stop(_STOP_JOIN_S)
@@ -830,12 +912,34 @@ def _check_options(options: dict[str, Any]) -> None:
 class _HandOut:
     """The caller's side of one epoch: takes finished batches and counts the time it waited."""
 
-    __slots__ = ("service", "stats", "last", "done", "position")
+    __slots__ = ("service", "stats", "last", "done", "position", "it", "next")
 
     def __init__(self, service: _Service, stats: dict[str, Any], position: _Position) -> None:
         self.service, self.stats, self.position = service, stats, position
         self.last: Optional[float] = None
         self.done = False
+        # where the caller produces the batches: its iterator of the iterable (made at the
+        # epoch's first next, as a plain loop's for statement makes it) and that one's next
+        self.it: Optional[Iterator[Any]] = None
+        self.next: Optional[Callable[[], Any]] = None
+
+    def _produce(self) -> None:
+        """The next batch taken from the iterable on this thread and posted to the service (or
+        the end, or the exception that producing raised)."""
+        service = self.service
+        try:
+            if self.next is None:
+                self.it = iter(service.iterable)
+                self.next = _next_of(self.it)
+            batch = self.next()
+        except StopIteration:
+            service.give(_END)
+            return
+        except BaseException as e:
+            _forget_iterator(e, self.it)
+            service.give(_Raised(e))
+            return
+        service.give(batch)
 
     def pending(self) -> bool:
         return not self.done
@@ -848,6 +952,8 @@ class _HandOut:
         if self.last is not None:
             stats["step_s"] += t0 - self.last
             stats["steps"] += 1
+        if self.service.inbox is not None:  # this thread produces the batch, the service copies it
+            self._produce()
         if _trace.active():  # free when no tool is attached
             with _trace.Range(_RANGE_NEXT):
                 side, error = self.service.take()

@@ -52,7 +52,7 @@ def _pread_fallback_warning(tmp_path_factory):
     yield
 
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the GPU machine)")
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_2gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs two CUDA GPUs")
 
 

@@ -4,7 +4,7 @@
  * domain calls mtc_loader makes and appends one line per event to the file
  * named by MTC_NVTX_LOG: "<pid> <tid> push <domain> <name>" / "<pid> <tid> pop".
  * With MTC_NVTX_TIMES set, each line starts with CLOCK_MONOTONIC nanoseconds
- * ("<ns> <pid> ..."; bench/nvtx_summary.py reads such a log).
+ * ("<ns> <pid> ..."; tools/diagnostics/nvtx_summary.py reads such a log).
  */
 #define _GNU_SOURCE
 #include <nvtx3/nvToolsExt.h>

@@ -2,7 +2,7 @@
 ``collate_fn=PackedCollate(...)`` and nothing else changed (``send_to_device`` calls
 ``PackedBatch.to``), with the prefetch service added by ``mtc_loader.accelerate.prefetch``, and
 over the per-process DataLoaders accelerate re-creates for two processes; the batches the loop
-saw are checked bitwise. Runs on the CPU here and on CUDA on the GPU machine."""
+saw are checked bitwise. Runs on the CPU everywhere and on CUDA where a GPU is."""
 from __future__ import annotations
 
 import pytest

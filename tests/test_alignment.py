@@ -7,7 +7,7 @@ a multiple of ``round_up(max(min_packed_alignment_bytes, element_size), element_
 Checked for ``start_copy`` (CPU -> GPU packed chunks with pinned staging on and off, GPU -> CPU
 packed chunks, CPU -> CPU) and for ``PackedBatch`` unpacking to the CPU and to a GPU, across
 dtypes of every element size (1, 2, 4, 8 and 16 bytes). The CPU cases run everywhere; the CUDA
-ones on the GPU machine.
+ones where a GPU is.
 """
 from __future__ import annotations
 

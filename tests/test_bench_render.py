@@ -1,4 +1,4 @@
-"""bench/render_results.py: docs/benchmarks.md is what its committed JSON renders to, and the
+"""tools/release/render_results.py: docs/benchmarks.md is what its committed JSON renders to, and the
 renderer reads what the benchmarks write (bench_copy.py's CPU mode, run here)."""
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools" / "release"))
 
 import render_results  # noqa: E402
 
@@ -18,7 +20,7 @@ import render_results  # noqa: E402
 def test_page_is_rendered_from_the_committed_results():
     assert render_results.main(["--check"]) == 0, (
         "docs/benchmarks.md differs from its tables rendered from bench/results/release: run "
-        "python3 bench/render_results.py")
+        "python3 tools/release/render_results.py")
 
 
 def _page(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -52,6 +54,51 @@ def test_renders_what_bench_copy_writes(tmp_path):
     text = page.read_text()
     copy = text.split("<!-- BEGIN render:copy -->")[1].split("<!-- END render:copy -->")[0]
     assert "| seed4_np (np2cpu) | 132, 35 KB |" in copy
-    assert "Commit `abc1234`" in copy and "2 processes of `python3 bench/bench_copy.py --device cpu --quick" in copy
+    assert "2 processes of `python3 bench/bench_copy.py --device cpu --quick" in copy
+    assert "abc1234" not in copy  # the commit stays in the JSON: the page cites none
     assert "--out" not in copy
     assert "Not measured" not in copy and "Not measured" in text  # the other three stay placeholders
+
+
+@pytest.mark.parametrize("n_groups", [1, 3, 8])
+def test_a_plots_legend_covers_neither_its_x_label_nor_its_bars(n_groups):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [(f"group {g}", [(f"method {m}", 1.0 + m) for m in range(4)]) for g in range(n_groups)]
+    fig = render_results._barh(plt, groups, "a long x label, with its unit (log scale)", "title", log=True)
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.xaxis.label.get_window_extent())
+    assert not legend.overlaps(ax.get_window_extent())
+    plt.close(fig)
+
+
+def _tables(text: str) -> list[list[str]]:
+    """The markdown tables of text, each as its lines."""
+    tables: list[list[str]] = []
+    prev = False
+    for line in text.splitlines():
+        is_row = line.startswith("|")
+        if is_row and not prev:
+            tables.append([])
+        if is_row:
+            tables[-1].append(line)
+        prev = is_row
+    return tables
+
+
+def test_page_tables_fit_a_page_and_cite_no_commit():
+    """Every table of the benchmarks page has at most 7 columns (10 do not fit a 1300 px window),
+    the copy table's start_copy variants sit in a table of their own, and no commit is named."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for t in _tables(text):
+        assert t[0].count("|") - 1 <= 7, t[0]
+    copy = text.split("<!-- BEGIN render:copy -->")[1].split("<!-- END render:copy -->")[0]
+    headers = [t[0] for t in _tables(copy)]
+    assert len(headers) == 2, headers
+    assert "no packing" not in headers[0] and "pin_memory" in headers[0]
+    assert "no packing" in headers[1] and "no background thread" in headers[1] and "start_copy" in headers[1]
+    assert "Commit `" not in text and "commit `" not in text

@@ -2,7 +2,7 @@
 by start_copy, PackedCollate (fork and spawn workers), PackedBatch.to and PrefetchLoader; the
 same class comes back with its other fields kept and its tensors on the device.
 
-CPU tests run everywhere; the ``cuda`` variants run the same checks on the GPU machine. The
+CPU tests run everywhere; the ``cuda`` variants run the same checks where a GPU is. The
 classes and datasets are module-level so that workers started by spawn can unpickle them.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CUDA paths of start_copy: every direction and option, against tensor.to() bitwise.
 
-Skipped without a GPU; run on the GPU machine whenever csrc/ or a CUDA path changes.
+Skipped without a GPU; run them on a machine with a GPU whenever csrc/ or a CUDA path changes.
 """
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ the same way: the batches below are copied with each and compared, bitwise and s
 stride, against ``tensor.to()``."""
 from __future__ import annotations
 
+import collections
+import ctypes
+
 import pytest
 import torch
 
@@ -51,14 +54,69 @@ def test_plain_tensors_are_read_through_the_table():
     assert _dlpack_reads(lambda: pc(sub)) == 1
 
 
+def _dlpack_dtype(dt: torch.dtype):
+    """(code, bits, lanes) of the DLPack description torch gives an empty tensor of dt, read from
+    the DLManagedTensor in the capsule (its DLTensor's dtype field, at a fixed offset in every
+    DLPack version); None where torch has no DLPack form for dt."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    try:
+        cap = torch.utils.dlpack.to_dlpack(torch.empty(0, dtype=torch.uint8).view(dt))
+    except Exception:
+        return None
+    # DLTensor: void *data; DLDevice device (2 x int32); int32 ndim; DLDataType dtype
+    raw = ctypes.string_at(get(cap, b"dltensor") + 20, 4)
+    return raw[0], raw[1], int.from_bytes(raw[2:], "little")
+
+
+def _torch_dtypes() -> set:
+    return {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 @needs_table
-def test_every_byte_dtype_torch_describes_is_read_through_the_table():
-    """Dtypes whose DLPack description is theirs alone; bits* and sub-byte dtypes (no
-    DLPack form, or one of another width) are read through their dtype."""
+def test_the_table_reads_exactly_the_dtypes_dlpack_describes_as_theirs_alone():
+    """Which dtypes torch's DLPack describes, and how, is read from the running torch: a dtype
+    with no DLPack form (bits*, bcomplex32 where torch has it), one of another width
+    (float4_e2m1fn_x2) or one it shares with another dtype is read through its attributes."""
+    forms = {dt: _dlpack_dtype(dt) for dt in _torch_dtypes()}
+    ours = collections.Counter(forms[dt] for dt in DTYPES if forms[dt])
+    expected = [dt for dt in DTYPES if forms[dt] and forms[dt][2] == 1 and forms[dt][1] == 8 * dt.itemsize
+                and ours[forms[dt]] == 1]
     tensors = _one_of_each_dtype()
     pc = mtc_loader.PackedCollate(list)
-    n = _dlpack_reads(lambda: pc(tensors))
-    assert n >= len([dt for dt in DTYPES if not str(dt).startswith(("torch.bits", "torch.float4"))])
+    assert _dlpack_reads(lambda: pc(tensors)) == len(expected), expected
+    assert torch.int8 in expected and torch.float32 in expected and torch.bool in expected
+
+
+def _other_dtypes() -> list:
+    """The dtypes the running torch has and the engine does not copy, of which a tensor can be
+    made from bytes (int1..int7 and uint1..uint7: torch cannot copy them either)."""
+    out = []
+    for dt in sorted(_torch_dtypes() - set(DTYPES), key=str):
+        try:
+            torch.empty(0, dtype=torch.uint8).view(dt)
+        except Exception:
+            continue
+        out.append(dt)
+    return out
+
+
+@pytest.mark.parametrize("reader", [True, False], ids=["dlpack", "attributes"], indirect=True)
+@pytest.mark.parametrize("dt", _other_dtypes(), ids=str)
+def test_both_readers_refuse_a_dtype_the_engine_does_not_copy(reader, dt):
+    """torch's DLPack describes int4 as int8 and uint3 as uint8: the table must not copy them
+    as those (the attribute reader refuses them, as does torch's own copy)."""
+    t = torch.arange(8, dtype=torch.uint8).view(dt)
+    for fn in (lambda: mtc_loader.PackedCollate(list)([{"x": t}]),
+               lambda: mtc_loader.start_copy({"x": t, "y": torch.ones(2)}, "cpu", use_background_thread=False).get()):
+        with pytest.raises(TypeError, match=rf"\['x'\] has dtype {dt}, which mtc_loader cannot copy bytewise"):
+            fn()
+
+
+@needs_table
+def test_int8_and_uint8_stay_on_the_table_beside_dtypes_that_share_their_description():
+    batch = [torch.arange(4, dtype=torch.int8), torch.arange(4, dtype=torch.uint8)]
+    assert _dlpack_reads(lambda: mtc_loader.PackedCollate(list)(batch)) == 2
 
 
 @pytest.mark.parametrize("reader", [True, False], ids=["dlpack", "attributes"], indirect=True)

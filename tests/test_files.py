@@ -7,7 +7,7 @@ reads cut to a few KiB (many submissions, every read completed in several short 
 O_DIRECT even for cached pages; io_uring without O_DIRECT; io_uring with a 16-deep ring and
 buffered reads handed to io-wq threads (``MTC_URING_ASYNC``); pread on the helpers; pread cut
 into short reads. The io_uring settings skip where io_uring cannot be set up (the pread ones
-always run). CUDA variants run on the GPU machine.
+always run). CUDA variants run where a GPU is.
 """
 from __future__ import annotations
 

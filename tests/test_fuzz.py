@@ -17,7 +17,7 @@ broadcast arrays), and passthrough leaves (str, int, None, a custom object). Pro
 The budget is fixed (``max_examples``), the generation derandomized and database-free, so
 that a run is reproducible and the file takes well under a minute on two cores. A failure
 prints the smallest structure hypothesis found. The CUDA variants (``cuda`` marker) run on
-the GPU machine: CPU + GPU inputs to ``cuda:0``, GPU inputs back to the CPU, packed batches
+a machine with a GPU: CPU + GPU inputs to ``cuda:0``, GPU inputs back to the CPU, packed batches
 DMAed to ``cuda:0``.
 """
 from __future__ import annotations

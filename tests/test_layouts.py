@@ -6,7 +6,7 @@ the dense strides torch's ``preserve_format`` infers from its own. Each check co
 values bitwise and ``stride()`` against ``t.to(device, copy=True)`` (``copy=True``: torch's
 copy for a source already on ``device``, which is what a packed batch or a host copy makes).
 
-CPU tests run everywhere; the ``cuda`` ones on the GPU machine.
+CPU tests run everywhere; the ``cuda`` ones where a GPU is.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """PyTorch Lightning: ``Trainer.fit`` with ``collate_fn=PackedCollate(...)`` and nothing else
 changed (Lightning's device placement calls ``PackedBatch.to``), and with the prefetch service
 added by ``mtc_loader.lightning.PrefetchCallback``; the batches the model saw are checked
-bitwise. Runs on the CPU accelerator here and on CUDA on the GPU machine."""
+bitwise. Runs on the CPU accelerator everywhere and on CUDA where a GPU is."""
 from __future__ import annotations
 
 import csv as csv_module

@@ -5,7 +5,7 @@ is compared bitwise with what a plain ``DataLoader(..., collate_fn=c)`` (no pack
 processes) gives for the same indices, moved with per-tensor ``.to(device)`` (conftest.tree_to).
 
 CPU tests run everywhere (device "cpu"); the ``cuda`` variants run the same checks with
-device "cuda:0" on the GPU machine (skipped here). The datasets are module-level classes so
+device "cuda:0" where a GPU is (skipped elsewhere). The datasets are module-level classes so
 that workers started by spawn / forkserver can unpickle them.
 """
 from __future__ import annotations
@@ -728,7 +728,7 @@ def test_a_shared_structure_is_walked_once_and_its_outputs_share_nothing():
 LEAF_OF = mtc_loader.collate.LEAF
 
 
-_LEAK_BUG = ("csrc/module.c engine_unpack: when the region check passes but the layout fails to "
+_LEAK_BUG = ("csrc/binding/module.c engine_unpack: when the region check passes but the layout fails to "
              "decode (or does not match nbytes), it returns before `region_owned` is set and never "
              "frees the region; the PackedBatch is already marked consumed, so a corrupt descriptor "
              "from a worker leaks its region for good (owned by the main process: reclaim_dead "

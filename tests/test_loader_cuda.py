@@ -1,6 +1,6 @@
 """The DataLoader path on CUDA: packed batches DMA'd straight from the registered arena.
 
-Skipped without a GPU; run on the GPU machine whenever csrc/ or a CUDA path changes.
+Skipped without a GPU; run them on a machine with a GPU whenever csrc/ or a CUDA path changes.
 """
 from __future__ import annotations
 

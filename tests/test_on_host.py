@@ -4,7 +4,7 @@ cross the worker boundary inside the region and come back as CPU tensors of thei
 numpy arrays under one pass through as they are; the marker is gone from the output. start_copy
 (a batch that is not packed) passes the marked value through as the same object.
 
-CPU tests run everywhere; the ``cuda`` variants run the same checks on the GPU machine. Classes and
+CPU tests run everywhere; the ``cuda`` variants run the same checks where a GPU is. Classes and
 datasets are module-level so that workers started by spawn can unpickle them.
 """
 from __future__ import annotations

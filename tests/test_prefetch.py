@@ -62,11 +62,57 @@ class Recorder:
 
 def test_batches_come_from_the_service_thread_in_order():
     src = Recorder(6)
-    got = list(mtc_loader.PrefetchLoader(src, "cpu", depth=2))
+    got = list(mtc_loader.PrefetchLoader(src, "cpu", depth=2, produce_on_caller=False))
     assert len(got) == 6
     for k, b in enumerate(got):
         assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cpu"), f"batch {k}")
     assert set(src.threads) == {"mtc_loader-prefetch"}
+    wait_no_service_threads()
+
+
+def test_an_in_process_iterable_is_produced_on_the_callers_thread_at_its_next():
+    """Over an iterable that produces its batches in this process, each batch is taken from it
+    on the caller's thread inside __next__ (where a plain loop takes it), none ahead; the
+    service only copies it."""
+    src = Recorder(6)
+    it = iter(mtc_loader.PrefetchLoader(src, "cpu", depth=3))
+    time.sleep(0.1)
+    assert src.produced == 0  # iter() of the iterable comes with the first next
+    for k in range(6):
+        b = next(it)
+        assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cpu"), f"batch {k}")
+        time.sleep(0.05)
+        assert src.produced == k + 1  # nothing taken ahead of the caller's step
+    with pytest.raises(StopIteration):
+        next(it)
+    assert set(src.threads) == {threading.current_thread().name}
+    wait_no_service_threads()
+
+
+@pytest.mark.parametrize("loader_kw, expected", [
+    (dict(num_workers=0), True), (dict(num_workers=2), False)])
+def test_produce_on_caller_by_default_where_the_pipeline_runs_in_process(loader_kw, expected):
+    from mtc_loader.prefetch import _produces_in_process
+    dl = torch.utils.data.DataLoader(list(range(4)), batch_size=2, **loader_kw)
+    assert _produces_in_process(dl) is expected
+    assert _produces_in_process(iter([1])) is True
+    with pytest.raises(TypeError, match="produce_on_caller"):
+        mtc_loader.PrefetchLoader(dl, "cpu", produce_on_caller=1)
+
+
+@pytest.mark.parametrize("on_caller", [True, False])
+def test_copy_error_comes_after_the_batches_before_it_either_way(on_caller):
+    got = []
+    with pytest.raises(TypeError, match=r"data\[1\]\['bad'\].*dtype object"):
+        for k, b in enumerate(mtc_loader.PrefetchLoader(Recorder(6, bad_at=2), "cpu", produce_on_caller=on_caller)):
+            assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cpu"), f"batch {k}")
+            got.append(k)
+    assert got == [0, 1]
+    got.clear()
+    with pytest.raises(KeyError, match="iterable failed at 3"):
+        for k, _ in enumerate(mtc_loader.PrefetchLoader(Recorder(6, raise_at=3), "cpu", produce_on_caller=on_caller)):
+            got.append(k)
+    assert got == [0, 1, 2]
     wait_no_service_threads()
 
 
@@ -102,7 +148,7 @@ def test_iter_error_is_raised_by_the_first_next():
 @pytest.mark.parametrize("depth", [1, 3])
 def test_depth_bounds_the_batches_taken_ahead(depth):
     src = Recorder(20)
-    it = iter(mtc_loader.PrefetchLoader(src, "cpu", depth=depth))
+    it = iter(mtc_loader.PrefetchLoader(src, "cpu", depth=depth, produce_on_caller=False))
     next(it)
     time.sleep(0.3)  # the service fills up to depth finished batches, plus the one it is on
     assert 1 + depth <= src.produced <= 1 + depth + 1, src.produced
@@ -233,12 +279,14 @@ def test_gil_switch_interval_lowered_while_working_and_restored():
                 seen.append(sys.getswitchinterval())  # the service thread is working on a batch
                 yield b
 
-    assert len(list(mtc_loader.PrefetchLoader(Watch(5), "cpu", gil_switch_interval=0.0002))) == 5
+    assert len(list(mtc_loader.PrefetchLoader(Watch(5), "cpu", gil_switch_interval=0.0002,
+                                              produce_on_caller=False))) == 5
     assert seen and all(abs(s - 0.0002) < 1e-9 for s in seen), seen
     wait_no_service_threads()
     assert sys.getswitchinterval() == default
     seen.clear()
-    assert len(list(mtc_loader.PrefetchLoader(Watch(3), "cpu", gil_switch_interval=None))) == 3
+    assert len(list(mtc_loader.PrefetchLoader(Watch(3), "cpu", gil_switch_interval=None,
+                                              produce_on_caller=False))) == 3
     assert seen and all(s == default for s in seen)
 
 

@@ -1,4 +1,4 @@
-"""A short soak (bench/soak.py is the long one): thousands of copies and a few hundred loader
+"""A short soak (tools/diagnostics/soak.py is the long one): thousands of copies and a few hundred loader
 batches must leave descriptors, arena slots, input reference counts and resident memory flat."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import mtc_loader
 
-_SOAK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "soak.py")
+_SOAK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "diagnostics", "soak.py")
 MiB = 1 << 20
 
 

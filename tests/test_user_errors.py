@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -242,6 +243,8 @@ def test_an_epoch_leaves_the_switch_interval_as_it_was(own_interval):
 
 
 def test_two_loaders_at_once_work_at_the_shorter_interval(own_interval):
+    # the generators run on the services' threads (produce_on_caller=False), where the
+    # interval applies while a service works on a batch
     sys.setswitchinterval(0.005)
     a_working, b_done, seen = threading.Event(), threading.Event(), []
 
@@ -257,10 +260,11 @@ def test_two_loaders_at_once_work_at_the_shorter_interval(own_interval):
 
     out = []
     a = threading.Thread(target=lambda: out.extend(
-        mtc_loader.PrefetchLoader(batches_a(), "cpu", gil_switch_interval=0.001)))
+        mtc_loader.PrefetchLoader(batches_a(), "cpu", gil_switch_interval=0.001, produce_on_caller=False)))
     a.start()
     try:
-        out.extend(mtc_loader.PrefetchLoader(batches_b(), "cpu", gil_switch_interval=0.0002))
+        out.extend(mtc_loader.PrefetchLoader(batches_b(), "cpu", gil_switch_interval=0.0002,
+                                              produce_on_caller=False))
     finally:
         b_done.set()
         a.join(30)
@@ -390,6 +394,9 @@ def test_the_example_times_against_to_and_says_what_a_cpu_run_shows():
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reuse" not in r.stdout and "needs a GPU" in r.stdout, r.stdout
+    # nothing was copied, and no CUDA context was made: the output says neither
+    assert "copied" not in r.stdout and "CUDA context" not in r.stdout, r.stdout
+    assert "528 tensors" in r.stdout and "returned as they are (already there: no copy)" in r.stdout, r.stdout
 
 
 def test_the_profiling_example_uses_no_private_torch_module_and_gives_a_verdict():
@@ -401,3 +408,68 @@ def test_the_profiling_example_uses_no_private_torch_module_and_gives_a_verdict(
          "service_cpu_ms_per_batch": 1.0}
     assert ex.verdict(s).startswith("DATA-BOUND")
     assert ex.verdict({**s, "data_bound": 0.01}).startswith("not data-bound")
+
+
+def _import_source_copy(tmp_path, *extra_path):
+    """Imports, in a fresh interpreter started in its parent folder, a copy of the package's
+    Python sources without the built engine: a repository root after ``pip install .``. -S keeps
+    site's path hooks (an editable install's) out; torch and numpy come from their folders."""
+    import numpy
+    src = tmp_path / "checkout"
+    shutil.copytree(Path(mtc_loader.__file__).parent, src / "mtc_loader",
+                    ignore=shutil.ignore_patterns("_engine*.so", "_engine*.pyd", "__pycache__"))
+    deps = [os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, numpy)]
+    code = f"import sys; sys.path[1:1] = {[*extra_path, *deps]!r}; import mtc_loader"
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=src)
+    assert r.returncode != 0, r.stdout + r.stderr
+    return r.stderr, str(src / "mtc_loader")
+
+
+def test_a_source_folder_without_its_engine_says_it_hides_the_installed_package(tmp_path):
+    err, here = _import_source_copy(tmp_path, package_parent())
+    last = err.strip().splitlines()[-1]
+    assert "circular import" not in err, err
+    assert last.startswith("ImportError: mtc_loader was imported from the source folder"), err
+    assert here in last and "not built" in last, err
+    assert f"hides the installed mtc_loader in {os.path.join(package_parent(), 'mtc_loader')}" in last, err
+    assert "Run Python from another folder" in last and "pip install -e ." in last, err
+
+
+def test_a_source_folder_without_its_engine_says_how_to_build_it(tmp_path):
+    err, here = _import_source_copy(tmp_path)
+    last = err.strip().splitlines()[-1]
+    assert "circular import" not in err, err
+    assert here in last and "not built" in last and "build_ext --inplace" in last, err
+
+
+def test_the_profiling_example_writes_its_trace_where_it_says_and_quiets_a_cuda_build_without_gpu(
+        monkeypatch, tmp_path):
+    ex = _load_example("profile_prefetch")
+    monkeypatch.chdir(tmp_path)
+    out = Path(ex.trace_path(["profile_prefetch.py"]))
+    assert out.parent.is_dir() and tmp_path not in out.parents and out.parent != tmp_path
+    assert ex.trace_path(["profile_prefetch.py", "t.json"]) == "t.json"
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ex.quiet_cuda_build_without_gpu()
+    assert os.environ["KINETO_LOG_LEVEL"] == "5"
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "1")  # the user's own setting stays
+    ex.quiet_cuda_build_without_gpu()
+    assert os.environ["KINETO_LOG_LEVEL"] == "1"
+    monkeypatch.delenv("KINETO_LOG_LEVEL")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: Kineto's log as it is
+    ex.quiet_cuda_build_without_gpu()
+    assert "KINETO_LOG_LEVEL" not in os.environ
+    out.parent.rmdir()
+
+
+def test_the_training_example_says_why_more_batches_were_packed_than_trained_on():
+    note = _load_example("train_loop").packed_note
+    assert note(30, 24, 2, 2, 2) == (
+        "30 batches packed for 24 steps: the last 6 were packed ahead of the loop and not trained on when it "
+        "stopped (the DataLoader's 2 workers keep up to 4 ready (prefetch_factor 2 each); PrefetchLoader holds "
+        "up to 2, its depth)")
+    assert "no workers" in note(26, 24, 0, None, 2)
+    assert note(24, 24, 2, 2, 2) == "24 batches packed for 24 steps"

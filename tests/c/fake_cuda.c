@@ -1,7 +1,7 @@
 /*
  * tests/c/fake_cuda.c - a fake CUDA driver for the C unit tests: built as
  * libcuda.so.1 and found through LD_LIBRARY_PATH, it provides every entry
- * point csrc/cuda.c resolves, on the host, with no GPU.
+ * point csrc/engine/cuda.c resolves, on the host, with no GPU.
  *
  *   - A "device pointer" is a host address (a buffer the test owns).
  *   - A stream is a worker thread with a FIFO of operations: copies, event

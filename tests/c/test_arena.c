@@ -1,5 +1,5 @@
 /*
- * test_arena.c - unit tests for csrc/arena.c (the shared memfd arena and its
+ * test_arena.c - unit tests for csrc/engine/arena.c (the shared memfd arena and its
  * lock-free slot allocator).
  *
  * Built and run by tests/c/Makefile under ASan+UBSan and under TSan. Exit
@@ -11,7 +11,7 @@
  *   MTC_ARENA_STRESS_CYCLES  cycles per process / thread of the stress tests
  *                            (default 5000 processes, 4000 threads)
  *   (the retag / reclaim_dead race test, test_retag_vs_reclaim_race, runs by
- *    default: a regression test of a bug fixed in csrc/arena.c)
+ *    default: a regression test of a bug fixed in csrc/engine/arena.c)
  */
 #include "arena.h"
 

@@ -1,5 +1,5 @@
 /*
- * test_h2d.c - unit tests for the large host -> device copies of csrc/h2d.c
+ * test_h2d.c - unit tests for the large host -> device copies of csrc/engine/h2d.c
  * (MTC_OP_H2D ops of a job with pinned staging, run by mtc_h2d_large): the
  * staging ring, where R pinned slabs are reused in turn (piece i is staged by
  * the helpers into slab i % R, and may be written only once the DMA of piece

@@ -1,4 +1,4 @@
-/* Unit tests of csrc/hostcopy.c: the helper pool (batches on the submitter's
+/* Unit tests of csrc/engine/hostcopy.c: the helper pool (batches on the submitter's
  * stack, several submitters at once), completion flags, strided copies. */
 #include <errno.h>
 #include <pthread.h>

@@ -1,7 +1,7 @@
 /*
- * test_layout.c - the packed-batch layout codec (csrc/layout.c) with leaves
+ * test_layout.c - the packed-batch layout codec (csrc/engine/layout.c) with leaves
  * that carry their own strides, and the layout rules it relies on
- * (csrc/strides.c): torch's dense test, infer_dense_strides and the output
+ * (csrc/engine/strides.c): torch's dense test, infer_dense_strides and the output
  * flags, checked against values torch 2.13 gives.
  */
 #include <errno.h>

@@ -1,5 +1,5 @@
 /*
- * test_plan.c - unit tests for csrc/plan.c (the planner: per-leaf actions and
+ * test_plan.c - unit tests for csrc/engine/plan.c (the planner: per-leaf actions and
  * the packed layout).
  *
  * Built and run by tests/c/Makefile under ASan+UBSan (pure C, single-threaded).

@@ -1,5 +1,5 @@
 /*
- * test_ring.c - unit tests for csrc/ring.c (bounded MPSC ring).
+ * test_ring.c - unit tests for csrc/engine/ring.c (bounded MPSC ring).
  *
  * Built and run by tests/c/Makefile under ASan+UBSan and under TSan.
  * Exit status 0 and a one-line summary on success; on the first failed check

@@ -1,5 +1,5 @@
 /*
- * test_slab.c - unit tests for the pinned slab allocator (csrc/slab.c).
+ * test_slab.c - unit tests for the pinned slab allocator (csrc/engine/slab.c).
  *
  * Fake ops: "pinned" memory is malloc'd, fences are structs with an atomic
  * `done` flag that the test (or a "GPU" thread) flips.  The fakes also check

@@ -1,5 +1,5 @@
 /*
- * test_transfer.c - unit tests for the job lifetime of csrc/transfer.c that
+ * test_transfer.c - unit tests for the job lifetime of csrc/engine/transfer.c that
  * the binding layer relies on (CPU jobs only: no GPU needed):
  *   - several waiters on one job, each with its own reference (mtc_job_ref),
  *     released in any order while the transfer thread completes and drops

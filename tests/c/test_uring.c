@@ -1,4 +1,4 @@
-/* Unit tests of csrc/uring.c: the ring's submission and completion logic
+/* Unit tests of csrc/engine/uring.c: the ring's submission and completion logic
  * (windows of requests, a queue shallower than the batch, reads cut short and
  * completed, O_DIRECT middles with buffered heads and tails), errors (missing,
  * short, directory) with the failing request and the bytes that arrived, no

@@ -24,7 +24,7 @@
  * input it was running to DIR/crash-<name>-<n> (timeout-<name>-<n>), n the
  * execution's number, prints how to reproduce, and exits 1.
  *
- * Guidance. When the harness and csrc/ are compiled with gcc's
+ * Guidance. When the harness and csrc/engine/ are compiled with gcc's
  * -fsanitize-coverage=trace-pc,trace-cmp (the Makefile does), the callbacks
  * below keep an AFL-style edge map (hashed pc pairs, hit counts bucketed) and
  * a table of recent comparison operands: an input that reaches new edges or

@@ -1,5 +1,5 @@
 /*
- * fuzz_arena.c - fuzzes the shared arena (csrc/arena.h) against a hostile
+ * fuzz_arena.c - fuzzes the shared arena (csrc/engine/arena.h) against a hostile
  * header: every process that maps the arena can write its header and slot
  * table, and a descriptor's offsets come from a worker.
  *

@@ -1,6 +1,6 @@
 /*
  * fuzz_layout.c - fuzzes mtc_layout_decode(), the decoder of what a DataLoader
- * worker sends the main process (csrc/layout.h), and the planner -> encoder ->
+ * worker sends the main process (csrc/engine/layout.h), and the planner -> encoder ->
  * decoder round trip.
  *
  * Input: byte 0 selects the mode.

@@ -1,5 +1,5 @@
 /*
- * fuzz_plan.c - fuzzes the planner (csrc/plan.h): input bytes -> options and
+ * fuzz_plan.c - fuzzes the planner (csrc/engine/plan.h): input bytes -> options and
  * leaves (any device, dtype, shape torch can make, contiguity, numpy) ->
  * mtc_plan_build(), whose result must pass mtc_plan_valid() and, checked here
  * independently of plan.c, everything the copy and the output views rely on:

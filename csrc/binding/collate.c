@@ -1,0 +1,654 @@
+/*
+ * collate.c - the packed-batch side (mtc_loader/collate.py): pack() in a
+ * DataLoader worker (every leaf of a batch written into one arena region,
+ * described by a layout and a skeleton) and unpack() in the main process (the
+ * region becomes the output structure with one DMA). See collate.h; the
+ * Arena type is in arenaobj.c.
+ */
+#include "collate.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "copy.h"
+#include "collector.h"
+#include "cuda.h"
+#include "files.h"
+#include "handle.h"
+#include "hostcopy.h"
+#include "layout.h"
+#include "outputs.h"
+#include "skeleton.h"
+#include "traverse.h"
+
+/* ------------------------------------------------------------------ pack */
+
+/* Refuses CUDA leaves: a worker packs host memory. 0, or -1 with TypeError
+ * naming the first CUDA leaf. */
+static int _pack_refuse_cuda(const mtc_tree *t)
+{
+    if (!t->any_cuda) return 0;
+    for (uint32_t i = 0; i < t->nleaves; i++)
+        if (t->leaves[i].dev >= 0) {
+            PyObject *path = mtc_leaf_path(t, i);
+            if (path) {
+                PyErr_Format(PyExc_TypeError, "mtc_loader: %U is a CUDA tensor; PackedCollate packs host "
+                             "tensors in DataLoader workers (move it to the GPU after loading)", path);
+                Py_DECREF(path);
+            }
+            return -1;
+        }
+    return 0;
+}
+
+/* The error for a packed batch of `payload` bytes that the arena is too
+ * small for (rc -E2BIG) or stayed too full to take (-ETIMEDOUT): the size to
+ * configure. -1. */
+static int _pack_too_big(mtc_arena *a, int64_t payload, int rc)
+{
+    mtc_arena_stats as;
+    mtc_arena_get_stats(a, &as);
+    int64_t slot = (int64_t)as.slot_bytes;
+    int64_t rounded = payload > INT64_MAX - slot ? payload : (payload + slot - 1) / slot * slot;
+    if (rc == -E2BIG) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "mtc_loader: the shared arena (%llu bytes) is too small for a packed batch of %lld "
+                     "bytes. Make it larger: PackedCollate(arena_bytes=...) of at least "
+                     "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                     "(this batch rounded up to the arena's 64 KiB slots)",
+                     (unsigned long long)as.bytes, (long long)payload, (long long)rounded);
+        return -1;
+    }
+    /* full for too long: say who holds the room. The training process (the
+     * arena's creator) holds the batches it received and has not unpacked or
+     * dropped; a loop that keeps them fills an arena of any size. */
+    uint32_t creator = a->hdr->creator_pid;
+    mtc_arena_usage_t u;
+    mtc_arena_usage(a, creator, &u);
+    PyErr_Format(PyExc_RuntimeError,
+                 "mtc_loader: the shared arena (%llu bytes, %llu in use) stayed full too long to take a packed "
+                 "batch of %lld bytes: %llu batches (%llu bytes) are still held by the training process (pid "
+                 "%u: received, and not yet unpacked or dropped), %llu (%llu bytes) by other processes "
+                 "(DataLoader workers: packed, not yet received). %s"
+                 "ake it larger than its %llu bytes: PackedCollate(arena_bytes=...) of at least "
+                 "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x %lld bytes "
+                 "(this batch rounded up to the arena's 64 KiB slots)",
+                 (unsigned long long)as.bytes, (unsigned long long)(as.slots_in_use * as.slot_bytes),
+                 (long long)payload, (unsigned long long)u.owner_regions,
+                 (unsigned long long)(u.owner_slots * as.slot_bytes), (unsigned)creator,
+                 (unsigned long long)u.other_regions, (unsigned long long)(u.other_slots * as.slot_bytes),
+                 u.owner_regions ? "A loop that keeps the PackedBatch objects it receives (in a list, or "
+                                   "referenced beyond its step) fills an arena of any size: unpack each one "
+                                   "(batch.to(device), or iterate a PrefetchLoader) and keep what it unpacks "
+                                   "to, or drop it. Otherwise, m"
+                                 : "M",
+                 (unsigned long long)as.bytes, (long long)rounded);
+    return -1;
+}
+
+/* Takes a region of `payload` bytes for this process, waiting up to timeout_ns
+ * (< 0: forever) with the GIL released, in slices: a signal (Ctrl-C) ends the
+ * wait with its exception, as in get(), and so does the exit of the process
+ * that created the arena or of `consumer` (0: none), the process this one
+ * packs for: a DataLoader worker's parent, which is not the arena's creator
+ * where a launcher made the PackedCollate and handed it to a rank process.
+ * Only the consumer frees room, and torch's own watchdog cannot run while
+ * the worker waits here. 0 and *off, or -1 with an error that says which
+ * arena size to configure. */
+static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns, uint32_t me, uint32_t consumer,
+                              uint64_t *off)
+{
+    mtc_arena_wait w;
+    mtc_arena_wait_init(&w, timeout_ns);
+    int rc;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = mtc_arena_alloc_slice(a, (uint64_t)(payload ? payload : 1), me, &w, 100000000, off); /* 100 ms */
+        Py_END_ALLOW_THREADS
+        if (rc != -EAGAIN) break;
+        if (PyErr_CheckSignals()) return -1;
+        if (me != a->hdr->creator_pid && mtc_arena_creator_gone(a)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: the process that created this PackedCollate's arena (pid %u, "
+                         "the training process) has exited while process %u waited for room in it; "
+                         "no room will come, so this process stops packing",
+                         (unsigned)a->hdr->creator_pid, (unsigned)me);
+            return -1;
+        }
+        /* the parent's exit reparents this process: getppid() tells at once,
+         * the pid check covers a consumer that is not the parent */
+        if (consumer && consumer != me && ((uint32_t)getppid() != consumer || mtc_arena_pid_gone(consumer))) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: the process this DataLoader worker packs batches for (pid %u, its "
+                         "parent) has exited while process %u waited for room in the shared arena; no room "
+                         "will come, so this process stops packing", (unsigned)consumer, (unsigned)me);
+            return -1;
+        }
+    }
+    if (!rc) return 0;
+    if (rc == -E2BIG || rc == -ETIMEDOUT) return _pack_too_big(a, payload, rc);
+    PyErr_Format(PyExc_RuntimeError, "mtc_loader: arena allocation failed: %s", strerror(-rc));
+    return -1;
+}
+
+/* Checks that the plan put every leaf into one chunk that fits the arena (the
+ * planner was asked for chunks of at most the arena's size): a leaf that is
+ * not packed is larger than the whole arena (an expanded view is packed with
+ * every element), and a second chunk means the batch is. 0, or -1 with an
+ * error naming the leaf or the size to configure. */
+static int _pack_check_plan(mtc_arena *a, const mtc_tree *t, const mtc_plan *p, int64_t arena_bytes)
+{
+    for (uint32_t i = 0; i < t->nleaves; i++) {
+        const mtc_leaf *l = &t->leaves[i];
+        if (l->action == MTC_ACT_PACK) continue;
+        PyObject *path = mtc_leaf_path(t, i);
+        if (!path) return -1;
+        /* an expanded view (a 0 stride on a dim of more than one element) is
+         * packed with every element it shows */
+        int expanded = 0;
+        for (int32_t d = 0; d < l->ndim; d++)
+            if (t->shape[l->dims + d] > 1 && t->strides[l->dims + d] == 0) expanded = 1;
+        if (l->nbytes == INT64_MAX)
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: %U spans 2^63 bytes or more (an expanded view, e.g. .expand() or "
+                         "np.broadcast_to), more than any arena_bytes: pack the tensor it expands, and "
+                         "expand it after loading", path);
+        else
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: %U takes %lld bytes packed%s, more than the whole shared arena "
+                         "(%lld bytes). Make it larger: PackedCollate(arena_bytes=...) of at least "
+                         "(num_workers * prefetch_factor + PrefetchLoader depth + 2) x the batch's bytes%s",
+                         path, (long long)l->nbytes,
+                         expanded ? " (an expanded view is packed with every element it shows)" : "",
+                         (long long)arena_bytes, expanded ? ", or expand the tensor after loading" : "");
+        Py_DECREF(path);
+        return -1;
+    }
+    if (p->nchunks > 1) {
+        int64_t total = 0;
+        for (uint32_t k = 0; k < p->nchunks; k++)
+            if (__builtin_add_overflow(total, p->chunks[k].payload, &total)) total = INT64_MAX;
+        return _pack_too_big(a, total, -E2BIG);
+    }
+    return 0;
+}
+
+/* Writes every leaf of t into the region at `dst` as plan p places them: one
+ * host-copy job run here with the GIL released (helpers for big leaves; the
+ * FileTensor leaves read straight into the region, one batch of reads).
+ * 0, or -1 with MemoryError or the exception of a failed file read. */
+static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
+{
+    if (!t->nleaves) return 0;
+    mtc_job *job = mtc_job_new(1, t->nleaves);
+    if (!job) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    job->target = MTC_DEV_CPU;
+    job->ops[0] = (mtc_op){.kind = MTC_OP_HOST_COPY, .dev = -1, .first = 0, .count = t->nleaves};
+    for (uint32_t i = 0; i < t->nleaves; i++)
+        mtc_item_of_leaf(&job->items[i], t, i, (uintptr_t)(dst + mtc_plan_leaf_offset(p, &t->leaves[i])));
+    job->nops = 1;
+    job->nitems = t->nleaves;
+    Py_BEGIN_ALLOW_THREADS
+    mtc_job_run(job);
+    Py_END_ALLOW_THREADS
+    int rc = 0;
+    if (job->err) { /* only file reads fail here */
+        rc = -1;
+        PyObject *exc = job->err_leaf >= 0 && (t->leaves[job->err_leaf].flags & MTC_LEAF_FILE)
+                            ? mtc_leaf_file_error(t, (uint32_t)job->err_leaf, job->err_part, job->err, job->err_got)
+                            : (PyErr_Format(PyExc_RuntimeError, "mtc_loader: packing the batch failed while %s: %s",
+                                            job->err_where, strerror(-job->err)), NULL);
+        if (exc) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+    }
+    mtc_job_release(job);
+    return rc;
+}
+
+/* The descriptor's layout (bytes), skeleton (the structure with LEAF in
+ * each tensor's place) and atoms: for a structure that batches may share
+ * (skeleton.h), the skeleton has ATOM in each passthrough atom's place and
+ * atoms is the tuple of those atoms; else atoms is None. 0 with three new
+ * references, or -1 with an exception. */
+static int _pack_describe(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject **layout,
+                          PyObject **skeleton, PyObject **atoms)
+{
+    PyObject **slots = NULL;
+    size_t lsize = mtc_layout_size(t->leaves, t->nleaves, p);
+    if (!(*layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lsize))) goto error;
+    int rc = mtc_layout_encode(t->leaves, t->nleaves, t->shape, t->ostrides, p,
+                               (uint8_t *)PyBytes_AS_STRING(*layout), lsize);
+    if (rc) {
+        PyErr_Format(PyExc_SystemError, "mtc_loader: layout encoding failed (%d)", rc);
+        goto error;
+    }
+    if (!(slots = PyMem_Malloc((t->nleaves ? t->nleaves : 1) * sizeof *slots))) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (uint32_t i = 0; i < t->nleaves; i++) slots[i] = st->leaf_slot;
+    if (mtc_skeleton_atoms_only(t)) {
+        if (mtc_skeleton_share(st, t, slots, skeleton, atoms)) goto error;
+    } else {
+        if (!(*skeleton = mtc_rebuild(st, t, slots, NULL))) goto error;
+        *atoms = Py_NewRef(Py_None);
+    }
+    PyMem_Free(slots);
+    return 0;
+error:
+    PyMem_Free(slots);
+    Py_CLEAR(*layout);
+    return -1;
+}
+
+/* pack(arena, data, align, timeout_s[, consumer_pid]) -> (offset, nbytes, layout, skeleton, atoms)
+ * In a DataLoader worker: every tensor / numpy leaf of data is written into
+ * one arena region, laid out by the planner as one chunk: read the leaves,
+ * plan, take a region, write, describe (_pack_describe: atoms is None or the
+ * per-batch atoms of a structure batches may share). New reference, or NULL
+ * with an exception set (the region, if taken, is freed). */
+PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s[, consumer_pid])");
+        return NULL;
+    }
+    mtc_arena *a = mtc_arenaobj_of(st, args[0]);
+    if (!a) return NULL;
+    mtc_plan_opts o;
+    mtc_plan_default_opts(&o, 0); /* "to a device": every host leaf is packed */
+    o.align = PyLong_AsLongLong(args[2]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    unsigned long consumer = nargs == 5 ? PyLong_AsUnsignedLong(args[4]) : 0;
+    if (PyErr_Occurred()) return NULL;
+    if (consumer > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "pack: consumer_pid must be a pid or 0");
+        return NULL;
+    }
+    if (o.align < 1 || o.align > MTC_LAYOUT_MAX_ALIGN || (o.align & (o.align - 1))) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: the arena alignment must be a power of two <= 4096");
+        return NULL;
+    }
+    if (timeout != timeout) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: PackedCollate's timeout must be a number of seconds "
+                        "(negative: wait forever), got nan");
+        return NULL;
+    }
+    /* negative, infinite or past int64 nanoseconds: forever */
+    int64_t timeout_ns = timeout < 0 || timeout >= 9.2e9 ? -1 : (int64_t)(timeout * 1e9);
+    /* one chunk of at most the arena: a leaf or batch past it is refused by name */
+    int64_t arena_bytes = (int64_t)a->nslots * (int64_t)a->slot_bytes;
+    o.max_chunk = o.pack_limit = arena_bytes;
+    mtc_tree t;
+    memset(&t, 0, sizeof t);
+    mtc_plan plan;
+    memset(&plan, 0, sizeof plan);
+    PyObject *res = NULL, *layout = NULL, *skeleton = NULL, *atoms = NULL;
+    uint64_t off = 0;
+    int have_region = 0;
+    uint32_t me = (uint32_t)getpid();
+    t.pack = 1; /* OnHost is walked into: its leaves are host-placed */
+    if (mtc_traverse(st, args[1], &t) || _pack_refuse_cuda(&t)) goto error;
+    if (t.nleaves > MTC_LAYOUT_MAX_LEAVES) { /* the main process's decoder takes no more */
+        PyErr_Format(PyExc_ValueError, "mtc_loader: the batch holds %u tensors and arrays; a packed batch "
+                     "holds at most %u (2^22): split it into smaller batches", t.nleaves,
+                     (unsigned)MTC_LAYOUT_MAX_LEAVES);
+        goto error;
+    }
+    int rc = mtc_plan_build(&plan, t.leaves, t.nleaves, t.shape, &o);
+    if (rc) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: planning the packed batch failed (%s)", strerror(-rc));
+        goto error;
+    }
+    if (_pack_check_plan(a, &t, &plan, arena_bytes)) goto error;
+    int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
+    if (_pack_alloc_region(a, payload, timeout_ns, me, (uint32_t)consumer, &off)) goto error;
+    have_region = 1;
+    /* the region's pages into this process's page tables in one call, the
+     * first time this process writes its slots (see mtc_arena_populate) */
+    Py_BEGIN_ALLOW_THREADS
+    mtc_arena_populate(a, off, (uint64_t)payload);
+    Py_END_ALLOW_THREADS
+    if (_pack_write(&t, &plan, a->base + off) || _pack_describe(st, &t, &plan, &layout, &skeleton, &atoms))
+        goto error;
+    if (!(res = Py_BuildValue("(KLOOO)", (unsigned long long)off, (long long)payload, layout, skeleton, atoms)))
+        goto error;
+    have_region = 0; /* handed to the descriptor */
+error:
+    if (have_region) mtc_arena_free(a, off, me);
+    Py_XDECREF(layout);
+    Py_XDECREF(skeleton);
+    Py_XDECREF(atoms);
+    mtc_plan_free(&plan);
+    mtc_tree_clear(&t);
+    return res;
+}
+
+/* ---------------------------------------------------------------- unpack */
+
+typedef struct _region_ref { mtc_arena *a; uint64_t off; uint32_t owner; } _region_ref;
+
+/* Runs on a CUDA driver thread once the DMA that read the region completed. */
+static void _region_done(void *arg)
+{
+    _region_ref *r = arg;
+    mtc_arena_free(r->a, r->off, r->owner);
+    mtc_arena_unref(r->a);
+    free(r);
+}
+
+/* Checks a descriptor's byte count against its region (already found to be
+ * this process's) and decodes its layout (untrusted input). 0 with the layout
+ * in *L (free with mtc_layout_free), or -1 with ValueError/TypeError set; the
+ * caller frees the region (the batch is consumed: nobody else would). */
+static int _unpack_decode(mtc_state *st, mtc_arena *a, uint64_t off, int64_t nbytes, uint32_t owner,
+                          PyObject *layout, mtc_layout *L)
+{
+    if (!PyBytes_Check(layout)) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: a packed batch's layout must be bytes");
+        return -1;
+    }
+    if (nbytes < 0 || mtc_arena_check(a, off, (uint64_t)(nbytes ? nbytes : 1), owner)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's byte count does not fit its arena "
+                        "region (a corrupt or forged descriptor)");
+        return -1;
+    }
+    int rc = mtc_layout_decode((const uint8_t *)PyBytes_AS_STRING(layout), (size_t)PyBytes_GET_SIZE(layout),
+                               st->elsize, st->ndtypes, (uint64_t)nbytes + MTC_LAYOUT_MAX_ALIGN, L);
+    if (rc || (L->nleaves && L->plan.chunks[0].payload != nbytes)) {
+        if (!rc) mtc_layout_free(L);
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's layout is malformed or does not "
+                        "match its region (a corrupt or forged descriptor)");
+        return -1;
+    }
+    return 0;
+}
+
+/* Page-locks the whole arena once, for `target`: DMAs then read it in place.
+ * 0, or a CUDA error code (mtc_cuda_describe). */
+static int _unpack_register(mtc_arena_object *ao, int target)
+{
+    int rc;
+    if ((rc = mtc_cuda_load()) || (rc = mtc_cuda_set_device(target))) return rc;
+    if (ao->registered_dev >= 0) return 0;
+    rc = MTC_CUDA_ERR(mtc_cu.cuMemHostRegister(ao->a->base, ao->a->bytes, MTC_CU_MEMHOSTREGISTER_PORTABLE));
+    if (rc == MTC_CUDA_ERR(0)) rc = 0;
+    if (!rc) ao->registered_dev = target;
+    return rc;
+}
+
+/* The DMA of the region into dst on `target`, as a job the handle owns; the
+ * region is freed by the job's completion callback, whatever happens (also on
+ * error here). 0, or -1 with an exception. */
+static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, uintptr_t dst,
+                       int target, int background)
+{
+    _region_ref *ref = malloc(sizeof *ref);
+    mtc_job *job = ref ? mtc_job_new(1, 1) : NULL;
+    if (!job) {
+        free(ref);
+        mtc_arena_free(a, off, (uint32_t)getpid());
+        PyErr_NoMemory();
+        return -1;
+    }
+    mtc_arena_ref(a);
+    *ref = (_region_ref){.a = a, .off = off, .owner = (uint32_t)getpid()};
+    job->target = target;
+    job->staging = 0;
+    job->dev_mask = 1ull << target;
+    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
+                           .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
+    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = dst, .nbytes = payload, .dev = -1, .leaf = -1};
+    job->nops = job->nitems = 1;
+    if (mtc_out_capture_streams(st, job)) {
+        _region_done(ref);
+        mtc_job_release(job);
+        return -1;
+    }
+    if (!background || mtc_job_submit(job)) {
+        Py_BEGIN_ALLOW_THREADS
+        mtc_job_run(job);
+        Py_END_ALLOW_THREADS
+    }
+    h->job = job;
+    return 0;
+}
+
+/* For a CUDA target, the host-placed leaves (layout.h): the span of the
+ * region from the first host-placed segment (its offset rounded down to the
+ * layout's alignment: every member keeps its offset modulo its element size)
+ * to the end, copied with one memcpy into a CPU chunk of its own
+ * (torch.empty: never a view of the arena); the plan's host-placed segments
+ * become chunk 1's, at their offsets in it, and chunk 0 (the device's) ends
+ * with the last other segment. New reference, or NULL with an exception. */
+static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *region, int64_t payload)
+{
+    mtc_plan *p = &L->plan;
+    int64_t start = L->host_start - L->host_start % p->chunks[0].align;
+    mtc_chunk *c = realloc(p->chunks, 2 * sizeof *c);
+    if (!c) return PyErr_NoMemory();
+    p->chunks = c;
+    p->nchunks = 2;
+    c[0].payload = L->dev_end;
+    c[1] = (mtc_chunk){.payload = payload - start, .align = c[0].align};
+    for (uint32_t g = 0; g < p->nsegs; g++)
+        if (L->leaves[p->segs[g].proto].flags & MTC_LEAF_HOST) {
+            p->segs[g].chunk = 1;
+            p->segs[g].offset -= start;
+        }
+    uintptr_t ptr;
+    PyObject *shape = Py_BuildValue("(L)", (long long)(payload - start));
+    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, st->device_cpu, 0) : NULL;
+    Py_XDECREF(shape);
+    if (!chunk || mtc_out_data_ptr(st, chunk, &ptr)) {
+        Py_XDECREF(chunk);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
+    Py_END_ALLOW_THREADS
+    return chunk;
+}
+
+/* The chunk that receives the region on `target` (torch.empty, uint8) and
+ * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
+ * view of arena memory, which is reused). The region lands at offset 0 of
+ * the chunk's storage, so that every view's storage offset is its offset in
+ * the region, a multiple of its alignment (see copy.c's _alloc_chunks). For
+ * a CUDA target, the host-placed leaves' span is copied first into a CPU
+ * chunk (_unpack_host: chunks[1]), and the DMA takes the bytes before it
+ * (none: no DMA, and no chunks[0]). The region is freed by then or by the
+ * DMA's callback: *region_owned becomes 0. 0 with new references in
+ * chunks[0..2) (or NULL), or -1 with an exception. */
+static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, mtc_layout *L,
+                        int64_t payload, int target, int background, PyObject **chunks, int *region_owned)
+{
+    mtc_arena *a = ao->a;
+    PyObject *dev_obj = NULL, *shape = NULL, **chunk = &chunks[0];
+    if (target >= 0 && L->nhost) {
+        if (!(chunks[1] = _unpack_host(st, L, a->base + off, payload))) goto error;
+        if (!(payload = L->dev_end)) { /* every leaf is host-placed */
+            *region_owned = 0;
+            mtc_arena_free(a, off, (uint32_t)getpid());
+            return 0;
+        }
+    }
+    if (target >= 0) {
+        int rc = _unpack_register(ao, target);
+        if (rc) {
+            char desc[256];
+            mtc_cuda_describe(rc, desc, sizeof desc);
+            PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s",
+                         target, desc);
+            goto error;
+        }
+    }
+    if (!(dev_obj = mtc_out_device(st, target))) goto error;
+    if (!(shape = Py_BuildValue("(L)", (long long)payload))) goto error;
+    if (!(*chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0))) goto error;
+    uintptr_t ptr;
+    if (mtc_out_data_ptr(st, *chunk, &ptr)) goto error;
+    *region_owned = 0;
+    if (target < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        mtc_memcpy_parallel((void *)ptr, a->base + off, (size_t)payload);
+        Py_END_ALLOW_THREADS
+        mtc_arena_free(a, off, (uint32_t)getpid());
+    } else if (_unpack_dma(st, h, a, off, payload, ptr, target, background)) {
+        goto error;
+    }
+    Py_DECREF(dev_obj);
+    Py_DECREF(shape);
+    return 0;
+error:
+    Py_CLEAR(chunks[0]);
+    Py_CLEAR(chunks[1]);
+    Py_XDECREF(dev_obj);
+    Py_XDECREF(shape);
+    return -1;
+}
+
+/* The output views over the chunks (_unpack_copy), and the skeleton's walk
+ * `sk` rebuilt around them and the batch's atoms (a tuple of sk->natoms, or
+ * None) into h->result. 0, or -1 with an exception. */
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *sk, PyObject *atoms,
+                         PyObject *const *chunks)
+{
+    PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
+    if (!outputs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    mtc_tree lt;
+    memset(&lt, 0, sizeof lt);
+    lt.leaves = L->leaves;
+    lt.shape = L->shape;
+    lt.ostrides = L->ostrides;
+    int rc = -1;
+    int64_t t0 = mtc_now_ns();
+    if ((!mtc_handle_keeps() || (h->keep = PyList_New(0))) &&
+        !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
+        int64_t t1 = mtc_now_ns();
+        mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
+        PyObject *const *av = PyTuple_Check(atoms) ? &PyTuple_GET_ITEM(atoms, 0) : NULL;
+        if ((h->result = mtc_rebuild(st, sk, outputs, av))) rc = 0;
+        mtc_cnt.ns_unpack_rebuild += (uint64_t)(mtc_now_ns() - t1);
+    }
+    for (uint32_t i = 0; i < L->nleaves; i++) Py_XDECREF(outputs[i]);
+    PyMem_Free(outputs);
+    return rc;
+}
+
+/* 1 when the host-placed leaves of the skeleton's walk (under an OnHost) are
+ * not those of the layout (a corrupt or forged descriptor). sk->nslots is
+ * L->nleaves. */
+static int _host_mismatch(const mtc_tree *sk, const mtc_layout *L)
+{
+    if (sk->nhost != L->nhost) return 1;
+    for (uint32_t i = 0; L->nhost && i < sk->nnodes; i++) {
+        const mtc_node *n = &sk->nodes[i];
+        if (n->kind == MTC_NODE_LEAF && !n->host != !(L->leaves[n->leaf].flags & MTC_LEAF_HOST)) return 1;
+    }
+    return 0;
+}
+
+/* unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> Handle
+ * In the main process: the region (already adopted by this process) becomes
+ * the output structure on `target`, straight from the arena: decode the
+ * descriptor, walk the skeleton, copy, make views and rebuild. New reference,
+ * or NULL with an exception set; the region is freed on every error after it
+ * was found to be this process's. */
+PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms)");
+        return NULL;
+    }
+    mtc_arena_object *ao = (mtc_arena_object *)args[0];
+    mtc_arena *a = mtc_arenaobj_of(st, args[0]);
+    if (!a) return NULL;
+    uint64_t off;
+    uint32_t owner, me = (uint32_t)getpid();
+    if (mtc_arenaobj_parse_offset(args[1], &off) || mtc_arenaobj_parse_owner(args[3], &owner)) return NULL;
+    if (owner != me || mtc_arena_check(a, off, 1, owner)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch names a region outside this process's "
+                        "part of the arena (a stale or forged descriptor)");
+        return NULL;
+    }
+    /* From here the region is this batch's, and the batch is consumed: every
+     * error frees it (nobody else would), unless the copy took it over. */
+    int region_owned = 1;
+    mtc_layout L;
+    memset(&L, 0, sizeof L);
+    mtc_handle *h = NULL;
+    PyObject *chunks[2] = {NULL, NULL};
+    long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
+    if (nbytes < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "mtc_loader: a packed batch's byte count %R is not a byte count "
+                     "(a corrupt or forged descriptor)", args[2]);
+        goto error;
+    }
+    long target = PyLong_AsLong(args[6]);
+    if (target == -1 && PyErr_Occurred()) goto error;
+    if (target < -1 || target >= MTC_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: bad target device index %ld", target);
+        goto error;
+    }
+    int background = PyObject_IsTrue(args[7]);
+    int64_t t0 = mtc_now_ns();
+    if (background < 0 || _unpack_decode(st, a, off, nbytes, owner, args[4], &L)) goto error;
+    int64_t t1 = mtc_now_ns();
+    mtc_cnt.ns_unpack_decode += (uint64_t)(t1 - t0);
+    if (!(h = mtc_handle_new(st))) goto error;
+    /* a Skeleton (a structure shared by many batches) was walked once; any
+     * other skeleton is walked here */
+    const mtc_tree *sk = mtc_skeleton_tree(st, args[5]);
+    if (!sk) {
+        h->tree.slots = 1;
+        if (mtc_traverse(st, args[5], &h->tree)) goto error;
+        sk = &h->tree;
+    }
+    t0 = mtc_now_ns();
+    mtc_cnt.ns_unpack_rebuild += (uint64_t)(t0 - t1);
+    Py_ssize_t natoms = PyTuple_Check(args[8]) ? PyTuple_GET_SIZE(args[8]) : args[8] == Py_None ? 0 : -1;
+    if (sk->nslots != L.nleaves || sk->nleaves || natoms != (Py_ssize_t)sk->natoms || _host_mismatch(sk, &L)) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
+        goto error;
+    }
+    if ((!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves)) ||
+        _unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
+        goto error;
+    mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
+    mtc_cnt.unpacks++;
+    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device chunk */
+    if ((h->buffers && chunks[0] && PyList_Append(h->buffers, chunks[0])) ||
+        _unpack_views(st, h, &L, sk, args[8], chunks))
+        goto error;
+    Py_XDECREF(chunks[0]);
+    Py_XDECREF(chunks[1]);
+    mtc_layout_free(&L);
+    if (!h->job) mtc_handle_finish(h);
+    return (PyObject *)h;
+
+error:
+    if (region_owned) mtc_arena_free(a, off, owner);
+    Py_XDECREF(chunks[0]);
+    Py_XDECREF(chunks[1]);
+    mtc_layout_free(&L);
+    Py_XDECREF(h);
+    return NULL;
+}

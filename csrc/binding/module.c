@@ -1,0 +1,635 @@
+/*
+ * module.c - the _engine module itself, the top of the binding wing: nothing
+ * calls into it. Its state (state.h), method table and multi-phase init, _setup() (the torch objects and Python helpers the engine
+ * uses), stats(), configure/trim/shutdown. The work lives elsewhere, one file
+ * per stage (docs/design.md, "Where to find what"): copy.c (start_copy),
+ * handle.c (get/ready), outputs.c (torch outputs and views), collate.c (the
+ * packed-batch side).
+ */
+#include "state.h"
+
+#include <errno.h>
+#include <string.h>
+
+#include "collate.h"
+#include "collector.h"
+#include "copy.h"
+#include "cuda.h"
+#include "env.h"
+#include "files.h"
+#include "handle.h"
+#include "hostcopy.h"
+#include "skeleton.h"
+#include "pinned.h"
+#include "slab.h"
+#include "transfer.h"
+#include "nvtx.h"
+#include "uring.h"
+
+/* ---------------------------------------------------------------- _setup */
+
+static int _take(PyObject *cfg, const char *name, PyObject **slot)
+{
+    PyObject *v = PyDict_GetItemString(cfg, name); /* borrowed */
+    if (!v) {
+        PyErr_Format(PyExc_KeyError, "_setup: missing %s", name);
+        return -1;
+    }
+    Py_XSETREF(*slot, Py_NewRef(v));
+    return 0;
+}
+
+/* torch's DLPack exchange table (cfg["dlpack_api"]: the capsule, or None),
+ * and the DLPack dtype of each of the engine's dtypes, learnt from torch
+ * itself: cfg["dlpack_samples"][code] is an empty tensor of dtype `code`. A
+ * DLPack dtype two torch dtypes share, or none has, maps to -1: such leaves
+ * are read through their dtype attribute. cfg["dlpack_others"] holds empty
+ * tensors of the dtypes torch has and the engine does not copy: a DLPack
+ * dtype one of them shares with one of ours is marked in dl_verify, and its
+ * leaves' dtype attribute is checked (so that an int4 tensor is refused as
+ * the attribute path refuses it, not copied as int8). No table (an older
+ * torch, another major version): every leaf is read through its attributes.
+ * 0 or -1. */
+static int _setup_dlpack(mtc_state *st, PyObject *cfg)
+{
+    st->dl_view = st->dl_offered = NULL;
+    memset(st->dl_codes, -1, sizeof st->dl_codes);
+    memset(st->dl_verify, 0, sizeof st->dl_verify);
+    PyObject *cap = PyDict_GetItemString(cfg, "dlpack_api");
+    PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
+    PyObject *others = PyDict_GetItemString(cfg, "dlpack_others");
+    if (!cap || cap == Py_None) return 0;
+    if (!PyCapsule_IsValid(cap, "dlpack_exchange_api") || !samples || !PyList_Check(samples) ||
+        PyList_GET_SIZE(samples) != st->ndtypes || !others || !PyList_Check(others)) {
+        PyErr_SetString(PyExc_TypeError, "_setup: bad dlpack_api capsule or dlpack_samples");
+        return -1;
+    }
+    const mtc_dl_api *api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    if (!api) return -1;
+    while (api && api->header.version.major != MTC_DL_MAJOR) api = (const mtc_dl_api *)api->header.prev_api;
+    if (!api || !api->dltensor_from_py_object_no_sync) return 0;
+    mtc_dl_view_fn view = api->dltensor_from_py_object_no_sync;
+    for (int c = 0; c < st->ndtypes; c++) {
+        mtc_dl_tensor dl;
+        if (view(PyList_GET_ITEM(samples, c), &dl)) {
+            PyErr_Clear(); /* a dtype DLPack cannot describe: read through the attribute */
+            continue;
+        }
+        if (dl.dtype.lanes != 1 || dl.dtype.code >= MTC_DL_CODES || dl.dtype.bits != 8 * st->elsize[c]) continue;
+        int8_t *slot = &st->dl_codes[dl.dtype.code][dl.dtype.bits];
+        *slot = *slot == -1 ? (int8_t)c : (int8_t)-2;
+    }
+    for (int k = 0; k < MTC_DL_CODES; k++)
+        for (int b = 0; b < 256; b++)
+            if (st->dl_codes[k][b] < 0) st->dl_codes[k][b] = -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(others); i++) {
+        mtc_dl_tensor dl;
+        if (view(PyList_GET_ITEM(others, i), &dl)) {
+            PyErr_Clear();
+            continue;
+        }
+        if (dl.dtype.lanes == 1 && dl.dtype.code < MTC_DL_CODES) st->dl_verify[dl.dtype.code][dl.dtype.bits] = 1;
+    }
+    st->dl_view = st->dl_offered = view;
+    return 0;
+}
+
+/* _use_dlpack(flag) -> bool: whether leaves are read through torch's DLPack
+ * table (when torch offers one); returns the previous setting. For tests,
+ * which compare the two readers. */
+static PyObject *engine_use_dlpack(PyObject *module, PyObject *flag)
+{
+    mtc_state *st = mtc_get_state(module);
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *prev = PyBool_FromLong(st->dl_view != NULL);
+    st->dl_view = on ? st->dl_offered : NULL;
+    return prev;
+}
+
+/* _setup(cfg: dict): receives torch objects and the Python helpers. */
+static PyObject *engine_setup(PyObject *module, PyObject *cfg)
+{
+    mtc_state *st = mtc_get_state(module);
+    if (!PyDict_Check(cfg)) {
+        PyErr_SetString(PyExc_TypeError, "_setup(cfg: dict)");
+        return NULL;
+    }
+    if (_take(cfg, "tensor_type", &st->tensor_type) || _take(cfg, "empty", &st->torch_empty) ||
+        _take(cfg, "from_numpy", &st->from_numpy) || _take(cfg, "raw_stream", &st->raw_stream) ||
+        _take(cfg, "uint8", &st->uint8) || _take(cfg, "device_cpu", &st->device_cpu) ||
+        _take(cfg, "classify", &st->classify) || _take(cfg, "flatten", &st->flatten) ||
+        _take(cfg, "unflatten", &st->unflatten) || _take(cfg, "diagnose", &st->diagnose) ||
+        _take(cfg, "cuda_device", &st->cuda_device) || _take(cfg, "d_dtype", &st->d_dtype) ||
+        _take(cfg, "d_shape", &st->d_shape) || _take(cfg, "d_is_cuda", &st->d_is_cuda) ||
+        _take(cfg, "m_data_ptr", &st->m_data_ptr) || _take(cfg, "m_get_device", &st->m_get_device) ||
+        _take(cfg, "m_is_contiguous", &st->m_is_contiguous) || _take(cfg, "m_stride", &st->m_stride) ||
+        _take(cfg, "m_is_neg", &st->m_is_neg) || _take(cfg, "m_is_conj", &st->m_is_conj) ||
+        _take(cfg, "leaf_slot", &st->leaf_slot) || _take(cfg, "atom_slot", &st->atom_slot))
+        return NULL;
+    if (!Py_TYPE(st->d_dtype)->tp_descr_get || !Py_TYPE(st->d_shape)->tp_descr_get ||
+        !Py_TYPE(st->d_is_cuda)->tp_descr_get) {
+        PyErr_SetString(PyExc_TypeError, "_setup: tensor attributes are not descriptors");
+        return NULL;
+    }
+    /* dtypes: list of (torch.dtype, itemsize, flags); numpy: {type_num: code} */
+    PyObject *dts = PyDict_GetItemString(cfg, "dtypes"), *np = PyDict_GetItemString(cfg, "numpy");
+    if (!dts || !PyList_Check(dts) || PyList_GET_SIZE(dts) > MTC_MAX_DTYPES || !np || !PyDict_Check(np)) {
+        PyErr_SetString(PyExc_TypeError, "_setup: bad dtypes/numpy tables");
+        return NULL;
+    }
+    Py_XSETREF(st->dtype_codes, PyDict_New());
+    if (!st->dtype_codes) return NULL;
+    st->ndtypes = (int)PyList_GET_SIZE(dts);
+    for (int c = 0; c < st->ndtypes; c++) {
+        PyObject *dt;
+        int size, flags;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(dts, c), "Oii", &dt, &size, &flags)) return NULL;
+        Py_XSETREF(st->dtypes[c], Py_NewRef(dt));
+        st->elsize[c] = size;
+        st->dtflags[c] = flags;
+        PyObject *code = PyLong_FromLong(c);
+        if (!code || PyDict_SetItem(st->dtype_codes, dt, code)) {
+            Py_XDECREF(code);
+            return NULL;
+        }
+        Py_DECREF(code);
+    }
+    for (int i = 0; i < 32; i++) st->np_to_code[i] = -1, st->np_zerocopy[i] = 0;
+    PyObject *zc = PyDict_GetItemString(cfg, "numpy_zero_copy");
+    if (!zc || !PyList_Check(zc)) {
+        PyErr_SetString(PyExc_TypeError, "_setup: bad numpy_zero_copy list");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(zc); i++) {
+        long tn = PyLong_AsLong(PyList_GET_ITEM(zc, i));
+        if (tn >= 0 && tn < 32) st->np_zerocopy[tn] = 1;
+    }
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(np, &pos, &k, &v)) {
+        long tn = PyLong_AsLong(k), code = PyLong_AsLong(v);
+        if (PyErr_Occurred()) return NULL;
+        if (tn >= 0 && tn < 32 && code >= 0 && code < st->ndtypes) st->np_to_code[tn] = (int)code;
+    }
+    if (_setup_dlpack(st, cfg)) return NULL;
+    Py_XSETREF(st->type_cache, PyDict_New());
+    if (!st->type_cache) return NULL;
+    st->ready = 1;
+    Py_RETURN_NONE;
+}
+
+/* _forget_types(): empties the per-type classification cache, so that a
+ * container registered after its type was first met takes effect (the
+ * traversal asks _tree.classify again). Traversals hold the GIL between a
+ * cache lookup and the use of its answer, so none sees a half-cleared cache;
+ * the generation tells a traversal whose classify call ran across this one
+ * (other threads ran meanwhile) not to keep its answer. */
+static PyObject *engine_forget_types(PyObject *module, PyObject *unused)
+{
+    mtc_state *st = mtc_get_state(module);
+    st->type_gen++;
+    if (st->type_cache) PyDict_Clear(st->type_cache);
+    Py_RETURN_NONE;
+}
+
+/* ----------------------------------------------------------------- stats */
+
+static int _put(PyObject *d, const char *k, unsigned long long v)
+{
+    PyObject *o = PyLong_FromUnsignedLongLong(v);
+    if (!o) return -1;
+    int rc = PyDict_SetItemString(d, k, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+static PyObject *engine_stats(PyObject *module, PyObject *unused)
+{
+    mtc_engine_stats e;
+    mtc_engine_get_stats(&e);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+#define P(name, v) if (_put(d, name, (unsigned long long)(v))) goto error
+    P("calls", mtc_cnt.calls); P("leaves", mtc_cnt.leaves);
+    P("leaves_read_dlpack", mtc_cnt.leaves_dlpack); P("tensors_packed", mtc_cnt.packed);
+    P("tensors_reused", mtc_cnt.reused); P("numpy_zero_copy", mtc_cnt.from_numpy);
+    P("host_copies", mtc_cnt.host_copies); P("tensors_staged", mtc_cnt.staged);
+    P("tensors_direct", mtc_cnt.direct); P("tensors_d2h", mtc_cnt.d2h); P("tensors_d2d", mtc_cnt.d2d);
+    P("made_contiguous", mtc_cnt.made_contiguous); P("segments", mtc_cnt.segments);
+    P("chunks", mtc_cnt.chunks);
+    P("ns_traverse", mtc_cnt.ns_traverse); P("ns_plan", mtc_cnt.ns_plan);
+    P("ns_outputs", mtc_cnt.ns_outputs); P("ns_views", mtc_cnt.ns_views); P("ns_get_wait", mtc_cnt.ns_wait);
+    P("unpacks", mtc_cnt.unpacks); P("ns_unpack_decode", mtc_cnt.ns_unpack_decode);
+    P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
+    P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild); P("gc_early_collections", mtc_cnt.gc_early);
+    P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
+    P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
+    P("jobs_taken_back", e.jobs_taken_back);
+    P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);
+    P("items_copied", e.items_copied); P("bytes_h2d", e.bytes_h2d); P("bytes_d2h", e.bytes_d2h);
+    P("bytes_d2d", e.bytes_d2d); P("bytes_host_copy", e.bytes_host); P("dma_calls", e.dma_calls);
+    P("chunks_copied", e.chunks); P("pieces", e.pieces); P("ring_full_waits", e.ring_full_waits);
+    P("worker_wakeups", e.worker_wakeups); P("ns_stage", e.ns_stage);
+    P("ns_dma_issue", e.ns_dma_issue); P("ns_sync", e.ns_sync); P("ns_queue", e.ns_queue);
+    P("transfer_threads", e.threads); P("batch_memcpy_calls", e.batch_calls);
+    P("batch_memcpy_fallbacks", e.batch_fallbacks); P("helper_threads", mtc_pool_size());
+    P("pinned_cap_bytes", mtc_pinned_cap());
+    mtc_slab_stats tot;
+    memset(&tot, 0, sizeof tot);
+    for (int dv = 0; dv < MTC_MAX_DEVICES; dv++) {
+        mtc_slab_stats s;
+        if (mtc_pinned_stats(dv, &s)) continue;
+        tot.bytes_held += s.bytes_held; tot.bytes_in_use += s.bytes_in_use;
+        tot.bytes_high_water += s.bytes_high_water; tot.slabs_held += s.slabs_held;
+        tot.slabs_in_use += s.slabs_in_use; tot.allocs += s.allocs; tot.reuses += s.reuses;
+        tot.waits += s.waits; tot.evictions += s.evictions;
+    }
+    P("pinned_bytes_held", tot.bytes_held); P("pinned_bytes_in_use", tot.bytes_in_use);
+    P("pinned_high_water", tot.bytes_high_water); P("pinned_slabs_held", tot.slabs_held);
+    P("pinned_slabs_in_use", tot.slabs_in_use); P("pinned_allocs", tot.allocs);
+    P("pinned_reuses", tot.reuses); P("pinned_waits", tot.waits); P("pinned_evictions", tot.evictions);
+#undef P
+    if (mtc_files_stats(d)) goto error;
+    return d;
+error:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *engine_set_pinned_cap(PyObject *module, PyObject *arg)
+{
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v <= 0) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: pinned_cap_bytes must be positive");
+        return NULL;
+    }
+    mtc_pinned_set_cap((size_t)v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_trim(PyObject *module, PyObject *unused)
+{
+    size_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = mtc_pinned_trim();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS
+    mtc_engine_shutdown();
+    mtc_uring_shutdown();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* _memcpy_bench(dst, src, nbytes, threads, reps, nt, window=0) -> [seconds per
+ * rep]: the aggregate host copy bandwidth of `threads` threads (bench/bench_copy.py's
+ * ceiling; dst and src are raw addresses the caller keeps alive; with a window,
+ * dst holds threads * window bytes: see mtc_memcpy_bench). Returns a
+ * new reference, or NULL with an exception set. */
+static PyObject *engine_memcpy_bench(PyObject *module, PyObject *args)
+{
+    unsigned long long dst, src, n, window = 0;
+    int threads, reps, nt;
+    if (!PyArg_ParseTuple(args, "KKKiii|K", &dst, &src, &n, &threads, &reps, &nt, &window)) return NULL;
+    if (threads < 1 || threads > 64 || reps < 1 || reps > 10000) {
+        PyErr_SetString(PyExc_ValueError, "mtc_loader: _memcpy_bench needs 1 <= threads <= 64, 1 <= reps <= 10000");
+        return NULL;
+    }
+    double *secs = PyMem_Calloc((size_t)reps, sizeof *secs);
+    if (!secs) return PyErr_NoMemory();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mtc_memcpy_bench((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n, threads, reps, nt,
+                          (size_t)window, secs);
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (rc) {
+        errno = -rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if ((out = PyList_New(reps))) {
+        for (int r = 0; r < reps; r++) {
+            PyObject *f = PyFloat_FromDouble(secs[r]);
+            if (!f) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, r, f);
+        }
+    }
+    PyMem_Free(secs);
+    return out;
+}
+
+static PyObject *engine_cuda_available(PyObject *module, PyObject *unused)
+{
+    int n = mtc_cuda_device_count();
+    return PyLong_FromLong(n < 0 ? 0 : n);
+}
+
+/* stream_wait_event(device, stream, event): cuStreamWaitEvent with the GIL
+ * held (the prefetch service's hand-out; torch's Stream.wait_event releases
+ * the GIL, and taking it back costs the caller up to a switch interval
+ * while the service thread holds it). stream and event are the raw handles
+ * (torch's Stream.cuda_stream, Event.cuda_event). */
+static PyObject *engine_stream_wait_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: stream_wait_event(device, stream, event) takes 3 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    uintptr_t event = (uintptr_t)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < 0 || dev >= MTC_MAX_DEVICES || !event) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: stream_wait_event needs a CUDA device index in [0, %d) "
+                     "and a recorded event, got device %ld, event %zu", MTC_MAX_DEVICES, dev, (size_t)event);
+        return NULL;
+    }
+    int rc = mtc_cuda_stream_wait_event((int)dev, stream, event);
+    if (rc) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: making stream %zu of cuda:%ld wait for a batch's event "
+                     "failed: %s", (size_t)stream, dev, desc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* event_record(device, stream) -> event: a pooled CUDA event recorded on the
+ * raw stream, with the GIL held (torch's Event.record releases it, and the
+ * prefetch service then waits up to a switch interval to take it back from
+ * a launch-bound training thread). Give it back with event_release once a
+ * stream waits for it. */
+static PyObject *engine_event_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: event_record(device, stream) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < 0 || dev >= MTC_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: event_record needs a CUDA device index in [0, %d), got %ld",
+                     MTC_MAX_DEVICES, dev);
+        return NULL;
+    }
+    uintptr_t ev = 0;
+    int rc = mtc_cuda_event_record((int)dev, stream, &ev);
+    if (rc) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: recording a batch's event on stream %zu of cuda:%ld "
+                     "failed: %s", (size_t)stream, dev, desc);
+        return NULL;
+    }
+    return PyLong_FromVoidPtr((void *)ev);
+}
+
+/* event_release(device, event): an event of event_record back to the pool. */
+static PyObject *engine_event_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: event_release(device, event) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t ev = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    mtc_cuda_event_release((int)dev, ev);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- NVTX */
+
+/* The entry points that run a whole stage, each inside its NVTX range
+ * (nvtx.h; nothing but a branch when no tool is attached). Same return
+ * convention as the function they wrap. */
+#define _NVTX_WRAPPED(name, range, fn)                                                  \
+    static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs)    \
+    {                                                                                  \
+        mtc_nvtx_push(range);                                                          \
+        PyObject *r = fn(module, args, nargs);                                         \
+        mtc_nvtx_pop();                                                                \
+        return r;                                                                      \
+    }
+_NVTX_WRAPPED(engine_start_copy, MTC_NVTX_START_COPY, mtc_copy_start)
+_NVTX_WRAPPED(engine_pack, MTC_NVTX_PACK, mtc_collate_pack)
+_NVTX_WRAPPED(engine_unpack, MTC_NVTX_UNPACK, mtc_collate_unpack)
+#undef _NVTX_WRAPPED
+
+/* nvtx_push(name): a range of the Python side (mtc_loader/_trace.py) in the
+ * engine's domain; None. */
+static PyObject *engine_nvtx_push(PyObject *module, PyObject *name)
+{
+    const char *s = PyUnicode_AsUTF8(name);
+    if (!s) return NULL;
+    mtc_nvtx_push_name(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_nvtx_pop(PyObject *module, PyObject *unused)
+{
+    mtc_nvtx_pop();
+    Py_RETURN_NONE;
+}
+
+/* nvtx_info() -> {"compiled": built with the NVTX headers, "enabled": a tool
+ * may be attached (NVTX_INJECTION64_PATH was set at import)} */
+static PyObject *engine_nvtx_info(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{sOsO}", "compiled", mtc_nvtx_compiled() ? Py_True : Py_False, "enabled",
+                         mtc_nvtx_on ? Py_True : Py_False);
+}
+
+/* _env_problems(check) -> [str]: the MTC_* variables' refused values not yet
+ * reported (env.h), each once; check: parse every variable first, as the
+ * readers will. The caller warns with them. */
+static PyObject *engine_env_problems(PyObject *module, PyObject *check)
+{
+    (void)module;
+    int all = PyObject_IsTrue(check);
+    if (all < 0) return NULL;
+    if (all) mtc_env_check_all();
+    PyObject *out = PyList_New(0);
+    char buf[512];
+    while (out && mtc_env_take_problem(buf, sizeof buf)) {
+        PyObject *m = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+        if (!m || PyList_Append(out, m)) Py_CLEAR(out);
+        Py_XDECREF(m);
+    }
+    return out;
+}
+
+/* ---------------------------------------------------------------- module */
+
+static PyMethodDef engine_methods[] = {
+    {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
+    {"_use_dlpack", engine_use_dlpack, METH_O,
+     "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
+    {"_early_gc", mtc_collector_set, METH_O,
+     "_early_gc(flag) -> bool: run the middle-generation collection a batch's outputs would trigger "
+     "before making them (collector.h); returns the previous setting."},
+    {"_env_problems", engine_env_problems, METH_O,
+     "_env_problems(check) -> [str]: refused MTC_* environment values not yet reported."},
+    {"_forget_types", engine_forget_types, METH_NOARGS, "Classify every type anew (a container was registered)."},
+    {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
+     "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},
+    {"stats", engine_stats, METH_NOARGS, "Engine counters as a dict."},
+    {"set_pinned_cap", engine_set_pinned_cap, METH_O, "Cap on pinned staging bytes per device."},
+    {"trim", engine_trim, METH_NOARGS, "Free idle pinned slabs; returns bytes freed."},
+    {"shutdown", engine_shutdown, METH_NOARGS, "Stop the engine's threads (interpreter exit)."},
+    {"_memcpy_bench", engine_memcpy_bench, METH_VARARGS,
+     "_memcpy_bench(dst, src, nbytes, threads, reps, nt, window=0) -> [seconds]: host copy bandwidth probe."},
+    {"event_record", (PyCFunction)(void (*)(void))engine_event_record, METH_FASTCALL,
+     "event_record(device, stream): a pooled event recorded on a raw stream (GIL held)."},
+    {"event_release", (PyCFunction)(void (*)(void))engine_event_release, METH_FASTCALL,
+     "event_release(device, event): the event back to its pool."},
+    {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
+    {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
+     "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},
+    {"keep_temporaries", mtc_handle_keep_temporaries, METH_O,
+     "keep_temporaries(flag) -> previous: copies started on this thread keep their temporary views "
+     "for Handle.temporaries() (the prefetch service's thread)."},
+    {"service_thread", mtc_handle_service_thread, METH_O,
+     "service_thread(flag) -> previous: the calling thread is a prefetch service's: its copies keep their "
+     "temporaries and skip the early collection and the staging of small jobs on the calling thread."},
+    {"skeleton", mtc_skeleton_make, METH_O, "skeleton(obj) -> Skeleton: a packed batch's structure walked once."},
+    {"arena_create", mtc_collate_arena_create, METH_O, "arena_create(nbytes) -> Arena (memfd, sealed)"},
+    {"arena_attach", mtc_collate_arena_attach, METH_O, "arena_attach(fd) -> Arena"},
+    {"pack", (PyCFunction)(void (*)(void))engine_pack, METH_FASTCALL,
+     "pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)"},
+    {"unpack", (PyCFunction)(void (*)(void))engine_unpack, METH_FASTCALL,
+     "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> mtc_handle"},
+    {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
+    {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
+    {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
+    {"file_reader", mtc_files_reader, METH_NOARGS, "file_reader() -> (mode, reason or None, forced, built with liburing)"},
+    {"file_configure", mtc_files_configure, METH_VARARGS,
+     "file_configure(depth, max_io, direct, mode): the file reader's settings (tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int engine_exec(PyObject *module)
+{
+    if (mtc_state_import_numpy() < 0) return -1;
+    mtc_state *st = mtc_get_state(module);
+    st->handle_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_handle_spec, NULL);
+    if (!st->handle_type) return -1;
+    st->arena_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_arena_spec, NULL);
+    if (!st->arena_type) return -1;
+    st->skeleton_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &mtc_skeleton_spec, NULL);
+    if (!st->skeleton_type) return -1;
+#define INTERN(field, s) if (!(st->field = PyUnicode_InternFromString(s))) return -1
+    INTERN(s_data_ptr, "data_ptr"); INTERN(s_dtype, "dtype"); INTERN(s_shape, "shape");
+    INTERN(s_stride, "stride"); INTERN(s_get_device, "get_device"); INTERN(s_is_cuda, "is_cuda");
+    INTERN(s_is_neg, "is_neg"); INTERN(s_is_conj, "is_conj"); INTERN(s_contiguous, "contiguous"); INTERN(s_is_contiguous, "is_contiguous");
+    INTERN(s_split_with_sizes, "unsafe_split_with_sizes"); INTERN(s_view, "view");
+    INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_is_meta, "is_meta"); INTERN(s_device, "device");
+    INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj");
+#undef INTERN
+    st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device");
+    st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
+    if (!st->kw_dtype_device || !st->kw_dtype_device_pin) return -1;
+    if (mtc_collector_init(st)) return -1;
+    mtc_engine_init_once();
+    mtc_nvtx_init();
+    if (PyModule_AddObjectRef(module, "Skeleton", (PyObject *)st->skeleton_type)) return -1;
+    return PyModule_AddObjectRef(module, "mtc_handle", (PyObject *)st->handle_type);
+}
+
+static int engine_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    mtc_state *st = mtc_get_state(module);
+    Py_VISIT(st->handle_type);
+    Py_VISIT(st->arena_type);
+    Py_VISIT(st->skeleton_type);
+    Py_VISIT(st->leaf_slot);
+    Py_VISIT(st->atom_slot);
+    Py_VISIT(st->tensor_type);
+    Py_VISIT(st->torch_empty);
+    Py_VISIT(st->from_numpy);
+    Py_VISIT(st->raw_stream);
+    Py_VISIT(st->type_cache);
+    Py_VISIT(st->classify);
+    Py_VISIT(st->flatten);
+    Py_VISIT(st->unflatten);
+    Py_VISIT(st->diagnose);
+    Py_VISIT(st->cuda_device);
+    Py_VISIT(st->gc_isenabled);
+    Py_VISIT(st->gc_get_count);
+    Py_VISIT(st->gc_get_threshold);
+    Py_VISIT(st->gc_collect);
+    return 0;
+}
+
+static int engine_clear(PyObject *module)
+{
+    mtc_state *st = mtc_get_state(module);
+    Py_CLEAR(st->handle_type);
+    Py_CLEAR(st->arena_type);
+    Py_CLEAR(st->skeleton_type);
+    Py_CLEAR(st->leaf_slot);
+    Py_CLEAR(st->atom_slot);
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->torch_empty);
+    Py_CLEAR(st->from_numpy);
+    Py_CLEAR(st->raw_stream);
+    Py_CLEAR(st->uint8);
+    Py_CLEAR(st->device_cpu);
+    Py_CLEAR(st->dtype_codes);
+    for (int i = 0; i < MTC_MAX_DTYPES; i++) Py_CLEAR(st->dtypes[i]);
+    Py_CLEAR(st->type_cache);
+    Py_CLEAR(st->classify);
+    Py_CLEAR(st->flatten);
+    Py_CLEAR(st->unflatten);
+    Py_CLEAR(st->diagnose);
+    Py_CLEAR(st->cuda_device);
+    Py_CLEAR(st->pinned_empty);
+    Py_CLEAR(st->s_data_ptr); Py_CLEAR(st->s_dtype); Py_CLEAR(st->s_shape); Py_CLEAR(st->s_stride);
+    Py_CLEAR(st->s_get_device); Py_CLEAR(st->s_is_cuda); Py_CLEAR(st->s_is_neg); Py_CLEAR(st->s_is_conj);
+    Py_CLEAR(st->s_contiguous); Py_CLEAR(st->s_is_contiguous);
+    Py_CLEAR(st->d_dtype); Py_CLEAR(st->d_shape); Py_CLEAR(st->d_is_cuda); Py_CLEAR(st->m_data_ptr);
+    Py_CLEAR(st->m_get_device); Py_CLEAR(st->m_is_contiguous); Py_CLEAR(st->m_stride);
+    Py_CLEAR(st->m_is_neg); Py_CLEAR(st->m_is_conj); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
+    Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_is_meta); Py_CLEAR(st->s_device);
+    Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve);
+    Py_CLEAR(st->kw_dtype_device);
+    Py_CLEAR(st->kw_dtype_device_pin);
+    mtc_collector_clear(st);
+    st->ready = 0;
+    return 0;
+}
+
+static void engine_free(void *module) { engine_clear((PyObject *)module); }
+
+static PyModuleDef_Slot engine_slots[] = {
+    {Py_mod_exec, engine_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef engine_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mtc_loader._engine",
+    .m_doc = "The C engine of mtc_loader.",
+    .m_size = sizeof(mtc_state),
+    .m_methods = engine_methods,
+    .m_slots = engine_slots,
+    .m_traverse = engine_traverse,
+    .m_clear = engine_clear,
+    .m_free = engine_free,
+};
+
+PyMODINIT_FUNC PyInit__engine(void) { return PyModuleDef_Init(&engine_def); }

@@ -1,0 +1,108 @@
+/*
+ * state.h - the state of the _engine module, shared by every file of the
+ * binding wing (csrc/binding/) and below all of them, and the calling-thread
+ * counters that stats() reports (state.c). module.c, which makes the module,
+ * is above them all: none of them includes or calls it. Everything torch-specific arrives from
+ * mtc_loader/_setup.py through _engine._setup(): the engine never imports torch
+ * itself and never links against it.
+ */
+#ifndef MTC_STATE_H
+#define MTC_STATE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "dlpack.h"
+
+#define MTC_MAX_DTYPES 64
+
+/* dtype flags */
+#define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
+#define MTC_DT_COMPLEX 0x2  /* may carry the conjugate bit (is_conj) */
+
+/* The per-type classification cache holds its types strongly (a dict keyed by the type), so it
+ * is bounded: a program that makes classes per batch (namedtuples, dataclasses) would otherwise
+ * keep every one alive. At the bound it starts over; real programs meet far fewer container types. */
+#define MTC_TYPE_CACHE_MAX 512
+
+typedef struct mtc_state {
+    PyTypeObject *handle_type;
+    int ready;                   /* _setup() ran */
+
+    /* torch objects */
+    PyObject *tensor_type;       /* torch.Tensor */
+    PyObject *torch_empty;       /* torch.empty */
+    PyObject *from_numpy;        /* torch.from_numpy */
+    PyObject *raw_stream;        /* torch._C._cuda_getCurrentRawStream, or None */
+    PyObject *uint8;             /* torch.uint8 */
+    PyObject *device_cpu;        /* torch.device("cpu") */
+    PyObject *dtype_codes;       /* {torch.dtype: code} */
+    PyObject *dtypes[MTC_MAX_DTYPES];   /* code -> torch.dtype */
+    int elsize[MTC_MAX_DTYPES];
+    int dtflags[MTC_MAX_DTYPES];
+    int ndtypes;
+    int np_to_code[32];          /* numpy type_num (< 32) -> dtype code, -1 unsupported */
+    int np_zerocopy[32];         /* torch.from_numpy accepts this type_num */
+
+    /* Python helpers of mtc_loader._tree */
+    PyObject *type_cache;        /* {type: kind} for non-exact types, at most MTC_TYPE_CACHE_MAX */
+    uint64_t type_gen;           /* bumped by _forget_types: an answer computed across it is not kept */
+    PyObject *classify;          /* type -> kind */
+    PyObject *flatten;           /* obj -> (children list, context) */
+    PyObject *unflatten;         /* (context, values list) -> obj */
+    PyObject *diagnose;          /* (leaf, path, target) -> raises */
+    PyObject *cuda_device;       /* index -> torch.device("cuda:index") */
+    PyObject *atom_slot;         /* mtc_loader._tree.ATOM: a per-batch atom's place in a shared structure */
+    PyObject *leaf_slot;         /* mtc_loader.collate.LEAF: a leaf's place in a packed skeleton */
+    PyTypeObject *arena_type;
+    PyTypeObject *skeleton_type; /* skeleton.c: a packed batch's structure walked once */
+    PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
+
+    /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
+    PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
+    PyObject *m_data_ptr, *m_get_device, *m_is_contiguous, *m_stride, *m_is_neg, *m_is_conj;
+
+    /* torch's DLPack C exchange API (dlpack.h): a tensor's metadata in one C
+     * call; NULL where this torch lacks it (the Python calls above are used) */
+    mtc_dl_view_fn dl_view;
+    mtc_dl_view_fn dl_offered;          /* what torch offers; _use_dlpack(False) sets dl_view NULL */
+    int8_t dl_codes[MTC_DL_CODES][256]; /* (DLPack code, bits) -> dtype code; -1: not one of ours or
+                                         * shared by two torch dtypes (read through dtype instead) */
+    uint8_t dl_verify[MTC_DL_CODES][256]; /* 1: a torch dtype the engine does not copy has this
+                                           * description too (torch's DLPack calls int1..int7
+                                           * int8): the dtype attribute tells them apart */
+
+    /* interned names; s_split_with_sizes is unsafe_split_with_sizes: outputs are not
+     * tracked as autograd views of the private chunk (~40% cheaper per view) */
+    PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
+        *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
+        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve;
+    /* the gc module's isenabled, get_count, get_threshold and collect
+     * (collector.h); NULL where the collector is not the generational one */
+    PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
+    int gc_early;                /* mtc_collector_before_outputs runs collections ahead */
+    PyObject *kw_dtype_device;   /* ("dtype", "device") */
+    PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
+} mtc_state;
+
+static inline mtc_state *mtc_get_state(PyObject *module) { return (mtc_state *)PyModule_GetState(module); }
+
+/* Calling-thread counters of start_copy / get() (the GIL serialises their
+ * updates); defined in state.c, reported by stats() (module.c). */
+typedef struct mtc_counters {
+    uint64_t calls, leaves, leaves_dlpack, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
+        made_contiguous, segments, chunks;
+    uint64_t ns_traverse, ns_plan, ns_outputs, ns_views, ns_wait;
+    /* unpack of a packed batch: calls, and the calling thread's time per stage
+     * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
+    uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
+    uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
+} mtc_counters;
+extern mtc_counters mtc_cnt;
+
+/* Fills numpy's C API table that the binding's numpy calls go through
+ * (state.c; called by the module's exec). 0, or -1 with an exception set. */
+int mtc_state_import_numpy(void);
+
+#endif /* MTC_STATE_H */

@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# The GPU machine's checks, in one place (see docs/benchmarks.md for the figures they produced).
+#   bash tools/release/gpu_checks.sh tests     # build in place; the whole test suite (CUDA tests run)
+#   bash tools/release/gpu_checks.sh sanitize  # compute-sanitizer memcheck + racecheck over the CUDA tests
+#   bash tools/release/gpu_checks.sh bench     # bench_copy.py and bench_loader.py
+#   bash tools/release/gpu_checks.sh soak      # tools/diagnostics/soak.py (100,000 start_copy, 10,000 loader batches)
+#   bash tools/release/gpu_checks.sh cuda      # build in place; the CUDA tests only (-m cuda)
+#   bash tools/release/gpu_checks.sh train     # bench_train.py (both loops) and bench_loader.py with a 5 ms step
+#   bash tools/release/gpu_checks.sh ab DIR    # bench_copy.py of this tree and of the tree in DIR (built in
+#                                      # place there), alternating: new, old, old, new
+#   bash tools/release/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
+#   bash tools/release/gpu_checks.sh sanitize-prefetch  # memcheck + racecheck over the prefetch CUDA tests
+#   bash tools/release/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
+#                                      # thread's __next__) with this tree's package and DIR's,
+#                                      # alternating: new, old, old, new
+#   bash tools/release/gpu_checks.sh ab-train DIR  # bench_train.py (ideal and packed; TRAIN_CONFIG: launch
+#                                      # and/or gpu, default launch) with this tree's package and
+#                                      # DIR's, alternating: new, old, old, new
+#   bash tools/release/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
+#                                      # launcher (ddp_spawn) tests, then the profile ranges of a
+#                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
+#                                      # trace and summary) and the engine's NVTX ranges (tests/
+#                                      # nvtx_tool.c). Wheels carried in .whl (tools/release/fetch_wheels.sh)
+#                                      # are installed into /tmp/site where the machine lacks them
+#                                      # (FORCE_WHEELS=1: all), with no index and no dependency resolution;
+#                                      # it builds the engine in place itself (NO_INSTALL=1 skips pip -e);
+#                                      # FRAMEWORKS_ON_CPU=1 lets it run without a GPU (a dry run)
+#   bash tools/release/gpu_checks.sh release    # tools/release/run_benchmarks.sh --out $OUT/release: every
+#                                      # benchmark of docs/benchmarks.md (~7 min on one H100) and a
+#                                      # preview of the page; RELEASE_QUICK=1: --quick,
+#                                      # RELEASE_DEVICE=cpu: a dry run without a GPU
+#   bash tools/release/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
+#                                      # mmdet, mmdet3d and their pure-Python needs, setuptools<81)
+#                                      # into /tmp/site, mmcv 2.1.0 built there with its CPU ops from
+#                                      # the carried .whl/mmcv-2.1.0.tar.gz (the machine has no
+#                                      # index), the engine in place; then tests/test_openmmlab.py and
+#                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
+#                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
+#   bash tools/release/gpu_checks.sh openmmlab-train  # the openmmlab mode's set-up, then
+#                                      # bench/bench_openmmlab_train.py: mmdet's YOLOv3 config trained
+#                                      # through the Runner, plain and switched, alternating in fresh
+#                                      # processes (~5 min on one H100 with the mmcv build): it/s,
+#                                      # data_time, the losses' agreement; the JSON into $OUT, the
+#                                      # child configs and each arm's log in $OUT/openmmlab_train.tgz. TRAIN_ITERS
+#                                      # (300), TRAIN_ARM_TIMEOUT_S (150), TRAIN_TIMEOUT_S (420); a dry
+#                                      # run without a GPU: TRAIN_DEVICE=cpu TRAIN_QUICK=1
+#   bash tools/release/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
+#                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
+#                                      # pseudo_collate + cast_data against the config switch); the
+#                                      # carried wheels (.whl, tools/release/fetch_wheels.sh) that are missing
+#                                      # here go to /tmp/site as in the frameworks mode
+# Results go to $OUT (the device tool's output folder) or bench/results.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-bench/results}
+mkdir -p "$out"
+[ -z "${NO_INSTALL:-}" ] && python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "root user" | tail -3
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py"
+for t in tests/test_loader.py tests/test_faults.py tests/test_fuzz.py; do [ -f "$t" ] && cuda_tests="$cuda_tests $t"; done
+# alternate OLD LOG PATTERN SCRIPT ARGS...: builds the tree OLD in place, then runs SCRIPT with
+# this tree's package and OLD's, alternating new, old, old, new, keeping the lines that match
+# PATTERN in $out/LOG
+alternate() {
+    local old=$1 log=$2 pattern=$3 v p
+    shift 3
+    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+    for v in new old old new; do
+        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
+        echo "== $v ($p)" >> "$out/$log"
+        PYTHONPATH=$p python3 "$@" --out /tmp/alternate_$v 2>&1 | grep -E "$pattern" >> "$out/$log"
+    done
+    cat "$out/$log"
+}
+# openmmlab_setup: OpenMMLab's stack on a machine with no index: the carried wheels (.whl) that
+# are missing here, and setuptools<81, into /tmp/site; mmcv 2.1.0 built from the carried sdist
+# with its CPU ops (no GPU visible to the build: what mmdet3d.structures imports; training a model
+# whose step calls no mmcv kernel needs no more); the engine in place. Exits on a failure.
+openmmlab_setup() {
+    local site=/tmp/site
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" $(python3 tools/release/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    if ! python3 -c "import mmcv.ops" 2>/dev/null; then
+        rm -rf /tmp/mmcv-2.1.0 && tar xzf .whl/mmcv-2.1.0.tar.gz -C /tmp
+        local t0=$SECONDS
+        (cd /tmp/mmcv-2.1.0 && CUDA_VISIBLE_DEVICES= MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) python3 -m pip wheel -q \
+            --no-build-isolation --no-deps -w /tmp/mmcv_wheel . > "$out/mmcv_build.log" 2>&1) \
+            || { tail -20 "$out/mmcv_build.log"; exit 1; }
+        echo "mmcv built with its CPU ops in $(( SECONDS - t0 )) s"
+        python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
+    fi
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures; print('torch', torch.__version__, '| mmcv',
+        mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 \
+        | tee "$out/openmmlab_versions.log" || exit 1
+}
+case "${1:-tests}" in
+release)
+    # tools/release/run_benchmarks.sh into $out/release (with a preview of the page and an archive)
+    bash tools/release/run_benchmarks.sh --out "$out/release" --device "${RELEASE_DEVICE:-cuda:0}" \
+        ${RELEASE_QUICK:+--quick} ;;
+tests)
+    python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -8 ;;
+sanitize)
+    timeout 500 "$cs" --tool memcheck --leak-check no --target-processes all \
+        python3 -m pytest -q -p no:cacheprovider -m cuda $cuda_tests > "$out/memcheck.log" 2>&1
+    echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" "$out/memcheck.log" | tail -3
+    timeout 300 "$cs" --tool racecheck --target-processes all \
+        python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_copy_cuda.py tests/test_loader_cuda.py \
+        -k "seed_batch or batched or mixed or packed_batches or stream" > "$out/racecheck.log" 2>&1
+    echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/racecheck.log" | tail -3 ;;
+bench)
+    python3 bench/bench_copy.py --out "$out" > "$out/bench_copy.log" 2>&1; echo "bench_copy rc=$?"
+    grep -vE "^\[|mtc_loader.stats" "$out/bench_copy.log" | tail -64
+    python3 bench/bench_loader.py --device cuda:0 --workers 2 4 8 --out "$out" > "$out/bench_loader.log" 2>&1
+    echo "bench_loader rc=$?"; tail -30 "$out/bench_loader.log" ;;
+soak)
+    python3 tools/diagnostics/soak.py --out "$out" 2>&1 | tail -25 ;;
+cuda)
+    python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.log" | grep -E "passed|failed|FAILED" | tail -12 ;;
+train)
+    python3 bench/bench_train.py --workers 4 --batches "${TRAIN_BATCHES:-30}" --rounds 2 --out "$out" > "$out/train.log" 2>&1
+    echo "bench_train rc=$?"; grep -vE "^\[|^wrote" "$out/train.log" | tail -26
+    python3 bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --out /tmp/loader_step \
+        > "$out/loader.log" 2>&1
+    echo "bench_loader rc=$?"; tail -12 "$out/loader.log" ;;
+ab)
+    alternate "${2:?ab needs the old tree}" copy.log " mtc | to " \
+        bench/bench_copy.py --only seed16 seed4 seed64 4096x64B --rounds 12 ;;
+profile)
+    { python3 tools/diagnostics/profile_stages.py --calls 100 --gc both
+      for n in 4 8 14; do
+          echo "== MTC_HELPER_THREADS=$n"
+          MTC_HELPER_THREADS=$n python3 bench/bench_copy.py --only 16x16MB --rounds 6 --out /tmp/sweep_$n 2>&1 \
+              | grep -E " mtc | to |reference"
+      done; } 2>&1 | tee -a "$out/copy.log" ;;
+sanitize-prefetch)
+    timeout 300 "$cs" --tool memcheck --leak-check no \
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or overlaps or bitwise or switches or context" \
+        > "$out/sanitize.log" 2>&1
+    echo "memcheck rc=$?"; grep -E "passed|failed|ERROR SUMMARY" "$out/sanitize.log" | tail -3
+    timeout 60 "$cs" --tool racecheck \
+        python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or switches" >> "$out/sanitize.log" 2>&1
+    echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
+ab-next)
+    alternate "${2:?ab-next needs the old tree}" next.log "PrefetchLoader  |__next__" \
+        bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --methods packed_prefetch ;;
+ab-train)
+    alternate "${2:?ab-train needs the old tree}" train_ab.log "^(launch5?|gpu) " \
+        bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 --batches "${TRAIN_BATCHES:-150}" \
+        --rounds 2 --methods packed ;;
+frameworks)
+    site=/tmp/site
+    if [ -d .whl ]; then
+        whl=$(python3 tools/release/missing_wheels.py .whl ${FORCE_WHEELS:+--all})
+        if [ -n "$whl" ]; then
+            echo "installing into $site: $(for w in $whl; do basename "$w"; done | tr '\n' ' ')"
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+                $whl 2>&1 | grep -v "root user"
+        else
+            echo "every carried wheel's distribution is installed here; none installed"
+        fi
+        # the nvtx3 headers only (never an nvidia folder on the path, in front of torch's CUDA libraries)
+        for w in .whl/nvidia_nvtx_cu12-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/nvtx_wheel; done
+    fi
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    # the engine in place, with NVTX: its own search first (nvidia.nvtx, $CUDA_HOME/include), then the carried headers
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    if ! python3 -c "from mtc_loader import _engine; assert _engine.nvtx_info()['compiled']" 2>/dev/null \
+        && [ -f /tmp/nvtx_wheel/nvidia/nvtx/include/nvtx3/nvToolsExt.h ]; then
+        echo "rebuilding the engine with the carried nvtx3 headers"
+        export MTC_NVTX_INCLUDE=/tmp/nvtx_wheel/nvidia/nvtx/include  # test_nvtx.py builds its tool with them too
+        python3 setup.py build_ext --inplace -q --force \
+            >> "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    fi
+    python3 - <<'PY' 2>&1 | tee "$out/versions.log" || exit 1
+import importlib.metadata as md
+import torch
+from mtc_loader import _engine
+def v(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return "-"
+print("torch", torch.__version__, "| cuda:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+      "|", ", ".join(f"{n} {v(n)}" for n in ("lightning", "pytorch-lightning", "accelerate", "pytest", "hypothesis")))
+print("engine nvtx:", _engine.nvtx_info())
+import accelerate, lightning.pytorch  # noqa: F401  (fail here: the tests would only skip)
+import os
+assert torch.cuda.is_available() or os.environ.get("FRAMEWORKS_ON_CPU"), "no CUDA device: the CUDA variants would skip"
+PY
+    timeout 360 python3 -m pytest -q -p no:cacheprovider -rs tests/test_lightning.py tests/test_accelerate.py \
+        tests/test_profiler.py tests/test_nvtx.py tests/test_batch_to.py \
+        "tests/test_loader.py::test_packed_collate_built_in_a_launcher" > "$out/frameworks_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/frameworks_tests.log" | tail -15
+    # torch.profiler (every thread, CPU + CUDA) over examples/profile_prefetch.py: Chrome trace into $out
+    python3 examples/profile_prefetch.py "$out/trace.json" 2>&1 | grep -v "^USDT\|profiler_st" | tee "$out/profile.log"
+    echo "profile_prefetch rc=${PIPESTATUS[0]}"
+    python3 tools/diagnostics/trace_summary.py "$out/trace.json" 2>&1 | tee -a "$out/profile.log"
+    # the same loop with an NVTX tool attached (as Nsight Systems attaches): the engine's ranges, workers included
+    inc=$(python3 -c "import sys; sys.path.insert(0, 'tests'); from test_nvtx import nvtx_headers; print(nvtx_headers() or '')")
+    [ -z "$inc" ] && [ -d /tmp/nvtx_wheel/nvidia/nvtx/include ] && inc=/tmp/nvtx_wheel/nvidia/nvtx/include
+    if [ -n "$inc" ] && cc -shared -fPIC -O1 -I "$inc" tests/nvtx_tool.c -o /tmp/nvtx_tool.so -lpthread; then
+        rm -f /tmp/nvtx.log
+        NVTX_INJECTION64_PATH=/tmp/nvtx_tool.so MTC_NVTX_LOG=/tmp/nvtx.log MTC_NVTX_TIMES=1 \
+            python3 examples/profile_prefetch.py /tmp/trace_nvtx.json > /tmp/profile_nvtx.log 2>&1
+        echo "profile_prefetch with the NVTX tool rc=$?"
+        python3 tools/diagnostics/nvtx_summary.py /tmp/nvtx.log 2>&1 | tee -a "$out/profile.log"
+    else
+        echo "no nvtx3 headers or C compiler: NVTX ranges not recorded" | tee -a "$out/profile.log"
+    fi ;;
+openmmlab)
+    openmmlab_setup
+    [ -n "${SETUP_ONLY:-}" ] && exit 0
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_openmmlab.py > "$out/openmmlab_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$out/openmmlab_tests.log" | tail -15
+    python3 bench/bench_openmmlab.py --device cuda:0 --out "$out" > "$out/bench_openmmlab.log" 2>&1
+    echo "bench_openmmlab rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab.log" | tail -12 ;;
+openmmlab-train)
+    openmmlab_setup
+    timeout "${TRAIN_TIMEOUT_S:-420}" python3 bench/bench_openmmlab_train.py --device "${TRAIN_DEVICE:-cuda:0}" \
+        --iters "${TRAIN_ITERS:-300}" --arm-timeout "${TRAIN_ARM_TIMEOUT_S:-150}" ${TRAIN_QUICK:+--quick} \
+        --out /tmp/openmmlab_train > "$out/bench_openmmlab_train.log" 2>&1
+    echo "bench_openmmlab_train rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab_train.log" | tail -20
+    # few files back (the device tool brings back 8): the JSON, and the configs and arms' logs in one archive
+    cp /tmp/openmmlab_train/bench_openmmlab_train.json "$out/" 2>/dev/null
+    tar -C /tmp -czf "$out/openmmlab_train.tgz" openmmlab_train ;;
+mmengine)
+    site=/tmp/site
+    if [ -d .whl ]; then
+        whl=$(python3 tools/release/missing_wheels.py .whl)
+        [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" $whl 2>&1 | grep -v "root user"
+    fi
+    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    python3 -W ignore -c "import torch, mmengine, cv2, matplotlib, mtc_loader.mmengine; print('torch', torch.__version__, '| mmengine',
+        mmengine.__version__, '| cv2', cv2.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/mmengine_versions.log"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_mmengine.py tests/test_containers.py \
+        > "$out/mmengine_tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/mmengine_tests.log" | tail -15
+    python3 bench/bench_mmengine.py --device cuda:0 --workers 2 4 --out "$out" > "$out/bench_mmengine.log" 2>&1
+    echo "bench_mmengine rc=$?"; grep -vE "^wrote" "$out/bench_mmengine.log" | tail -14 ;;
+esac
