@@ -32,6 +32,30 @@ import tempfile
 import numpy
 from setuptools import Extension, setup
 
+# Build switches are read whole, as the engine reads its run-time variables (csrc/engine/env.c): a value
+# that is not one the switch takes stops the build with a message naming it, rather than
+# building something other than what was asked for.
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_bool(name: str) -> bool:
+    """A boolean switch: unset or empty is off; 1/0, true/false, yes/no, on/off in any case."""
+    v = os.environ.get(name, "").strip()
+    if not v or v.lower() in _NO:
+        return False
+    if v.lower() in _YES:
+        return True
+    raise SystemExit(f"mtc_loader: {name}={v!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _env_word(name: str, words: tuple) -> str:
+    """A switch that takes one of ``words``, or is unset / empty ("")."""
+    v = os.environ.get(name, "").strip()
+    if v and v not in words:
+        raise SystemExit(f"mtc_loader: {name}={v!r} is not one of {', '.join(map(repr, words))}")
+    return v
+
+
 # The C sources in two wings: csrc/engine (no Python: rings, slabs, the arena, jobs and their
 # runners, host copies, file reads, plans, layouts, CUDA loading, NVTX) and csrc/binding (the
 # _engine module over it, the only C that includes Python.h). Both folders are on the include path.
@@ -61,7 +85,7 @@ else:
     print("mtc_loader: no nvtx3 headers found (csrc/third_party/nvtx3 is missing, or MTC_NVTX_INCLUDE=DIR "
           "has none): building without NVTX ranges")
 
-sanitize = os.environ.get("MTC_SANITIZE", "").strip()
+sanitize = _env_word("MTC_SANITIZE", ("address", "thread"))
 if sanitize:
     flags = {"address": "-fsanitize=address,undefined", "thread": "-fsanitize=thread"}[sanitize]
     extra_compile += [flags, "-fno-omit-frame-pointer", "-O1"]
@@ -84,7 +108,7 @@ def _static_liburing(libdirs: list) -> list:
 def _liburing() -> tuple[list, list, str]:
     """(compile flags, link flags, where it came from) for liburing, or ([], [], why not) where
     it is absent."""
-    if os.environ.get("MTC_NO_LIBURING"):
+    if _env_bool("MTC_NO_LIBURING"):
         return [], [], "MTC_NO_LIBURING is set"
     prefix = os.environ.get("MTC_LIBURING_PREFIX")
     if prefix:
@@ -127,7 +151,7 @@ if uring_libs:
     extra_link += uring_libs
     define_macros.append(("MTC_HAVE_LIBURING", "1"))
     print(f"mtc_loader: FileTensor reads: io_uring ({uring_how})", file=sys.stderr)
-elif os.environ.get("MTC_REQUIRE_LIBURING"):
+elif _env_bool("MTC_REQUIRE_LIBURING"):
     raise SystemExit(f"mtc_loader: MTC_REQUIRE_LIBURING is set but {uring_how}: install liburing's development "
                      "files (Debian/Ubuntu: apt-get install liburing-dev; Fedora: dnf install liburing-devel), "
                      "or point MTC_LIBURING_PREFIX at a copy of them")
@@ -135,7 +159,7 @@ else:
     print(f"mtc_loader: FileTensor reads: pread on helper threads, not io_uring ({uring_how}; for io_uring, "
           "install liburing-dev (Debian/Ubuntu) or liburing-devel (Fedora) and build again)", file=sys.stderr)
 
-if os.environ.get("MTC_DEBUG"):
+if _env_bool("MTC_DEBUG"):
     extra_compile += ["-O0", "-UNDEBUG"]
     define_macros.append(("MTC_DEBUG", "1"))
 

@@ -15,6 +15,7 @@ Three ways in, one C engine:
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Optional
 
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
@@ -57,7 +58,7 @@ except ImportError:
         raise
     raise _err from None
 from . import _setup, _stack  # noqa: F401,E402  (_setup configures the engine on import)
-from ._options import positive_int
+from ._options import positive_int, warn_environment
 from ._tree import register_container, unregister_container
 from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
@@ -78,7 +79,14 @@ _SUBMODULES = ("lightning", "accelerate", "mmengine")
 def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
         import importlib
-        return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+        try:
+            return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+        except ImportError as e:
+            # The framework is missing: no such attribute, so that hasattr(), dir()-walking
+            # tools (inspect.getmembers, help, IDEs) and getattr(..., default) see none.
+            # `import mtc_loader.<name>` still raises the ImportError that says what to install.
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({e})", name=name,
+                                 obj=sys.modules[__name__]) from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -93,7 +101,9 @@ def stats() -> dict[str, int]:
     ``file_reads_pread``: file parts read; ``file_bytes_read``, ``file_reads_direct``: O_DIRECT
     segments, ``file_reads_direct_cached``: aligned segments read buffered since the page cache
     held them, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
-    return _engine.stats()
+    out = _engine.stats()
+    warn_environment()  # a variable first read since import (the pinned cap, by this call)
+    return out
 
 
 def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:
@@ -115,3 +125,4 @@ def trim() -> int:
 
 
 atexit.register(_engine.shutdown)
+warn_environment(check=True)  # every MTC_* variable set now: a refused value is said at import

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any
 
 INT64_MAX = (1 << 63) - 1
@@ -28,3 +29,13 @@ def seconds(name: str, value: Any) -> float:
     if math.isnan(x):
         raise ValueError(f"mtc_loader: {name} must be a number of seconds, got nan")
     return x
+
+
+def warn_environment(check: bool = False) -> None:
+    """One RuntimeWarning per ``MTC_*`` environment variable whose value the engine refused (not
+    an integer in range, a boolean or one of its words), naming the variable, its value and what
+    is used instead; each is reported once. ``check``: parse every variable now, as the engine's
+    readers will when they first need it."""
+    from . import _engine
+    for message in _engine._env_problems(check):
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

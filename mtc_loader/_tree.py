@@ -526,6 +526,7 @@ def unflatten(context: tuple[Any, ...], values: list[Any]) -> Any:
 
 
 _UNSUPPORTED_LAYOUT_HINT = "convert it with .to_dense() first, or copy it separately"
+_SPARSE_LAYOUTS = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 
 
 def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
@@ -544,14 +545,17 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             f"mtc_loader: {path} is a numpy array of dtype {dt} ({dt.str}), which has no torch "
             "equivalent; convert it to a numeric dtype first")
     if isinstance(leaf, torch.Tensor):
+        if leaf.is_nested:  # before the layout: a jagged nested tensor has layout torch.jagged
+            raise TypeError(
+                f"mtc_loader: {path} is a nested tensor; only dense strided tensors are copied: pass "
+                "its components as a list (list(nt.unbind())) or one "
+                "padded tensor (torch.nested.to_padded_tensor(nt, 0.0)), or copy it separately "
+                "with .to()")
         if leaf.layout != torch.strided or leaf.is_sparse:
+            kind = "a sparse tensor" if leaf.is_sparse or leaf.layout in _SPARSE_LAYOUTS else "a tensor"
             raise TypeError(
-                f"mtc_loader: {path} is a sparse tensor (layout {leaf.layout}); only dense "
+                f"mtc_loader: {path} is {kind} (layout {leaf.layout}); only dense "
                 f"strided tensors are copied: {_UNSUPPORTED_LAYOUT_HINT}")
-        if leaf.is_nested:
-            raise TypeError(
-                f"mtc_loader: {path} is a nested tensor; copy its components instead "
-                "(nested.unbind()) or convert it with .to_padded_tensor()")
         if leaf.is_quantized:
             raise TypeError(
                 f"mtc_loader: {path} is a quantized tensor ({leaf.dtype}); dequantize() it "
@@ -564,7 +568,15 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
                 "are supported")
         if leaf.is_conj() or leaf.is_neg():
             # lazily conjugated/negated views: materialise the values, as .to() would
-            return leaf.detach().resolve_conj().resolve_neg()
+            try:
+                return leaf.detach().resolve_conj().resolve_neg()
+            except (NotImplementedError, RuntimeError) as e:
+                # torch._neg_view of a dtype torch cannot negate (bool, unsigned wider than 8
+                # bits, float8, bits*): its values do not exist, and .to() fails on it too
+                raise TypeError(
+                    f"mtc_loader: {path} is a lazily negated view (is_neg()) of dtype "
+                    f"{leaf.dtype}, which torch cannot negate ({e}); pass the tensor it views, "
+                    "or convert it to a dtype torch negates first") from e
         if not supported_dtype(leaf.dtype):
             raise TypeError(
                 f"mtc_loader: {path} has dtype {leaf.dtype}, which mtc_loader cannot copy "

@@ -30,6 +30,29 @@ __all__ = ["Arena", "PackedBatch", "PackedCollate", "LEAF"]
 
 
 
+# This process's parent as it was when the process started (imported mtc_loader, as a worker
+# started by spawn or forkserver does to unpickle its PackedCollate) or was forked: the process a
+# DataLoader worker packs for, watched while the worker waits for room in the arena. After the
+# parent's exit, getppid() names another process, and only this record names the one to watch.
+_PARENT = (os.getpid(), os.getppid())
+
+
+def _record_parent() -> None:
+    global _PARENT
+    _PARENT = (os.getpid(), os.getppid())
+
+
+os.register_at_fork(after_in_child=_record_parent)
+
+
+def _consumer() -> int:
+    """The pid a DataLoader worker packs for (its parent), or 0 outside a worker."""
+    if get_worker_info() is None:
+        return 0
+    pid, parent = _PARENT
+    return parent if pid == os.getpid() else os.getppid()
+
+
 # Arenas of this process by token, so that an unpickled PackedBatch finds its arena.
 _ARENAS: "weakref.WeakValueDictionary[tuple[int, int, int], Arena]" = weakref.WeakValueDictionary()
 
@@ -351,8 +374,9 @@ class PackedCollate:
         arena_bytes: Size of the shared arena. It must hold every batch in flight: about
             ``(num_workers * prefetch_factor + PrefetchLoader depth + 2)`` batches.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
-            says which size to configure (negative: wait forever; a worker whose training
-            process has exited stops waiting either way).
+            says which size to configure (negative: wait forever; a worker stops waiting either
+            way, with an error, once the process it packs for (its parent, the DataLoader's
+            process) or the process that created the arena has exited).
         min_packed_alignment_bytes: Alignment of every tensor in the region (a power of two).
     """
 
@@ -392,7 +416,8 @@ class PackedCollate:
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
         with stacking_into_scratch(self):
             batch = self.collate_fn(samples)
-            off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align, self.timeout)
+            off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align, self.timeout,
+                                                                   _consumer())
             del batch
         me = os.getpid()
         try:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mtc_loader
-from mtc_loader import start_copy
+from mtc_loader import PackedCollate, start_copy
 
 PATH = "data[1]['x'][0]"
 
@@ -160,7 +160,7 @@ BAD_TENSORS = {
     "sparse_csc": (lambda: _coo().to_dense().to_sparse_csc(), "sparse"),
     "nested_strided": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
     "nested_jagged": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
-                                                         layout=torch.jagged), "nested|jagged"),
+                                                         layout=torch.jagged), "nested"),
     "quantized": (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), "quantized"),
     "quantized_quint8": (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
                          "quantized"),
@@ -183,6 +183,21 @@ def test_bad_tensor_as_whole_data(kind):
     with pytest.raises(TypeError, match=what) as ei:
         start_copy(_quiet(make), "cpu")
     assert "data " in str(ei.value) or str(ei.value).startswith("mtc_loader: data"), str(ei.value)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=str)
+def test_nested_tensor_is_named_nested_with_what_to_do(layout):
+    """A nested tensor (a jagged one has layout torch.jagged) is refused as nested, not as a
+    sparse tensor, with the ways to pass it: its components, or one padded tensor."""
+    nt = _quiet(lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=layout))
+    for run in (lambda: start_copy(_in_path(nt), "cpu"),
+                lambda: PackedCollate(collate_fn=lambda s: s[0], arena_bytes=1 << 20)([_in_path(nt)])):
+        with pytest.raises(TypeError) as ei:
+            run()
+        msg = str(ei.value)
+        assert PATH in msg and " is a nested tensor" in msg, msg
+        assert "sparse" not in msg and ".to_dense()" not in msg, msg
+        assert "unbind()" in msg and "to_padded_tensor" in msg, msg
 
 
 def test_zero_size_meta_tensor():

@@ -841,6 +841,71 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_LAUNCHER = """
+import os, sys, time, torch, mtc_loader
+import torch.multiprocessing as tmp
+from torch.utils.data import DataLoader
+
+class Big(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.full((64 << 10,), i, dtype=torch.int32)  # 256 KiB: four slots of the arena
+
+def rank(index, pc, ctx, out):
+    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=ctx)
+    it = iter(dl)
+    kept = [next(it) for _ in range(3)]  # held: the arena stays full, the workers wait for room
+    with open(out, "w") as f:
+        f.write(" ".join(str(p) for p in [os.getpid()] + [w.pid for w in it._workers]))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    # the launcher creates the PackedCollate (and its arena) and hands it to a rank process, as
+    # torch.multiprocessing.spawn / Lightning's ddp_spawn do; the launcher stays alive
+    pc = mtc_loader.PackedCollate(arena_bytes=1 << 20, timeout=-1)
+    tmp.spawn(rank, args=(pc, sys.argv[1], sys.argv[2]), nprocs=1, join=False)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_workers_waiting_for_room_exit_with_their_rank_process_not_the_arenas_creator(ctx, tmp_path):
+    """A launcher creates the PackedCollate and passes it to a rank process, whose DataLoader
+    workers wait for room (timeout=-1). SIGKILL of the rank (the launcher, which created the
+    arena, lives on): the workers notice that the process they pack for is gone and exit within a
+    few seconds."""
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(_LAUNCHER))
+    out = tmp_path / "pids"
+    p = subprocess.Popen([sys.executable, str(script), ctx, str(out)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=package_parent())
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
+            assert p.poll() is None, "the launcher exited"
+            time.sleep(0.2)
+        pids = [int(x) for x in out.read_text().split()]
+        rank_pid, workers = pids[0], pids[1:]
+        assert len(workers) == 2, pids
+        time.sleep(1.0)  # the workers are now waiting for room
+        assert all(_alive(w) for w in workers)
+        os.kill(rank_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while any(_alive(w) for w in workers) and time.monotonic() < killed + 5:
+            time.sleep(0.1)
+        left = [w for w in workers if _alive(w)]
+        assert not left, f"workers {left} outlived their rank process by 5 s"
+        assert p.poll() is None  # the arena's creator is alive: only the rank was watched for
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        p.kill()
+        p.wait(10)
+
+
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
 def test_workers_waiting_for_room_exit_with_their_training_process(ctx, tmp_path):
     """timeout=-1: a worker waiting for room in a full arena notices that the training process

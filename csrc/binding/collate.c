@@ -94,10 +94,14 @@ static int _pack_too_big(mtc_arena *a, int64_t payload, int rc)
 /* Takes a region of `payload` bytes for this process, waiting up to timeout_ns
  * (< 0: forever) with the GIL released, in slices: a signal (Ctrl-C) ends the
  * wait with its exception, as in get(), and so does the exit of the process
- * that consumes the arena (a worker whose training process died would
- * otherwise wait forever for room). 0 and *off, or -1 with an error that says
- * which arena size to configure. */
-static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns, uint32_t me, uint64_t *off)
+ * that created the arena or of `consumer` (0: none), the process this one
+ * packs for: a DataLoader worker's parent, which is not the arena's creator
+ * where a launcher made the PackedCollate and handed it to a rank process.
+ * Only the consumer frees room, and torch's own watchdog cannot run while
+ * the worker waits here. 0 and *off, or -1 with an error that says which
+ * arena size to configure. */
+static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns, uint32_t me, uint32_t consumer,
+                              uint64_t *off)
 {
     mtc_arena_wait w;
     mtc_arena_wait_init(&w, timeout_ns);
@@ -114,6 +118,15 @@ static int _pack_alloc_region(mtc_arena *a, int64_t payload, int64_t timeout_ns,
                          "the training process) has exited while process %u waited for room in it; "
                          "no room will come, so this process stops packing",
                          (unsigned)a->hdr->creator_pid, (unsigned)me);
+            return -1;
+        }
+        /* the parent's exit reparents this process: getppid() tells at once,
+         * the pid check covers a consumer that is not the parent */
+        if (consumer && consumer != me && ((uint32_t)getppid() != consumer || mtc_arena_pid_gone(consumer))) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "mtc_loader: the process this DataLoader worker packs batches for (pid %u, its "
+                         "parent) has exited while process %u waited for room in the shared arena; no room "
+                         "will come, so this process stops packing", (unsigned)consumer, (unsigned)me);
             return -1;
         }
     }
@@ -238,7 +251,7 @@ error:
     return -1;
 }
 
-/* pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton, atoms)
+/* pack(arena, data, align, timeout_s[, consumer_pid]) -> (offset, nbytes, layout, skeleton, atoms)
  * In a DataLoader worker: every tensor / numpy leaf of data is written into
  * one arena region, laid out by the planner as one chunk: read the leaves,
  * plan, take a region, write, describe (_pack_describe: atoms is None or the
@@ -247,8 +260,8 @@ error:
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s[, consumer_pid])");
         return NULL;
     }
     mtc_arena *a = mtc_arenaobj_of(st, args[0]);
@@ -257,7 +270,12 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     mtc_plan_default_opts(&o, 0); /* "to a device": every host leaf is packed */
     o.align = PyLong_AsLongLong(args[2]);
     double timeout = PyFloat_AsDouble(args[3]);
+    unsigned long consumer = nargs == 5 ? PyLong_AsUnsignedLong(args[4]) : 0;
     if (PyErr_Occurred()) return NULL;
+    if (consumer > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "pack: consumer_pid must be a pid or 0");
+        return NULL;
+    }
     if (o.align < 1 || o.align > MTC_LAYOUT_MAX_ALIGN || (o.align & (o.align - 1))) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: the arena alignment must be a power of two <= 4096");
         return NULL;
@@ -295,7 +313,7 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     if (_pack_check_plan(a, &t, &plan, arena_bytes)) goto error;
     int64_t payload = plan.nchunks ? plan.chunks[0].payload : 0;
-    if (_pack_alloc_region(a, payload, timeout_ns, me, &off)) goto error;
+    if (_pack_alloc_region(a, payload, timeout_ns, me, (uint32_t)consumer, &off)) goto error;
     have_region = 1;
     /* the region's pages into this process's page tables in one call, the
      * first time this process writes its slots (see mtc_arena_populate) */

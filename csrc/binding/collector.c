@@ -3,6 +3,7 @@
  * trigger, run before they exist (see collector.h).
  */
 #include "collector.h"
+#include "env.h"
 
 #include <stdlib.h>
 
@@ -19,7 +20,6 @@ int mtc_collector_init(mtc_state *st)
 {
     st->gc_early = 0;
     if (!MTC_GENERATIONAL) return 0;
-    const char *e = getenv("MTC_EARLY_GC");
     PyObject *gc = PyImport_ImportModule("gc");
     if (!gc) return -1;
     st->gc_isenabled = PyObject_GetAttrString(gc, "isenabled");
@@ -28,7 +28,7 @@ int mtc_collector_init(mtc_state *st)
     st->gc_collect = st->gc_get_threshold ? PyObject_GetAttrString(gc, "collect") : NULL;
     Py_DECREF(gc);
     if (!st->gc_collect) return -1;
-    st->gc_early = !(e && e[0] == '0' && e[1] == '\0');
+    st->gc_early = mtc_env_bool(MTC_ENV_EARLY_GC, 1);
     return 0;
 }
 

@@ -8,6 +8,7 @@
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL mtc_ARRAY_API
 #include "copy.h"
+#include "env.h"
 
 #include <numpy/arrayobject.h>
 #include <errno.h>
@@ -416,9 +417,7 @@ static int64_t _inline_max(void)
     static _Atomic int64_t v = -1;
     int64_t m = atomic_load_explicit(&v, memory_order_relaxed);
     if (m < 0) {
-        const char *e = getenv("MTC_INLINE_MAX_BYTES");
-        m = e && *e ? atoll(e) : MTC_INLINE_MAX_BYTES;
-        if (m < 0) m = MTC_INLINE_MAX_BYTES;
+        if (mtc_env_int(MTC_ENV_INLINE_MAX_BYTES, &m) != 1) m = MTC_INLINE_MAX_BYTES;
         atomic_store_explicit(&v, m, memory_order_relaxed);
     }
     return m;

@@ -7,6 +7,8 @@
  * allocating and without taking a reference. The engine reads a leaf's
  * metadata through it instead of five Python calls (leaves.c); the layouts
  * below are fixed by the DLPack specification for every 1.x version.
+ * A DLTensor has no lazy bits: torch describes a negated view by the bytes
+ * it holds, so the reader asks is_neg() / is_conj() besides (leaves.c).
  */
 #ifndef MTC_DLPACK_H
 #define MTC_DLPACK_H

@@ -271,13 +271,13 @@ static int _read_place(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, 
 }
 
 /* 1 when a tensor's bytes are not its values (the lazy conjugation or
- * negation bit is set, or reading it failed), else 0. Public APIs set the
- * negative bit on real tensors only through .imag of a conjugated view,
- * which is strided unless it has at most one element: the bits are read
- * only for complex tensors and such float tensors. */
-static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl, int contiguous, int64_t numel)
+ * negation bit is set, or reading it failed), else 0. Read for every leaf,
+ * whatever its dtype and layout: the negative bit can sit on a tensor of any
+ * dtype and any layout (torch._neg_view(x), x.conj().imag, views of those),
+ * and neither the DLPack description nor the dims say so. torch keeps the
+ * conjugate bit on complex tensors only (TensorImpl asserts it). */
+static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl)
 {
-    if (!((fl & MTC_DT_COMPLEX) || ((fl & MTC_DT_FLOAT) && (!contiguous || numel <= 1)))) return 0;
     PyObject *v;
     if (fl & MTC_DT_COMPLEX) {
         if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) return 1;
@@ -387,9 +387,8 @@ static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj,
 
 /* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
  * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
- * strides only when not contiguous; is_conj()/is_neg() only where public
- * APIs can set those bits (complex tensors; non-contiguous float views such
- * as z.conj().imag). Anything unexpected goes to _diagnose. */
+ * strides only when not contiguous; is_neg() always, is_conj() of complex
+ * tensors (_lazy_bits). Anything unexpected goes to _diagnose. */
 int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 {
     int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
@@ -417,7 +416,7 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
         if (rc) return rc < 0 ? -1 : mtc_leaves_diagnose(st, t, node, obj);
     }
     int64_t numel = _numel(&t->shape[t->ndims], l.ndim);
-    if (_lazy_bits(st, obj, exact, st->dtflags[c], contiguous, numel)) return mtc_leaves_diagnose(st, t, node, obj);
+    if (_lazy_bits(st, obj, exact, st->dtflags[c])) return mtc_leaves_diagnose(st, t, node, obj);
     if (l.data == 0) {
         /* only an empty tensor may have no storage: a meta tensor, even an
          * empty one, is diagnosed (get_device() says -1 for meta too) */

@@ -15,6 +15,7 @@
 #include "collector.h"
 #include "copy.h"
 #include "cuda.h"
+#include "env.h"
 #include "files.h"
 #include "handle.h"
 #include "hostcopy.h"
@@ -453,6 +454,25 @@ static PyObject *engine_nvtx_info(PyObject *module, PyObject *unused)
                          mtc_nvtx_on ? Py_True : Py_False);
 }
 
+/* _env_problems(check) -> [str]: the MTC_* variables' refused values not yet
+ * reported (env.h), each once; check: parse every variable first, as the
+ * readers will. The caller warns with them. */
+static PyObject *engine_env_problems(PyObject *module, PyObject *check)
+{
+    (void)module;
+    int all = PyObject_IsTrue(check);
+    if (all < 0) return NULL;
+    if (all) mtc_env_check_all();
+    PyObject *out = PyList_New(0);
+    char buf[512];
+    while (out && mtc_env_take_problem(buf, sizeof buf)) {
+        PyObject *m = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+        if (!m || PyList_Append(out, m)) Py_CLEAR(out);
+        Py_XDECREF(m);
+    }
+    return out;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef engine_methods[] = {
@@ -462,6 +482,8 @@ static PyMethodDef engine_methods[] = {
     {"_early_gc", mtc_collector_set, METH_O,
      "_early_gc(flag) -> bool: run the middle-generation collection a batch's outputs would trigger "
      "before making them (collector.h); returns the previous setting."},
+    {"_env_problems", engine_env_problems, METH_O,
+     "_env_problems(check) -> [str]: refused MTC_* environment values not yet reported."},
     {"_forget_types", engine_forget_types, METH_NOARGS, "Classify every type anew (a container was registered)."},
     {"start_copy", (PyCFunction)(void (*)(void))engine_start_copy, METH_FASTCALL,
      "start_copy(data, target, staging, pack, align, max_chunk, background) -> mtc_handle"},

@@ -18,7 +18,7 @@
 #define MTC_MAX_DTYPES 64
 
 /* dtype flags */
-#define MTC_DT_FLOAT   0x1  /* may carry the negative bit (is_neg) */
+#define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
 #define MTC_DT_COMPLEX 0x2  /* may carry the conjugate bit (is_conj) */
 
 /* The per-type classification cache holds its types strongly (a dict keyed by the type), so it

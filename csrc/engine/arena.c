@@ -2,6 +2,7 @@
  * arena.c - the shared arena and its lock-free slot allocator (see arena.h).
  */
 #include "arena.h"
+#include "env.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -129,8 +130,7 @@ int mtc_arena_populate(mtc_arena *a, uint64_t off, uint64_t nbytes)
 {
     if (!nbytes || !a->populated || off < a->data_offset) return 0;
     if (mtc_load_relaxed(&_populate_off) < 0) {
-        const char *e = getenv("MTC_ARENA_POPULATE");
-        mtc_store_relaxed(&_populate_off, e && strcmp(e, "0") == 0);
+        mtc_store_relaxed(&_populate_off, !mtc_env_bool(MTC_ENV_ARENA_POPULATE, 1));
     }
     if (mtc_load_relaxed(&_populate_off)) return 0;
     int32_t me = (int32_t)getpid();
@@ -395,6 +395,8 @@ int mtc_arena_creator_gone(const mtc_arena *a)
 {
     return _pid_dead(a->hdr->creator_pid);
 }
+
+int mtc_arena_pid_gone(uint32_t pid) { return _pid_dead(pid); }
 
 static int _reclaimable(uint32_t pid, uint32_t keep, uint32_t only)
 {

@@ -136,6 +136,9 @@ uint64_t mtc_arena_reclaim_dead(mtc_arena *a, uint32_t keep);
  * regions: the training process) has exited or is a zombie, else 0. A worker
  * that waits for room calls it between slices: room would never come. */
 int mtc_arena_creator_gone(const mtc_arena *a);
+
+/* 1 when process `pid` has exited (gone, or a zombie not yet reaped), else 0. */
+int mtc_arena_pid_gone(uint32_t pid);
 /* Frees every slot owned by `owner`; returns slots freed. */
 uint64_t mtc_arena_reclaim_owner(mtc_arena *a, uint32_t owner);
 void mtc_arena_get_stats(mtc_arena *a, mtc_arena_stats *out);

@@ -2,6 +2,7 @@
  * cuda.c - run-time loader for the CUDA driver API (see cuda.h).
  */
 #include "cuda.h"
+#include "env.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -59,7 +60,7 @@ static int _cu_resolve(void)
     _CU_SYM(cuGetErrorString, "cuGetErrorString");
     /* optional: only the CUDA 13 form, whose ABI is the one declared */
     *(void **)(&mtc_cu.cuMemcpyBatchAsync) = dlsym(_cu_lib, "cuMemcpyBatchAsync_v2");
-    if (getenv("MTC_NO_BATCH_MEMCPY")) mtc_cu.cuMemcpyBatchAsync = NULL;
+    if (mtc_env_bool(MTC_ENV_NO_BATCH_MEMCPY, 0)) mtc_cu.cuMemcpyBatchAsync = NULL;
     return 0;
 }
 

@@ -5,6 +5,7 @@
  * page-locked arena regions.
  */
 #include "runner.h"
+#include "env.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -21,16 +22,14 @@
 #define MTC_H2D_RING_SLABS 16
 
 /* A size from the environment (tuning and benchmarks), else dflt. */
-static size_t _env_size(const char *name, size_t dflt)
+static size_t _env_size(mtc_env_id id, size_t dflt)
 {
-    const char *e = getenv(name);
-    if (!e || !*e) return dflt;
-    long long v = atoll(e);
-    return v >= 0 ? (size_t)v : dflt;
+    int64_t v;
+    return mtc_env_int(id, &v) == 1 ? (size_t)v : dflt;
 }
 
 /* Streaming stores for large staging copies (MTC_STAGE_NT=0 turns them off). */
-static int _stage_nt(void) { return _env_size("MTC_STAGE_NT", 1) != 0; }
+static int _stage_nt(void) { return mtc_env_bool(MTC_ENV_STAGE_NT, 1); }
 
 static void _stage_item(char *base, const mtc_item *it, int nt)
 {
@@ -401,7 +400,7 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
 
     uint32_t helpers = (uint32_t)mtc_pool_size();
-    size_t ring = helpers ? _env_size("MTC_H2D_RING", MTC_H2D_RING_SLABS) : 0;
+    size_t ring = helpers ? _env_size(MTC_ENV_H2D_RING, MTC_H2D_RING_SLABS) : 0;
     if (ring > 64) ring = 64;
     size_t piece, task;
     int nt;
@@ -409,17 +408,17 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         /* Ring: slabs small enough that R of them stay in the cache, tasks
          * that spread a piece over several helpers, plain stores (streaming
          * ones would send the bytes to memory). */
-        piece = _env_size("MTC_H2D_PIECE_BYTES", (size_t)2 << 20);
-        task = _env_size("MTC_H2D_TASK_BYTES", (size_t)256 << 10);
-        nt = _env_size("MTC_STAGE_NT", 0) != 0;
+        piece = _env_size(MTC_ENV_H2D_PIECE_BYTES, (size_t)2 << 20);
+        task = _env_size(MTC_ENV_H2D_TASK_BYTES, (size_t)256 << 10);
+        nt = mtc_env_bool(MTC_ENV_STAGE_NT, 0);
     } else {
         /* Windows: pieces large enough that the per-piece DMA and fence stay
          * cheap, small enough that the first DMA starts early and every
          * helper gets two: 1 to 4 MiB. Tasks of 512 KiB keep every helper on
          * the first pieces; streaming stores. */
-        piece = _env_size("MTC_H2D_PIECE_BYTES", MTC_PIECE_BYTES);
+        piece = _env_size(MTC_ENV_H2D_PIECE_BYTES, MTC_PIECE_BYTES);
         while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
-        task = _env_size("MTC_H2D_TASK_BYTES", (size_t)512 << 10);
+        task = _env_size(MTC_ENV_H2D_TASK_BYTES, (size_t)512 << 10);
         nt = _stage_nt();
     }
     /* The slabs held at once stay within a quarter of the cap, or the pool's
@@ -449,7 +448,7 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         _h2d_ring(&pp, s, piece, (uint32_t)ring);
     } else {
         uint32_t W = helpers ? 2 * helpers : 1;
-        size_t wenv = _env_size("MTC_H2D_WINDOW", 0); /* pieces per window */
+        size_t wenv = _env_size(MTC_ENV_H2D_WINDOW, 0); /* pieces per window */
         if (wenv) W = wenv < 4096 ? (uint32_t)wenv : 4096;
         if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
         if (W > pp.np) W = pp.np;

@@ -2,6 +2,7 @@
  * hostcopy.c - host copies and the helper-thread pool (see hostcopy.h).
  */
 #include "hostcopy.h"
+#include "env.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -151,9 +152,9 @@ int mtc_pool_start(int nthreads)
         /* Staging memcpy from pageable memory runs at ~3 GB/s per thread on the
          * GPU machine's VM: it takes most cores to approach the 50 GB/s of the
          * bus. Leave two for the Python thread and the transfer thread. */
-        const char *e = getenv("MTC_HELPER_THREADS");
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        nthreads = e && *e ? atoi(e) : cpus > 3 ? (int)(cpus - 2) : 1;
+        int64_t v;
+        nthreads = mtc_env_int(MTC_ENV_HELPER_THREADS, &v) == 1 ? (int)v : cpus > 3 ? (int)(cpus - 2) : 1;
     }
     if (nthreads > _MAX_HELPERS) nthreads = _MAX_HELPERS;
     _pool.stop = 0;

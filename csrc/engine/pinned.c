@@ -3,6 +3,7 @@
  * memory and fences come from the CUDA driver (see pinned.h).
  */
 #include "pinned.h"
+#include "env.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -18,12 +19,8 @@ static size_t _pinned_cap;
 
 static size_t _default_cap(void)
 {
-    const char *e = getenv("MTC_PINNED_CAP_BYTES");
-    if (e && *e) {
-        long long v = atoll(e);
-        if (v > 0) return (size_t)v;
-    }
-    return (size_t)1 << 30;
+    int64_t v;
+    return mtc_env_int(MTC_ENV_PINNED_CAP_BYTES, &v) == 1 ? (size_t)v : (size_t)1 << 30;
 }
 
 /* MTC_SLAB_HUGEPAGES=1: slabs mapped anonymously with MADV_HUGEPAGE (2 MiB
@@ -37,8 +34,7 @@ static int _slab_huge = -1;
 static int _huge(void)
 {
     if (_slab_huge < 0) {
-        const char *e = getenv("MTC_SLAB_HUGEPAGES");
-        _slab_huge = e && *e == '1';
+        _slab_huge = mtc_env_bool(MTC_ENV_SLAB_HUGEPAGES, 0);
     }
     return _slab_huge;
 }

@@ -3,6 +3,7 @@
  * threads (see uring.h).
  */
 #include "uring.h"
+#include "env.h"
 
 #include "plan.h" /* MTC_MAX_NDIM */
 
@@ -101,15 +102,18 @@ static void _read_env_locked(void)
 {
     if (_u.env_read) return;
     _u.env_read = 1;
-    const char *e;
-    if ((e = getenv("MTC_URING_DEPTH")) && *e) _u.depth = (unsigned)strtoul(e, NULL, 10);
-    if ((e = getenv("MTC_URING_MAX_IO")) && *e) _u.max_io = strtoull(e, NULL, 10);
-    if ((e = getenv("MTC_FILE_DIRECT")) && *e)
-        _u.direct = strcmp(e, "0") == 0 ? MTC_URING_DIRECT_OFF
-                    : strcmp(e, "always") == 0 ? MTC_URING_DIRECT_ALWAYS : MTC_URING_DIRECT_UNCACHED;
-    if ((e = getenv("MTC_URING_ASYNC")) && *e) _u.async = strcmp(e, "0") != 0;
-    if ((e = getenv("MTC_FILE_READER")) && *e)
-        _u.want_mode = strcmp(e, "pread") == 0 ? MTC_URING_MODE_PREAD : strcmp(e, "uring") == 0 ? MTC_URING_MODE_URING : 0;
+    int64_t v;
+    if (mtc_env_int(MTC_ENV_URING_DEPTH, &v) == 1) _u.depth = (unsigned)v;
+    if (mtc_env_int(MTC_ENV_URING_MAX_IO, &v) == 1) _u.max_io = (uint64_t)v;
+    /* words: "0", "1", "auto", "always" (-1: unset or refused, the default) */
+    int d = mtc_env_enum(MTC_ENV_FILE_DIRECT, -1);
+    if (d == 0) _u.direct = MTC_URING_DIRECT_OFF;
+    else if (d == 3) _u.direct = MTC_URING_DIRECT_ALWAYS;
+    else if (d > 0) _u.direct = MTC_URING_DIRECT_UNCACHED;
+    _u.async = mtc_env_bool(MTC_ENV_URING_ASYNC, _u.async);
+    /* words: "pread", "uring" */
+    int m = mtc_env_enum(MTC_ENV_FILE_READER, -1);
+    if (m >= 0) _u.want_mode = m == 0 ? MTC_URING_MODE_PREAD : MTC_URING_MODE_URING;
 }
 
 /* Sets the mode up (the ring, when io_uring works). Caller holds _u.lock. */
