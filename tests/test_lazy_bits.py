@@ -65,8 +65,8 @@ LAYOUTS = {
 }
 
 
-def _neg_view(dt: torch.dtype, layout: str, seed: int = 0) -> torch.Tensor:
-    base = LAYOUTS[layout](_source(dt, (2, 12), seed))
+def _neg_view(dt: torch.dtype, layout: str, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    base = LAYOUTS[layout](_source(dt, (2, 12), seed).to(device))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         v = torch._neg_view(base)
@@ -74,8 +74,8 @@ def _neg_view(dt: torch.dtype, layout: str, seed: int = 0) -> torch.Tensor:
     return v
 
 
-def _conj_view(dt: torch.dtype, layout: str, imag: bool, seed: int = 0) -> torch.Tensor:
-    v = LAYOUTS[layout](_source(dt, (2, 12), seed)).conj()
+def _conj_view(dt: torch.dtype, layout: str, imag: bool, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    v = LAYOUTS[layout](_source(dt, (2, 12), seed).to(device)).conj()
     return v.imag if imag else v
 
 
@@ -100,12 +100,13 @@ def _check(out: torch.Tensor, ref: torch.Tensor, where: str) -> None:
     assert torch.equal(_bytes(out), _bytes(ref)), f"{where}: bytes differ"
 
 
-def _views(dt: torch.dtype) -> dict[str, torch.Tensor]:
-    views = {f"neg_{k}": _neg_view(dt, k, i) for i, k in enumerate(LAYOUTS)}
+def _views(dt: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Lazy views of every layout, made on ``device`` (copying a lazy view resolves it)."""
+    views = {f"neg_{k}": _neg_view(dt, k, i, device) for i, k in enumerate(LAYOUTS)}
     if dt.is_complex:
         for i, k in enumerate(LAYOUTS):
-            views[f"conj_{k}"] = _conj_view(dt, k, False, 100 + i)
-            views[f"conj_imag_{k}"] = _conj_view(dt, k, True, 200 + i)
+            views[f"conj_{k}"] = _conj_view(dt, k, False, 100 + i, device)
+            views[f"conj_imag_{k}"] = _conj_view(dt, k, True, 200 + i, device)
     return views
 
 
@@ -198,8 +199,8 @@ def test_lazy_views_every_dtype_and_layout_cuda(dt):
         where_cpu = path == "packed_batch_on_host"
         for k, v in data.items():
             _check(got[k], _resolved(v, "cpu" if where_cpu else "cuda:0"), f"{path}: data[{k!r}] ({dt})")
-    gpu = {k: v.to("cuda:0") for k, v in data.items()}  # .to() keeps the lazy bits
-    assert any(v.is_neg() or v.is_conj() for v in gpu.values())
+    gpu = _views(dt, "cuda:0")
+    assert all(v.is_neg() or v.is_conj() for v in gpu.values())
     for name, kw in (("d2h_packed", {}), ("d2h_own", {"pack_cpu_tensors": False}),
                      ("d2h_pageable", {"use_pinned_staging": False})):
         got = start_copy(gpu, "cpu", **kw).get()
