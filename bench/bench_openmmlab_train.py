@@ -172,22 +172,12 @@ def child_config(arm: str, base: str, data_root: str, args: argparse.Namespace) 
         f"    batch_size={args.batch_size}, num_workers={args.workers}, persistent_workers=True,",
         f"    {dataset}),",
     ]
-    if switched:
-        lines += ["    collate_fn=dict(type='mtc_packed_collate'),                 # the switch"]
-    lines += [")"]
-    if switched:
-        preprocessor = parent.model.data_preprocessor.to_dict()
+    lines += [")", "model = dict(backbone=dict(init_cfg=None))", "train_cfg = dict(max_epochs=1)"]
+    if switched:  # the recipe's two lines for a child config
         lines += [
-            "model = dict(",
-            "    backbone=dict(init_cfg=None),",
-            "    data_preprocessor=dict(                                      # the switch",
-            "        _delete_=True, type='MTCDataPreprocessor',",
-            f"        preprocessor={preprocessor!r}))",
-            "train_cfg = dict(_delete_=True, type='MTCEpochBasedTrainLoop', max_epochs=1)  # the switch",
             "custom_imports = dict(imports=['mtc_loader.mmengine'], allow_failed_imports=False)  # the switch",
+            "runner_type = 'MTCRunner'                                                          # the switch",
         ]
-    else:
-        lines += ["model = dict(backbone=dict(init_cfg=None))", "train_cfg = dict(max_epochs=1)"]
     lines += [
         "val_dataloader = None",
         "val_cfg = None",
@@ -232,7 +222,11 @@ def run_arm(config: str, work_dir: str, result: str) -> None:
                 v = value.detach().float().cpu().item() if torch.is_tensor(value) else float(value)
                 record["losses"].setdefault(name, []).append(v)
 
-    runner = Runner.from_cfg(cfg)
+    if "runner_type" in cfg:  # as mmdet's tools/train.py builds it
+        from mmengine.registry import RUNNERS
+        runner = RUNNERS.build(cfg)
+    else:
+        runner = Runner.from_cfg(cfg)
     runner.register_hook(Recorder(), priority="LOWEST")
     if torch.are_deterministic_algorithms_enabled():
         # an op with no deterministic kernel warns instead of stopping the run: the report names

@@ -346,11 +346,11 @@ class _Service:
     def _run(self) -> None:
         it = take = None
         # the copies this thread starts keep their temporary views for the hand-out to drop
-        # (SideCopy._keep; a copy started on any other thread drops them as it goes), and skip
-        # the early collection and the staging of small jobs on the calling thread: both would
-        # hold the GIL here, in the training thread's time, for batches that are handed over
-        # and die young
-        _engine.service_thread(True)
+        # (SideCopy._keep; a copy started on any other thread drops them as it goes). They
+        # keep the early collection and the staging of small jobs on this thread: a service
+        # thread that skipped both measured no faster in the launch-bound training benchmark
+        # (docs/profiler.md), and without the early collection its batches met full collections
+        _engine.keep_temporaries(True)
         try:
             self._wait_for_previous()
             if self.stopping:

@@ -253,3 +253,30 @@ def test_mtc_early_gc_turns_it_off(value, expected):
                          cwd=package_parent())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(expected)
+
+
+@generational
+def test_a_thread_marked_as_a_service_thread_skips_the_collections_ahead(default_collector):
+    # _engine.service_thread(True) (tools/diagnostics' variant of the prefetch service) marks the
+    # calling thread alone: its copies run no collection ahead; another thread's still do
+    call = _calls("unpack", _large("4096x64B"))
+    for _ in range(20):
+        call()
+    counts = {}
+
+    def run(marked: bool) -> None:
+        prev = mtc_loader._engine.service_thread(marked)
+        try:
+            before = mtc_loader.stats()["gc_early_collections"]
+            for _ in range(400):
+                call()
+            counts[marked] = mtc_loader.stats()["gc_early_collections"] - before
+        finally:
+            mtc_loader._engine.service_thread(prev)
+
+    with _early_gc(True):
+        for marked in (True, False):
+            t = threading.Thread(target=run, args=(marked,))
+            t.start()
+            t.join()
+    assert counts[True] == 0 and counts[False] > 0, counts

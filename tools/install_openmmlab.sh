@@ -29,4 +29,8 @@ if [ -z "$wheel" ]; then
 fi
 "$py" -m pip install -q --no-deps "$wheel"
 "$py" -m pip install -q --no-deps "mmdet==3.3.0" "mmdet3d==1.4.0"
-"$py" -c 'import mmcv.ops, mmdet.structures, mmdet3d.structures; print("install_openmmlab: mmcv", mmcv.__version__, "with ops")'
+# what mmdet3d's datasets and models import at run time (tests/test_openmmlab_models.py trains
+# them); the two devkits without their own pins, which would move numpy and others
+"$py" -m pip install -q pyquaternion trimesh pandas scikit-learn cachetools
+"$py" -m pip install -q --no-deps lyft_dataset_sdk nuscenes-devkit
+"$py" -c 'import mmcv.ops, mmdet.structures, mmdet3d.structures, mmdet3d.datasets, mmdet3d.models; print("install_openmmlab: mmcv", mmcv.__version__, "with ops")'

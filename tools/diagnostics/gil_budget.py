@@ -18,9 +18,10 @@ GIL as a launch-bound training thread does. Per batch, in ms:
 - how many collections of each generation ran, and, every ``--probe`` batches, whether the batch
   handed out was already in the oldest generation when the consumer dropped it.
 
-Two variants alternate in one process, ``--rounds`` times each: ``service`` (the defaults: the
-service thread skips the early collection and the inline staging), and ``service_rules`` (the
-service thread runs both, as a caller of ``start_copy`` does). The same batches, the same step.
+Two variants alternate in one process, ``--rounds`` times each: ``defaults`` (the service thread
+runs the early collection and the inline staging, as a caller of ``start_copy`` does) and
+``service_skips`` (the service thread marked with ``_engine.service_thread``: it skips both). The
+same batches, the same step.
 """
 from __future__ import annotations
 
@@ -83,9 +84,9 @@ def spin(seconds: float) -> None:
 
 def one_round(loader_factory, device: str, batches: int, step_s: float, probe: int, rules: bool) -> dict:
     engine = mtc_loader._engine
-    real = engine.service_thread
-    if rules:  # the service thread keeps its temporaries only: the early collection and inline staging run
-        engine.service_thread = engine.keep_temporaries
+    real = engine.keep_temporaries
+    if not rules:  # the service thread marked as such: it skips the early collection and inline staging
+        engine.keep_temporaries = engine.service_thread
     clock = GcClock()
     service_ids: set[int] = set()
     gc.callbacks.append(clock)
@@ -116,7 +117,7 @@ def one_round(loader_factory, device: str, batches: int, step_s: float, probe: i
         it.close()
     finally:
         gc.callbacks.remove(clock)
-        engine.service_thread = real
+        engine.keep_temporaries = real
     n = stats["batches"]
     out = {
         "next_median_ms": statistics.median(waits[len(waits) // 10:]),
@@ -155,11 +156,11 @@ def main() -> int:
     def factory():
         return torch.utils.data.DataLoader(ds, batch_size=a.samples, num_workers=a.workers, collate_fn=pc)
 
-    results: dict[str, list[dict]] = {"service": [], "service_rules": []}
+    results: dict[str, list[dict]] = {"defaults": [], "service_skips": []}
     for r in range(a.rounds):
         for name in results:
             results[name].append(one_round(factory, a.device, a.batches, a.step_ms / 1e3, a.probe,
-                                           name == "service_rules"))
+                                           name == "defaults"))
     keys = ["next_median_ms", "next_mean_ms", "service_cpu_ms", "receive_ms", "decode_ms", "dma_issue_ms",
             "objects_ms", "walk_ms", "collection_ms"]
     print(f"device {a.device}, {a.workers} workers, batch {a.samples} ({h}x{w} images), step {a.step_ms} ms, "

@@ -29,6 +29,8 @@ In a config (see the docs' mmengine recipe)::
 """
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import threading
 from collections import deque
@@ -40,7 +42,7 @@ try:
     from mmengine.hooks import Hook
     from mmengine.model import BaseDataPreprocessor
     from mmengine.registry import FUNCTIONS, LOOPS, MODELS
-    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
+    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
     from mmengine.structures import BaseDataElement
 except ImportError as e:
     raise ImportError(f"mtc_loader: mtc_loader.mmengine needs mmengine (pip install mmengine): {e}") from None
@@ -48,13 +50,13 @@ except ImportError as e:
 import torch
 from torch.utils.data import get_worker_info
 
-from . import _tree
-from ._tree import LEAF, OnHost, register_container
-from .collate import Arena, PackedBatch, PackedCollate
-from .prefetch import PrefetchLoader, _figures, _is_stateful, _Window
+from .. import _tree
+from .._tree import LEAF, OnHost, register_container
+from ..collate import Arena, PackedBatch, PackedCollate
+from ..prefetch import PrefetchLoader, _figures, _is_stateful, _Window
 
-__all__ = ["MTCDataPreprocessor", "MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "PackedPseudoCollate",
-           "packed_collate"]
+__all__ = ["MTCDataPreprocessor", "MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "MTCRunner", "MTCTestLoop",
+           "MTCValLoop", "PackedPseudoCollate", "packed_collate", "switch_config"]
 
 _TENSOR = torch.Tensor
 _MOVED_KINDS = (_tree.TENSOR, _tree.FILE)
@@ -86,16 +88,48 @@ def _is_child(value: Any, key: str, obj: Any) -> bool:
 
 # mmdet's TrackDataSample: its ``to`` moves the elements of its (list) data fields, the frames
 _TRACK = "mmdet.structures.track_data_sample.TrackDataSample"
-_MOVES_LISTS: dict[type, bool] = {}
 
 
-def _moves_lists(cls: type) -> bool:
+@functools.lru_cache(maxsize=_tree._MAX_TYPES)  # bounded as the walk's own tables: classes made per batch die
+def _moves_lists(cls: Any) -> bool:
     """Whether ``cls.to`` is TrackDataSample's, which moves each element of a list data field
     that has a ``to`` (and keeps only those)."""
-    moves = _MOVES_LISTS.get(cls)
-    if moves is None:
-        moves = _MOVES_LISTS[cls] = any(f"{c.__module__}.{c.__qualname__}" == _TRACK for c in cls.__mro__)
-    return moves
+    return any(f"{c.__module__}.{c.__qualname__}" == _TRACK for c in cls.__mro__)
+
+
+@functools.lru_cache(maxsize=_tree._MAX_TYPES)
+def _slots(cls: Any) -> tuple[str, ...]:
+    """The attribute names kept in the ``__slots__`` of ``cls`` and its bases (a subclass of a
+    known structure type may keep some there), as ``getattr`` spells them."""
+    names: list[str] = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{c.__name__.lstrip('_')}{name}"  # name mangling
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+_UNSET = object()
+
+
+def _slot_values(obj: Any) -> tuple[tuple[str, Any], ...]:
+    """The set slots of ``obj`` (see :func:`_slots`), as (name, value) pairs."""
+    tp: Any = type(obj)  # (a class is hashable: mypy's lru_cache stub says otherwise)
+    names = _slots(tp)
+    if not names:
+        return ()
+    pairs = ((k, getattr(obj, k, _UNSET)) for k in names)
+    return tuple((k, v) for k, v in pairs if v is not _UNSET)
+
+
+def _set_slots(obj: Any, slots: tuple[tuple[str, Any], ...]) -> None:
+    for k, v in slots:
+        object.__setattr__(obj, k, v)
 
 
 def _moved_list(value: Any, key: str, obj: Any) -> Optional[list[Any]]:
@@ -129,6 +163,16 @@ def _holds_tensors(value: Any) -> bool:
 _ATOMS = (str, int, float, bool, type(None), bytes, type)
 
 
+class _CopyMetainfo(threading.local):
+    """Set while this thread packs a batch for itself (mtc_packed_collate with num_workers=0):
+    the walk then deep-copies each data element's metainfo values, as ``.to`` does."""
+
+    on = False
+
+
+_COPY_METAINFO = _CopyMetainfo()
+
+
 def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
     """Children: the data fields that ``.to`` would move, then (marked to stay on the host) the
     other fields, metainfo included, that hold tensors; in the order of the instance's
@@ -137,9 +181,14 @@ def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
     the children's names."""
     state = obj.__dict__.copy()
     data_fields = state.get("_data_fields", ())
+    if _COPY_METAINFO.on:
+        for k in state.get("_metainfo_fields", ()):
+            if k in state and type(state[k]) not in _ATOMS:
+                state[k] = copy.deepcopy(state[k])
     keys: list[str] = []
     children: list[Any] = []
-    lists = _moves_lists(type(obj))
+    tp: Any = type(obj)
+    lists = _moves_lists(tp)
     for k, v in state.items():
         if type(v) is OnHost:  # a packed batch's skeleton: the marker is kept where it was put
             keys.append(k)
@@ -163,14 +212,15 @@ def _flatten_element(obj: BaseDataElement) -> tuple[list[Any], tuple[Any, ...]]:
             children.append(OnHost(v))
     for k in keys:
         state[k] = None  # the context holds no tensor
-    return children, (type(obj), state, tuple(keys))
+    return children, (type(obj), state, tuple(keys), _slot_values(obj))
 
 
 def _unflatten_element(values: list[Any], context: tuple[Any, ...]) -> BaseDataElement:
     """A new instance of the same class, no ``__init__`` or ``__setattr__`` run (the values may be
     placeholders, which ``InstanceData``'s length checks would refuse)."""
-    cls, state, keys = context
+    cls, state, keys, slots = context
     new = cls.__new__(cls)
+    _set_slots(new, slots)
     d = state.copy()
     for k in _BOOKKEEPING:
         if k in d:
@@ -194,18 +244,20 @@ register_container(BaseDataElement, _flatten_element, _unflatten_element, names=
 def _holder_flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """A structure that keeps its data in one ``tensor`` attribute (boxes, points): that tensor is
     the child; the class and every other attribute (``box_dim``, ``with_yaw``, ``points_dim``,
-    ``attribute_dims``, ``rotation_axis``, ...) are the context, as they are."""
+    ``attribute_dims``, ``rotation_axis``, ..., and those a subclass keeps in ``__slots__``) are
+    the context, as they are."""
     state = obj.__dict__.copy()
     tensor = state["tensor"]
     state["tensor"] = None  # (keeps its place in the attributes' order)
-    return [tensor], (type(obj), state)
+    return [tensor], (type(obj), state, _slot_values(obj))
 
 
 def _holder_unflatten(values: list[Any], context: tuple[Any, ...]) -> Any:
     """A new instance of the same class with the same attributes, its ``tensor`` the value given;
     no constructor runs (it would check, convert or clone the tensor)."""
-    cls, state = context
+    cls, state, slots = context
     new = cls.__new__(cls)
+    _set_slots(new, slots)
     d = state.copy()
     d["tensor"] = values[0]
     new.__dict__.update(d)
@@ -264,6 +316,12 @@ class _PlacedAsCastData:
         return _place(self.fn(samples))
 
 
+# what an arena too small tells PackedCollate's users, and what mmengine's configure
+_ARENA_HINT = "PackedCollate(arena_bytes=...)"
+_ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...) in the model's config (model=dict(data_preprocessor="
+                  "dict(type='MTCDataPreprocessor', ..., arena_bytes=...)), or switch_config(cfg, arena_bytes=...))")
+
+
 class PackedPseudoCollate:
     """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
     ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
@@ -302,20 +360,43 @@ class PackedPseudoCollate:
                 self.arena = Arena(self.arena_bytes)
             return self.arena
 
-    def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None]) -> PackedCollate:
-        p = self._packers.get(collate_fn)
+    def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None], kwargs: dict[str, Any]) -> PackedCollate:
+        key: Any = (collate_fn, tuple(sorted(kwargs.items())))
+        try:
+            p = self._packers.get(key)
+        except TypeError:  # an unhashable argument: keyed by its text
+            key = (collate_fn, repr(sorted(kwargs.items())))
+            p = self._packers.get(key)
         if p is None:
             fn = pseudo_collate if collate_fn is None else (
                 FUNCTIONS.get(collate_fn) if isinstance(collate_fn, str) else collate_fn)
             if not callable(fn):
                 raise ValueError(f"mtc_loader: mtc_packed_collate's collate_fn {collate_fn!r} is not a "
                                  "function registered in mmengine's FUNCTIONS nor a callable")
-            p = self._packers[collate_fn] = PackedCollate(_PlacedAsCastData(fn), arena=self.arm())
+            if kwargs:
+                fn = functools.partial(fn, **kwargs)
+            p = self._packers[key] = PackedCollate(_PlacedAsCastData(fn), arena=self.arm())
         return p
 
-    def __call__(self, data_batch: Sequence[Any],
-                 collate_fn: Union[str, Callable[[list[Any]], Any], None] = None) -> PackedBatch:
-        return self._packer(collate_fn)(list(data_batch))
+    def __call__(self, data_batch: Sequence[Any], collate_fn: Union[str, Callable[[list[Any]], Any], None] = None,
+                 **kwargs: Any) -> PackedBatch:
+        """Packs what ``collate_fn`` (``pseudo_collate`` by default; ``kwargs`` are its other
+        arguments, from the loader's ``collate_fn`` config) makes of ``data_batch``."""
+        packer = self._packer(collate_fn, kwargs)
+        in_worker = get_worker_info() is not None
+        # packed in the process that trains (num_workers=0), the batch's metainfo would be the
+        # dataset's own objects: copied here, as BaseDataElement.to deep-copies it (a worker's
+        # travel pickled, which copies them)
+        _COPY_METAINFO.on = not in_worker
+        try:
+            return packer(list(data_batch))
+        except RuntimeError as e:
+            if _ARENA_HINT not in str(e):
+                raise
+            raise RuntimeError(str(e).replace(_ARENA_HINT, _ARENA_HINT_MM).replace(
+                "PrefetchLoader depth", "the train loop's prefetch_depth")) from None
+        finally:
+            _COPY_METAINFO.on = False
 
     def __getstate__(self) -> dict[str, Any]:
         # a worker started by spawn or forkserver receives the arena: created here if need be
@@ -360,6 +441,37 @@ class _CastData:
         return type(inner).cast_data(inner, data)
 
 
+def _wrapped_config(preprocessor: Union[str, dict[str, Any], BaseDataPreprocessor, None],
+                    inherited: dict[str, Any], non_blocking: bool) -> Any:
+    """The wrapped preprocessor's config (or module): a type name becomes a config, the keys a
+    child config inherits from its base's ``data_preprocessor`` are its arguments."""
+    if isinstance(preprocessor, str):
+        preprocessor = dict(type=preprocessor)
+    if preprocessor is None:
+        if inherited:
+            raise TypeError(
+                "mtc_loader: MTCDataPreprocessor received "
+                f"{', '.join(sorted(inherited))}: arguments of the preprocessor it wraps (a child config's "
+                "data_preprocessor=dict(type='MTCDataPreprocessor') merges the base config's "
+                "data_preprocessor into it), but not that preprocessor's type: name it, e.g. "
+                "data_preprocessor=dict(type='MTCDataPreprocessor', preprocessor='Det3DDataPreprocessor') "
+                "(the type your base config's data_preprocessor has), or leave the model's config alone and "
+                "use runner_type='MTCRunner' (docs/mmengine.md)")
+        return dict(type="BaseDataPreprocessor", non_blocking=non_blocking)
+    if not isinstance(preprocessor, dict):
+        if inherited:
+            raise TypeError(f"mtc_loader: MTCDataPreprocessor got a built preprocessor and arguments for it "
+                            f"({', '.join(sorted(inherited))}): give one or the other")
+        return preprocessor
+    if not inherited:
+        return preprocessor
+    merged = dict(inherited)
+    merged.update(preprocessor)  # the wrapper's own nested keys win over the inherited ones
+    if non_blocking:  # an inherited key too, taken by the wrapper's own argument
+        merged.setdefault("non_blocking", non_blocking)
+    return merged
+
+
 @MODELS.register_module()
 class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     """Wraps a model's data preprocessor: a :class:`~mtc_loader.PackedBatch` (from
@@ -369,22 +481,28 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     ``cast_data`` a no-op. Any other batch goes through the wrapped preprocessor unchanged.
 
     Config: ``data_preprocessor=dict(type="MTCDataPreprocessor", preprocessor=<the model's
-    data_preprocessor config>)``.
+    data_preprocessor config>)``. In a child config, whose ``data_preprocessor`` merges into
+    the base config's, name the wrapped type alone:
+    ``model = dict(data_preprocessor=dict(type="MTCDataPreprocessor",
+    preprocessor="Det3DDataPreprocessor"))``; the inherited keys (``voxel``, ``mean``, ...) are
+    its arguments.
 
     Args:
-        preprocessor: The wrapped preprocessor, a config dict or a module (default: mmengine's
-            ``BaseDataPreprocessor``, which only moves the data).
+        preprocessor: The wrapped preprocessor: a config dict, a type name of ``MODELS``, or a
+            module (default: mmengine's ``BaseDataPreprocessor``, which only moves the data).
         arena_bytes: Size of ``mtc_packed_collate``'s shared arena, created here (in the process
             that trains, before the DataLoader starts): about ``num_workers * prefetch_factor +
             prefetch depth + 2`` batches.
-        non_blocking: As ``BaseDataPreprocessor``'s, for batches that are not packed.
+        non_blocking: As ``BaseDataPreprocessor``'s, for batches that are not packed (also
+            passed on with the inherited arguments, when set).
+        **inherited: Arguments of the wrapped preprocessor (those a child config inherits from
+            its base's ``data_preprocessor``); the keys of a ``preprocessor`` dict win over them.
     """
 
-    def __init__(self, preprocessor: Union[dict[str, Any], BaseDataPreprocessor, None] = None,
-                 arena_bytes: int = 256 << 20, non_blocking: bool = False) -> None:
+    def __init__(self, preprocessor: Union[str, dict[str, Any], BaseDataPreprocessor, None] = None,
+                 arena_bytes: int = 256 << 20, non_blocking: bool = False, **inherited: Any) -> None:
         super().__init__(non_blocking)
-        if preprocessor is None:
-            preprocessor = dict(type="BaseDataPreprocessor", non_blocking=non_blocking)
+        preprocessor = _wrapped_config(preprocessor, inherited, non_blocking)
         if isinstance(preprocessor, dict):
             preprocessor = MODELS.build(preprocessor)
         if not isinstance(preprocessor, BaseDataPreprocessor):
@@ -483,6 +601,31 @@ class _Prefetching:
     def close(self) -> None:
         _MOVED.batch = None
         self.it.close()  # type: ignore[attr-defined]  # a generator: stops the service thread
+
+
+def _unpacked(data_batch: Any, runner: Any) -> Any:
+    """What hooks, the model and evaluators receive for a batch of the loader: a
+    :class:`~mtc_loader.PackedBatch` unpacked on the model's device (one DMA) and marked for
+    :class:`MTCDataPreprocessor` as moved; any other batch as it is."""
+    if not isinstance(data_batch, PackedBatch):
+        return data_batch
+    batch = data_batch.to(_device_of(runner))
+    _MOVED.batch = batch
+    return batch
+
+
+def _check_depth(prefetch_depth: Any) -> int:
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(f"mtc_loader: prefetch_depth must be an int >= 0 (0: no prefetching), got {prefetch_depth!r}")
+    return prefetch_depth
+
+
+def _check_by_epoch(by_epoch: Any, expected: bool, loop: str) -> None:
+    """A schedule's ``by_epoch`` (kept by a child config's ``train_cfg``) must be the loop's kind."""
+    if by_epoch is not None and bool(by_epoch) is not expected:
+        other = "MTCIterBasedTrainLoop" if expected else "MTCEpochBasedTrainLoop"
+        raise ValueError(f"mtc_loader: train_cfg has by_epoch={by_epoch!r}, which {loop} is not: use {other} "
+                         "(with max_iters or max_epochs as the schedule gives)")
 
 
 class _Pass:
@@ -630,14 +773,21 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
 
     :meth:`stats` gives the loader's figures over the run.
 
+    Hooks and evaluators receive the batch the model receives (on the device), never a
+    :class:`~mtc_loader.PackedBatch`; with ``prefetch_depth=0`` the loop does not prefetch, and
+    each packed batch is unpacked on the training thread before the hooks run.
+
     Config: ``train_cfg=dict(type="MTCEpochBasedTrainLoop", max_epochs=..., prefetch_depth=2,
-    log_stats=True)``.
+    log_stats=True)``. ``by_epoch=True``, which mmdet3d's schedules set, is accepted (a
+    config's ``train_cfg`` with both ``type`` and ``by_epoch`` needs
+    ``runner_type="MTCRunner"``: mmengine's ``Runner`` refuses the pair).
     """
 
     def __init__(self, runner: Any, dataloader: Any, max_epochs: int, *, prefetch_depth: int = 2,
-                 log_stats: bool = True, **kwargs: Any) -> None:
+                 log_stats: bool = True, by_epoch: Optional[bool] = None, **kwargs: Any) -> None:
+        _check_by_epoch(by_epoch, True, "MTCEpochBasedTrainLoop")
         super().__init__(runner, dataloader, max_epochs, **kwargs)
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth = _check_depth(prefetch_depth)
         self.log_stats = _check_log_stats(log_stats)
         self._prefetch: Optional[PrefetchLoader] = None  # made at the first epoch, kept for all
         self._done = 0  # batches of the current epoch handed out (0 once it has ended)
@@ -660,7 +810,7 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
         """What a checkpoint keeps of the loader: its state after the last batch handed out (the
         one the step that saves has trained on) and how many batches of the epoch that makes;
         None for a DataLoader that is not stateful."""
-        if not _is_stateful(self.dataloader):
+        if not _is_stateful(self.dataloader) or self.prefetch_depth == 0:
             return None
         state = self._prefetch.state_dict() if self._prefetch is not None else self.dataloader.state_dict()
         return {"train_dataloader": state, "batches_done": self._done}
@@ -675,7 +825,13 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
         done: int = saved["batches_done"]
         return done
 
+    def run_iter(self, idx: int, data_batch: Any) -> None:
+        super().run_iter(idx, _unpacked(data_batch, self.runner))
+
     def run_epoch(self) -> None:
+        if self.prefetch_depth == 0:
+            super().run_epoch()  # mmengine's, with run_iter's unpacking before the hooks
+            return
         self.runner.call_hook("before_train_epoch")
         self.runner.model.train()
         loader = self._loader()
@@ -702,14 +858,20 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
     :class:`MTCEpochBasedTrainLoop` (``log_stats=False`` leaves the last two out); :meth:`stats`
     gives the loader's figures over the run.
 
+    The loop prefetches within one pass of the DataLoader: at a pass's end the DataLoader is
+    restarted on the training thread when the loop asks for the next batch, as with the plain
+    loop, so a run that ends with a pass restarts nothing. Hooks and evaluators receive the batch the
+    model receives; ``prefetch_depth=0`` does not prefetch (see :class:`MTCEpochBasedTrainLoop`).
+
     Config: ``train_cfg=dict(type="MTCIterBasedTrainLoop", max_iters=..., prefetch_depth=2,
-    log_stats=True)``.
+    log_stats=True)``; ``by_epoch=False`` is accepted.
     """
 
     def __init__(self, runner: Any, dataloader: Any, max_iters: int, *, prefetch_depth: int = 2,
-                 log_stats: bool = True, **kwargs: Any) -> None:
+                 log_stats: bool = True, by_epoch: Optional[bool] = None, **kwargs: Any) -> None:
+        _check_by_epoch(by_epoch, False, "MTCIterBasedTrainLoop")
         super().__init__(runner, dataloader, max_iters, **kwargs)
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth = _check_depth(prefetch_depth)
         self.log_stats = _check_log_stats(log_stats)
         self._prefetch: Optional[PrefetchLoader] = None  # the loader of the run under way
         if self.log_stats:
@@ -720,7 +882,12 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
         before it starts)."""
         return self._prefetch.stats() if self._prefetch is not None else {}
 
+    def run_iter(self, data_batch: Any) -> None:
+        super().run_iter(_unpacked(data_batch, self.runner))
+
     def run(self) -> Any:
+        if self.prefetch_depth == 0:
+            return super().run()
         endless: Any = self.dataloader_iterator  # type: ignore[has-type]
         passes = hasattr(endless, "_iterator") and hasattr(endless, "_dataloader")  # mmengine's own
         prefetching = (_PrefetchedPasses if passes else _Prefetching)(endless, _device_of(self.runner),
@@ -732,3 +899,41 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
         finally:
             prefetching.close()
             self.dataloader_iterator = endless
+
+
+# ------------------------------------------------------------------------- validation and test loops
+
+@LOOPS.register_module()
+class MTCValLoop(ValLoop):  # type: ignore[misc]
+    """mmengine's ``ValLoop`` for a loader whose batches are packed (``mtc_packed_collate``):
+    each :class:`~mtc_loader.PackedBatch` is unpacked on the model's device (one DMA) before
+    the hooks run, so that hooks (``before_val_iter``, ``after_val_iter``), the model and the
+    evaluator's metrics (``process(data_batch, data_samples)``) all receive the batch's
+    structure. Other batches go through as with ``ValLoop``.
+
+    Config: ``val_cfg=dict(type="MTCValLoop")`` (``ValLoop``'s arguments).
+    """
+
+    def run_iter(self, idx: int, data_batch: Any) -> None:
+        try:
+            super().run_iter(idx, _unpacked(data_batch, self.runner))
+        finally:
+            _MOVED.batch = None
+
+
+@LOOPS.register_module()
+class MTCTestLoop(TestLoop):  # type: ignore[misc]
+    """mmengine's ``TestLoop`` with packed batches unpacked before the hooks (see
+    :class:`MTCValLoop`).
+
+    Config: ``test_cfg=dict(type="MTCTestLoop")`` (``TestLoop``'s arguments).
+    """
+
+    def run_iter(self, idx: int, data_batch: Any) -> None:
+        try:
+            super().run_iter(idx, _unpacked(data_batch, self.runner))
+        finally:
+            _MOVED.batch = None
+
+
+from ._switch import MTCRunner, switch_config  # noqa: E402  (registers MTCRunner; needs the loops above)

@@ -1,0 +1,194 @@
+"""The switch applied to a whole config: :func:`switch_config` and :class:`MTCRunner`."""
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from collections.abc import MutableMapping
+from typing import Any, Optional, Union
+
+from mmengine.config import Config
+from mmengine.registry import LOOPS, RUNNERS
+from mmengine.runner import Runner
+
+_MODULE = "mtc_loader.mmengine"
+_COLLATE = "mtc_packed_collate"
+_PRE = "MTCDataPreprocessor"
+# mmengine's loops and the ones that take their place
+_TRAIN = {"EpochBasedTrainLoop": "MTCEpochBasedTrainLoop", "IterBasedTrainLoop": "MTCIterBasedTrainLoop"}
+_EVAL = {"val": ("ValLoop", "MTCValLoop"), "test": ("TestLoop", "MTCTestLoop")}
+
+
+def _name(tp: Any) -> Any:
+    """A config's ``type``: its name, whether given as a string (``"mmdet::ValLoop"`` scoped or
+    not) or a class."""
+    if isinstance(tp, str):
+        return tp.rsplit("::", 1)[-1]
+    return getattr(tp, "__name__", tp)
+
+
+def _packed(collate_fn: Any) -> dict[str, Any]:
+    """``mtc_packed_collate`` packing what the loader's ``collate_fn`` (a config, default
+    ``pseudo_collate``) makes, with that config's other arguments."""
+    if collate_fn is None:
+        return dict(type=_COLLATE)
+    if not isinstance(collate_fn, dict):  # a callable given in place of a config
+        return dict(type=_COLLATE, collate_fn=collate_fn)
+    fn = dict(collate_fn)
+    tp = fn.pop("type", "pseudo_collate")
+    if _name(tp) == _COLLATE:
+        return dict(collate_fn)
+    if _name(tp) == "pseudo_collate" and not fn:
+        return dict(type=_COLLATE)
+    return dict(type=_COLLATE, collate_fn=tp, **fn)
+
+
+def _train_loop(train_cfg: Any, prefetch_depth: Optional[int]) -> Optional[dict[str, Any]]:
+    """The prefetching loop's config for a train loop's, or None for a loop of another kind
+    (kept as it is)."""
+    if not isinstance(train_cfg, dict):
+        return None
+    cfg = dict(train_cfg)
+    tp = cfg.get("type")
+    by_epoch = cfg.pop("by_epoch", None)
+    if tp is None:
+        if by_epoch is None:
+            return None  # mmengine's Runner refuses it: left for its message
+        cfg["type"] = "MTCEpochBasedTrainLoop" if by_epoch else "MTCIterBasedTrainLoop"
+    elif _name(tp) in _TRAIN:
+        cfg["type"] = _TRAIN[_name(tp)]
+    elif _name(tp) not in _TRAIN.values():
+        return None
+    if by_epoch is not None and (cfg["type"] == "MTCEpochBasedTrainLoop") is not bool(by_epoch):
+        return None  # a contradiction: left for the loop to refuse
+    if prefetch_depth is not None:
+        cfg["prefetch_depth"] = prefetch_depth
+    return cfg
+
+
+def _eval_loop(loop_cfg: Any, kind: str) -> Optional[dict[str, Any]]:
+    if not isinstance(loop_cfg, dict):
+        return None
+    plain, ours = _EVAL[kind]
+    tp = _name(loop_cfg.get("type", plain))
+    if tp not in (plain, ours):
+        return None
+    return dict(loop_cfg, type=ours)
+
+
+def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
+            prefetch_depth: Optional[int] = None, pack_eval: bool = True) -> None:
+    """Applies the switch, in place, to the runner's arguments in ``cfg`` (a Config or the
+    keywords of ``Runner``): the model's data preprocessor wrapped, each loop of mmengine's
+    replaced by its counterpart, and the loaders of the replaced loops packed."""
+    model = cfg.get("model")
+    if isinstance(model, dict):
+        # (the Runner's own data_preprocessor argument is the model's when the model names none)
+        pre = model.get("data_preprocessor", cfg.get("data_preprocessor"))
+        if not (isinstance(pre, dict) and _name(pre.get("type")) == _PRE):
+            wrapper: dict[str, Any] = dict(type=_PRE)
+            if pre is not None:
+                wrapper["preprocessor"] = pre
+            model["data_preprocessor"] = wrapper
+        if arena_bytes is not None:
+            model["data_preprocessor"]["arena_bytes"] = arena_bytes  # (a Config holds a copy of what it is given)
+    train = _train_loop(cfg.get("train_cfg"), prefetch_depth)
+    loader = cfg.get("train_dataloader")
+    if train is not None:
+        cfg["train_cfg"] = train
+        if isinstance(loader, dict):
+            loader["collate_fn"] = _packed(loader.get("collate_fn"))
+    for kind in ("val", "test"):
+        loop = _eval_loop(cfg.get(f"{kind}_cfg"), kind)
+        loader = cfg.get(f"{kind}_dataloader")
+        if loop is None or not isinstance(loader, dict):
+            continue
+        cfg[f"{kind}_cfg"] = loop
+        if pack_eval:
+            loader["collate_fn"] = _packed(loader.get("collate_fn"))
+
+
+def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: Optional[int] = None,
+                  prefetch_depth: Optional[int] = None, pack_eval: bool = True) -> Config:
+    """The config ``cfg`` (a :class:`mmengine.config.Config` or a config file's path) with
+    mtc_loader's switch applied, as a new Config (``cfg`` is not changed):
+
+    - ``custom_imports`` imports ``mtc_loader.mmengine`` (in every process the config starts);
+    - the model's ``data_preprocessor`` is wrapped by ``MTCDataPreprocessor``;
+    - the train loop, if mmengine's (``by_epoch=True`` / ``False`` or ``EpochBasedTrainLoop`` /
+      ``IterBasedTrainLoop``), becomes ``MTCEpochBasedTrainLoop`` / ``MTCIterBasedTrainLoop``,
+      and its loader's ``collate_fn`` becomes ``mtc_packed_collate`` around the one it had;
+    - the validation and test loops, if mmengine's (``ValLoop``, ``TestLoop``, or no type),
+      become ``MTCValLoop`` / ``MTCTestLoop``, and their loaders are packed too (unless
+      ``pack_eval=False``).
+
+    A loop of another kind (a project's own) is kept, and so is its loader's ``collate_fn``.
+    Parts already switched are kept as they are, so switching twice changes nothing.
+
+    Args:
+        cfg: The config, or the path of its file.
+        arena_bytes: The shared arena's size (``MTCDataPreprocessor``'s ``arena_bytes``).
+        prefetch_depth: The train loop's ``prefetch_depth`` (0: no prefetching).
+        pack_eval: Whether validation and test loaders are packed as well.
+
+    Returns:
+        The switched config, ready for ``Runner.from_cfg`` (or ``RUNNERS.build``).
+    """
+    if isinstance(cfg, Config):
+        out = copy.deepcopy(cfg)
+    else:
+        out = Config.fromfile(os.fspath(cfg))
+    imports = out.get("custom_imports")
+    if imports is None:
+        out["custom_imports"] = dict(imports=[_MODULE], allow_failed_imports=False)
+    else:
+        names = imports.get("imports", [])
+        names = [names] if isinstance(names, str) else list(names)
+        if _MODULE not in names:
+            imports["imports"] = names + [_MODULE]
+    _switch(out, arena_bytes=arena_bytes, prefetch_depth=prefetch_depth, pack_eval=pack_eval)
+    return out
+
+
+_RUNNER_ARGS = inspect.signature(Runner.__init__)
+
+
+@RUNNERS.register_module()
+class MTCRunner(Runner):  # type: ignore[misc]
+    """mmengine's ``Runner`` with mtc_loader's switch applied to its arguments
+    (:func:`switch_config`): a config only needs ``runner_type="MTCRunner"`` (with
+    ``custom_imports`` importing ``mtc_loader.mmengine``), however its base configs write the
+    model's preprocessor and the loops. Explicit switch lines are kept as they are, and a
+    ``train_cfg`` with both ``type`` (an mtc_loader loop) and the ``by_epoch`` a base schedule
+    sets is accepted.
+
+    ``RUNNERS.build(cfg)`` (what the OpenMMLab projects' ``tools/train.py`` calls when the config
+    has a ``runner_type``) and ``MTCRunner.from_cfg(cfg)`` both build it; mmengine's
+    ``Runner.from_cfg(cfg)`` ignores ``runner_type``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _RUNNER_ARGS.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        for key in ("model", "train_dataloader", "val_dataloader", "test_dataloader", "train_cfg", "val_cfg",
+                    "test_cfg"):
+            if isinstance(arguments.get(key), dict):
+                arguments[key] = copy.deepcopy(arguments[key])
+        _switch(arguments)
+        super().__init__(**arguments)
+
+    @classmethod
+    def from_cfg(cls, cfg: Config) -> "MTCRunner":
+        # the config the runner keeps (and writes to its work_dir) is the switched one
+        runner: MTCRunner = super().from_cfg(switch_config(cfg))
+        return runner
+
+    def build_train_loop(self, loop: Any) -> Any:
+        if isinstance(loop, dict) and "type" in loop and "by_epoch" in loop:
+            cls = LOOPS.get(loop["type"]) if isinstance(loop["type"], str) else loop["type"]
+            if getattr(cls, "__module__", "").startswith(_MODULE):
+                # the pair mmengine's Runner refuses: an mtc_loader loop checks by_epoch itself
+                return LOOPS.build(copy.deepcopy(loop),
+                                   default_args=dict(runner=self, dataloader=self._train_dataloader))
+        return super().build_train_loop(loop)

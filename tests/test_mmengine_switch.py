@@ -1,0 +1,516 @@
+"""mtc_loader.mmengine's switch as users write it: in a child config of the configs shipped with
+mmdet3d and mmdet (``_base_``), with ``switch_config`` and the ``train`` command; what hooks and
+metrics receive; the iteration loop's end; the arena's message; metainfo copies; slots; the
+bounded per-class table.
+
+Skipped where mmengine is not installed; the tests of a real config where mmdet / mmdet3d is not.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+import weakref
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+with warnings.catch_warnings():  # mmengine's imports warn (deprecations)
+    warnings.simplefilter("ignore")
+    pytest.importorskip("mmengine", reason="needs mmengine (the test extra installs it)")
+    from mmengine.config import Config
+    from mmengine.evaluator import BaseMetric
+    from mmengine.hooks import Hook
+    from mmengine.model import BaseModel
+    from mmengine.registry import LOOPS, METRICS, MODELS, RUNNERS, DefaultScope
+    from mmengine.runner import Runner
+    from mmengine.structures import BaseDataElement, InstanceData
+
+    import mtc_loader
+    import mtc_loader.mmengine as mm
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+POINTPILLARS = "mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_kitti-3d-3class.py"
+RETINANET = "mmdet::retinanet/retinanet_r50_fpn_1x_coco.py"
+
+# the documented child-config lines (docs/mmengine.md)
+THREE_LINES = """
+custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
+runner_type = "MTCRunner"
+"""
+LINE_BY_LINE = """
+custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
+runner_type = "MTCRunner"
+train_dataloader = dict(collate_fn=dict(type="mtc_packed_collate"))
+val_dataloader = dict(collate_fn=dict(type="mtc_packed_collate"))
+test_dataloader = dict(collate_fn=dict(type="mtc_packed_collate"))
+model = dict(data_preprocessor=dict(type="MTCDataPreprocessor", preprocessor="{pre}", arena_bytes=64 << 20))
+train_cfg = dict(type="MTCEpochBasedTrainLoop", prefetch_depth=3)
+val_cfg = dict(type="MTCValLoop")
+test_cfg = dict(type="MTCTestLoop")
+"""
+
+
+def child(tmp_path, base: str, lines: str, name: str = "child.py") -> Config:
+    path = tmp_path / name
+    path.write_text(f"_base_ = [{base!r}]\n" + textwrap.dedent(lines))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Config.fromfile(str(path))
+
+
+# ------------------------------------------------------------------------- a small model and data
+
+class Sample(BaseDataElement):
+    pass
+
+
+SHARED = {"lidar2img": np.arange(16.0).reshape(4, 4), "cams": ["a", "b"]}
+
+
+class Samples(torch.utils.data.Dataset):
+    """Samples that hold the dataset's own metainfo objects (as a dataset that caches them)."""
+
+    metainfo = {"classes": ("a", "b")}
+
+    calls = [0]  # samples loaded (the Runner deep-copies the dataset of a config dict)
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.calls[0] += 1
+        g = torch.Generator().manual_seed(i)
+        ds = Sample(metainfo={"lidar2img": SHARED["lidar2img"], "cams": SHARED["cams"], "idx": i})
+        ds.gt_instances = InstanceData(labels=torch.randint(0, 2, (1 + i % 3,), generator=g))
+        return {"inputs": torch.rand(3, 4, generator=g), "data_samples": ds}
+
+
+class Toy(BaseModel):
+    def __init__(self, data_preprocessor=None) -> None:
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        loss = self.w.sum() * sum(float(x.sum()) for x in inputs)
+        if mode == "loss":
+            return {"loss": loss}
+        return list(data_samples)
+
+
+SEEN: list = []
+
+
+class ReadsBatch(Hook):
+    """A hook that reads ``data_batch['data_samples']``, as users' hooks and visualizers do."""
+
+    def _read(self, where, data_batch):
+        SEEN.append((where, type(data_batch["data_samples"][0]).__name__, data_batch["inputs"][0].device.type))
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        self._read("before_train_iter", data_batch)
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self._read("after_train_iter", data_batch)
+
+    def before_val_iter(self, runner, batch_idx, data_batch=None):
+        self._read("before_val_iter", data_batch)
+
+    def after_val_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self._read("after_val_iter", data_batch)
+
+    def after_test_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        self._read("after_test_iter", data_batch)
+
+
+@METRICS.register_module(force=True)
+class ReadsBatchMetric(BaseMetric):
+    def process(self, data_batch, data_samples):
+        SEEN.append(("metric", type(data_batch["data_samples"][0]).__name__, data_batch["inputs"][0].device.type))
+        self.results.append(len(data_samples))
+
+    def compute_metrics(self, results):
+        return {"n": float(sum(results))}
+
+
+def toy_config(work_dir, *, loop="epoch", prefetch_depth=None, n=8) -> dict:
+    loader = dict(dataset=Samples(n), sampler=dict(type="DefaultSampler", shuffle=False), batch_size=4,
+                  num_workers=0)
+    train_cfg = dict(by_epoch=True, max_epochs=1) if loop == "epoch" else dict(by_epoch=False, max_iters=2)
+    if prefetch_depth is not None:
+        train_cfg["prefetch_depth"] = prefetch_depth
+    return dict(
+        model=Toy(), work_dir=str(work_dir), train_dataloader=loader, val_dataloader=dict(loader),
+        test_dataloader=dict(loader), train_cfg=train_cfg, val_cfg=dict(), test_cfg=dict(),
+        val_evaluator=dict(type="ReadsBatchMetric"), test_evaluator=dict(type="ReadsBatchMetric"),
+        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.01)), custom_hooks=[ReadsBatch()],
+        default_hooks=dict(checkpoint=None, logger=None), log_level="ERROR", default_scope="mmengine", cfg=dict(),
+        env_cfg=dict(cudnn_benchmark=False, dist_cfg=dict(backend="gloo")))
+
+
+# ------------------------------------------------------------------------- child configs of real ones
+
+@pytest.fixture
+def mmdet3d_models():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("mmdet3d.models", reason="needs mmdet3d (README: OpenMMLab's stack)")
+
+
+@pytest.mark.parametrize("lines", ["three", "line_by_line"])
+def test_child_of_mmdet3d_pointpillars(tmp_path, mmdet3d_models, lines):
+    """The documented lines in a child of mmdet3d's PointPillars config: the wrapped preprocessor
+    is the base's (Det3DDataPreprocessor with its voxel arguments), the loops accept the
+    schedule's by_epoch, the loaders are packed."""
+    cfg = child(tmp_path, POINTPILLARS, THREE_LINES if lines == "three" else
+                LINE_BY_LINE.format(pre="Det3DDataPreprocessor"))
+    base = child(tmp_path, POINTPILLARS, "", "plain.py")
+    assert cfg.train_cfg.get("by_epoch") is True  # inherited from cyclic-40e.py
+    switched = mm.switch_config(cfg)
+    assert switched.train_cfg.type == "MTCEpochBasedTrainLoop" and "by_epoch" not in switched.train_cfg
+    assert switched.train_cfg.max_epochs == base.train_cfg.max_epochs
+    assert switched.val_cfg.type == "MTCValLoop" and switched.test_cfg.type == "MTCTestLoop"
+    for kind in ("train", "val", "test"):
+        assert switched[f"{kind}_dataloader"].collate_fn.type == "mtc_packed_collate"
+    with DefaultScope.overwrite_default_scope("mmdet3d"):
+        model = MODELS.build(switched.model)
+        ref = MODELS.build(base.model).data_preprocessor
+    pre = model.data_preprocessor
+    assert type(pre) is mm.MTCDataPreprocessor
+    assert type(pre.preprocessor).__name__ == "Det3DDataPreprocessor"
+    assert pre.preprocessor.voxel is True
+    assert pre.preprocessor.voxel_layer is not None
+    assert pre.preprocessor.voxel_type == ref.voxel_type
+    # the train loop built from the child's train_cfg (type and the inherited by_epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = mm.MTCRunner(**dict(toy_config(tmp_path / "wd"), train_cfg=cfg.train_cfg.to_dict()
+                                     if lines == "line_by_line" else dict(cfg.train_cfg)))
+        loop = runner.build_train_loop(runner._train_loop)
+    assert type(loop) is mm.MTCEpochBasedTrainLoop and loop.max_epochs == base.train_cfg.max_epochs
+    if lines == "line_by_line":
+        assert loop.prefetch_depth == 3
+
+
+def test_plain_runner_refuses_what_mtcrunner_takes(tmp_path):
+    """mmengine's Runner refuses a train_cfg with type and by_epoch (a child's merge); MTCRunner
+    builds the mtc_loader loop, which checks by_epoch itself."""
+    cfg = toy_config(tmp_path, prefetch_depth=2)
+    cfg["train_cfg"]["type"] = "MTCEpochBasedTrainLoop"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = Runner(**dict(cfg, work_dir=str(tmp_path / "plain")))
+        with pytest.raises(RuntimeError, match="Only one of"):
+            plain.build_train_loop(plain._train_loop)
+        runner = mm.MTCRunner(**cfg)
+        assert type(runner.build_train_loop(runner._train_loop)) is mm.MTCEpochBasedTrainLoop
+    with pytest.raises(ValueError, match="MTCIterBasedTrainLoop"):
+        LOOPS.build(dict(type="MTCEpochBasedTrainLoop", by_epoch=False, max_epochs=1),
+                    default_args=dict(runner=runner, dataloader=runner._train_dataloader))
+
+
+def test_child_of_mmdet3d_runner_builds(tmp_path, mmdet3d_models):
+    """RUNNERS.build (tools/train.py with a runner_type) on the three-line child of PointPillars."""
+    pytest.importorskip("pyquaternion", reason="mmdet3d's runtime imports (README: OpenMMLab's stack)")
+    cfg = child(tmp_path, POINTPILLARS, THREE_LINES)
+    cfg.work_dir = str(tmp_path / "wd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = RUNNERS.build(cfg)
+    assert type(runner) is mm.MTCRunner
+    assert type(runner.model.data_preprocessor.preprocessor).__name__ == "Det3DDataPreprocessor"
+    assert runner.cfg.train_cfg.type == "MTCEpochBasedTrainLoop"  # the config it keeps is the switched one
+
+
+@pytest.mark.parametrize("lines", ["three", "line_by_line"])
+def test_child_of_mmdet_retinanet(tmp_path, lines):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("mmdet.models", reason="needs mmdet (README: OpenMMLab's stack)")
+        cfg = child(tmp_path, RETINANET, THREE_LINES if lines == "three" else
+                    LINE_BY_LINE.format(pre="DetDataPreprocessor"))
+        base = child(tmp_path, RETINANET, "", "plain.py")
+        cfg.work_dir = str(tmp_path / "wd")
+        cfg.model.backbone.init_cfg = None
+        runner = RUNNERS.build(cfg)
+    pre = runner.model.data_preprocessor
+    assert type(pre) is mm.MTCDataPreprocessor and type(pre.preprocessor).__name__ == "DetDataPreprocessor"
+    ref_mean = torch.tensor(base.model.data_preprocessor.mean).view(-1, 1, 1)
+    assert torch.equal(pre.preprocessor.mean, ref_mean)
+    assert pre.preprocessor.pad_size_divisor == base.model.data_preprocessor.pad_size_divisor
+    assert runner.cfg.train_cfg.type == "MTCEpochBasedTrainLoop"
+    assert runner.cfg.train_cfg.max_epochs == base.train_cfg.max_epochs
+    assert runner.cfg.val_cfg.type == "MTCValLoop"
+
+
+def test_preprocessor_inherited_keys_without_a_type_say_what_to_add():
+    with pytest.raises(TypeError, match="preprocessor='Det3DDataPreprocessor'.*runner_type='MTCRunner'"):
+        mm.MTCDataPreprocessor(voxel=True, voxel_layer=dict())
+    pre = mm.MTCDataPreprocessor(preprocessor=dict(type="BaseDataPreprocessor"), non_blocking=True)
+    assert type(pre.preprocessor).__name__ == "BaseDataPreprocessor"
+
+
+def test_switch_config_keeps_others_and_is_idempotent():
+    cfg = Config(dict(
+        model=dict(type="X", data_preprocessor=dict(type="P", a=1)),
+        train_dataloader=dict(collate_fn=dict(type="default_collate")),
+        val_dataloader=dict(), test_dataloader=dict(),
+        train_cfg=dict(by_epoch=False, max_iters=5), val_cfg=dict(type="TeacherStudentValLoop"), test_cfg=dict(),
+        custom_imports=dict(imports=["project.mod"], allow_failed_imports=False)))
+    once = mm.switch_config(cfg)
+    assert "data_preprocessor" in cfg.model and cfg.model.data_preprocessor.type == "P"  # not changed
+    assert once.model.data_preprocessor == dict(type="MTCDataPreprocessor", preprocessor=dict(type="P", a=1))
+    assert once.train_cfg == dict(type="MTCIterBasedTrainLoop", max_iters=5)
+    assert once.train_dataloader.collate_fn == dict(type="mtc_packed_collate", collate_fn="default_collate")
+    assert once.val_cfg.type == "TeacherStudentValLoop" and "collate_fn" not in once.val_dataloader
+    assert once.test_cfg.type == "MTCTestLoop"
+    assert once.custom_imports.imports == ["project.mod", "mtc_loader.mmengine"]
+    assert mm.switch_config(once).to_dict() == once.to_dict()
+
+
+# ------------------------------------------------------------------------- the train command
+
+CLI_MODULE = '''
+import torch
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from mmengine.structures import BaseDataElement
+
+
+@DATASETS.register_module()
+class MtcCliSamples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"inputs": torch.full((2,), float(i)), "data_samples": BaseDataElement(metainfo={"i": i})}
+
+
+@MODELS.register_module()
+class MtcCliModel(BaseModel):
+    def __init__(self, data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        print("MTC-CLI", type(self.data_preprocessor).__name__, type(data_samples[0]).__name__, flush=True)
+        return {"loss": self.w.sum() * sum(float(x.sum()) for x in inputs)}
+'''
+
+CLI_CONFIG = '''
+custom_imports = dict(imports=["mtc_cli_toy"], allow_failed_imports=False)
+model = dict(type="MtcCliModel")
+train_dataloader = dict(dataset=dict(type="MtcCliSamples"), sampler=dict(type="DefaultSampler", shuffle=False),
+                        batch_size=4, num_workers=0)
+train_cfg = dict(by_epoch=True, max_epochs=3)
+optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.01))
+default_hooks = dict(logger=dict(type="LoggerHook", interval=1), checkpoint=dict(type="CheckpointHook", interval=1))
+env_cfg = dict(cudnn_benchmark=False, dist_cfg=dict(backend="gloo"))
+log_level = "WARNING"
+'''
+
+
+def test_train_command_parses_as_tools_train(tmp_path):
+    from mtc_loader.mmengine.__main__ import _parser, build_config
+
+    (tmp_path / "mtc_cli_toy.py").write_text(CLI_MODULE)
+    (tmp_path / "cfg.py").write_text(CLI_CONFIG)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        args = _parser().parse_args(["train", str(tmp_path / "cfg.py"), "--work-dir", str(tmp_path / "wd"),
+                                     "--amp", "--resume", "--launcher", "pytorch", "--prefetch-depth", "0",
+                                     "--arena-bytes", str(32 << 20),
+                                     "--cfg-options", "train_cfg.max_epochs=1", "train_dataloader.batch_size=2"])
+        cfg = build_config(args)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert cfg.work_dir == str(tmp_path / "wd") and cfg.launcher == "pytorch"
+    assert cfg.resume is True and cfg.load_from is None
+    assert cfg.optim_wrapper.type == "AmpOptimWrapper"
+    assert cfg.train_cfg == dict(type="MTCEpochBasedTrainLoop", max_epochs=1, prefetch_depth=0)
+    assert cfg.train_dataloader.batch_size == 2 and cfg.train_dataloader.collate_fn.type == "mtc_packed_collate"
+    assert cfg.model.data_preprocessor == dict(type="MTCDataPreprocessor", arena_bytes=32 << 20)
+    args = _parser().parse_args(["train", str(tmp_path / "cfg.py"), "--resume", "ckpt.pth"])
+    with mock.patch.dict(sys.modules):
+        sys.path.insert(0, str(tmp_path))
+        try:
+            cfg = build_config(args)
+        finally:
+            sys.path.remove(str(tmp_path))
+    assert cfg.resume is True and cfg.load_from == "ckpt.pth"
+    assert cfg.work_dir == os.path.join("./work_dirs", "cfg")
+
+
+def test_train_command_trains_on_the_cpu(tmp_path):
+    """``python3 -m mtc_loader.mmengine train``: a real run (3 epochs of a toy model), then a resume."""
+    (tmp_path / "mtc_cli_toy.py").write_text(CLI_MODULE)
+    (tmp_path / "cfg.py").write_text(CLI_CONFIG)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]), CUDA_VISIBLE_DEVICES="",
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    cmd = [sys.executable, "-W", "ignore", "-m", "mtc_loader.mmengine", "train", str(tmp_path / "cfg.py"),
+           "--work-dir", str(tmp_path / "wd"), "--cfg-options", "train_cfg.max_epochs=2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("MTC-CLI MTCDataPreprocessor BaseDataElement") == 4  # 2 epochs of 2 batches
+    assert (tmp_path / "wd" / "epoch_2.pth").exists()
+    out = subprocess.run(cmd[:-1] + ["train_cfg.max_epochs=3", "--resume"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("MTC-CLI") == 2  # the third epoch only
+    assert (tmp_path / "wd" / "epoch_3.pth").exists()
+
+
+# ------------------------------------------------------------------------- hooks and metrics
+
+@pytest.mark.parametrize("loop,prefetch_depth", [("epoch", 0), ("epoch", 2), ("iter", 0), ("iter", 2)])
+def test_hooks_and_metrics_receive_the_batch(tmp_path, loop, prefetch_depth):
+    """Train, validation and test loops with packed loaders (MTCRunner's switch), with and without
+    prefetching: every hook and the metric read data_batch['data_samples']."""
+    SEEN.clear()
+    cfg = toy_config(tmp_path, loop=loop, prefetch_depth=prefetch_depth)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = mm.MTCRunner(**cfg)
+        runner.train()
+        runner.val()
+        runner.test()
+    assert type(runner.train_loop) is (mm.MTCEpochBasedTrainLoop if loop == "epoch" else mm.MTCIterBasedTrainLoop)
+    assert type(runner.val_loop) is mm.MTCValLoop and type(runner.test_loop) is mm.MTCTestLoop
+    assert runner.train_loop.prefetch_depth == prefetch_depth
+    where = [w for w, _, _ in SEEN]
+    assert where.count("before_train_iter") == where.count("after_train_iter") == 2
+    # validation at the end of training, and runner.val()
+    assert where.count("after_val_iter") == where.count("before_val_iter") == 4
+    assert where.count("after_test_iter") == 2 and where.count("metric") == 6
+    device = next(runner.model.parameters()).device.type  # (CUDA where there is one: the Runner's choice)
+    assert {(t, d) for _, t, d in SEEN} == {("Sample", device)}
+
+
+def test_mmengine_val_loop_would_hand_a_packed_batch(tmp_path):
+    """What MTCValLoop is for: mmengine's ValLoop over a packed loader gives hooks the PackedBatch."""
+    cfg = toy_config(tmp_path)
+    cfg["val_dataloader"]["collate_fn"] = dict(type="mtc_packed_collate")
+    cfg["model"] = Toy(data_preprocessor=dict(type="MTCDataPreprocessor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = Runner(**cfg)
+        with pytest.raises(TypeError, match="PackedBatch"):
+            runner.val()
+
+
+# ------------------------------------------------------------------------- the iteration loop's end
+
+def test_iteration_loop_prefetches_no_batch_past_max_iters(tmp_path):
+    """max_iters = one epoch's batches: the prefetching loop does not restart the DataLoader (no
+    'Reach the end of the dataloader' warning, no sample loaded twice), as mmengine's loop."""
+    cfg = toy_config(tmp_path, loop="iter", prefetch_depth=2)
+    cfg["val_dataloader"] = cfg["test_dataloader"] = cfg["val_cfg"] = cfg["test_cfg"] = None
+    cfg["val_evaluator"] = cfg["test_evaluator"] = None
+    cfg["custom_hooks"] = None
+    Samples.calls[0] = 0
+    with warnings.catch_warnings(), mock.patch("mmengine.runner.loops.print_log") as log:
+        warnings.simplefilter("ignore")
+        runner = mm.MTCRunner(**cfg)
+        runner.train()
+    assert runner.train_loop.iter == 2
+    assert not any("Reach the end" in str(c) for c in log.call_args_list)
+    assert Samples.calls[0] == 8
+
+
+# ------------------------------------------------------------------------- the arena's message
+
+def test_arena_too_small_names_what_mmengine_users_set():
+    pc = mm.PackedPseudoCollate()
+    pc.arm(1 << 20)
+    batch = [{"inputs": torch.zeros(1 << 20, dtype=torch.uint8)} for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"MTCDataPreprocessor\(arena_bytes=\.\.\.\)") as e:
+        pc(batch)
+    assert "PackedCollate(arena_bytes" not in str(e.value)
+    pc.arena.close() if hasattr(pc.arena, "close") else None
+
+
+# ------------------------------------------------------------------------- metainfo copies
+
+def test_metainfo_values_are_copies_with_num_workers_0():
+    """Packed in the process that trains, the model's metainfo values are copies of the
+    dataset's (mmengine's .to deep-copies them), equal in value: a model that edits them in
+    place does not edit a dataset that caches its samples."""
+    cached = [Samples(4)[i] for i in range(4)]
+    loader = torch.utils.data.DataLoader(cached, batch_size=2, num_workers=0, collate_fn=mm.packed_collate)
+    for k, packed in enumerate(loader):
+        batch = packed.to("cpu")
+        for j, ds in enumerate(batch["data_samples"]):
+            own = cached[2 * k + j]["data_samples"]
+            assert ds.lidar2img is not own.lidar2img and np.array_equal(ds.lidar2img, own.lidar2img)
+            assert ds.cams is not own.cams and ds.cams == own.cams
+            ds.lidar2img[0, 0] = -1
+            ds.cams.append("z")
+    for sample in cached:
+        assert sample["data_samples"].lidar2img[0, 0] == 0 and sample["data_samples"].cams == ["a", "b"]
+
+
+# ------------------------------------------------------------------------- slots
+
+class SlottedElement(BaseDataElement):
+    __slots__ = ("track_ids",)
+
+
+def test_slots_of_a_data_element_subclass_are_kept():
+    el = SlottedElement(metainfo={"k": 1})
+    el.boxes = torch.rand(3, 4)
+    object.__setattr__(el, "track_ids", [7, 8, 9])
+    out = mtc_loader.start_copy({"x": el}, "cpu").get()["x"]
+    assert type(out) is SlottedElement and out.track_ids == [7, 8, 9] and out.k == 1
+    assert torch.equal(out.boxes, el.boxes)
+
+
+def test_slots_of_a_box_subclass_are_kept():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        structures = pytest.importorskip("mmdet3d.structures", reason="needs mmdet3d (README: OpenMMLab's stack)")
+
+    class TrackedBoxes(structures.LiDARInstance3DBoxes):
+        __slots__ = ("track_ids", "__secret")
+
+        def __init__(self, tensor, track_ids):
+            super().__init__(tensor)
+            self.track_ids = track_ids
+            self.__secret = "s"
+
+    boxes = TrackedBoxes(torch.rand(3, 7), torch.arange(3))
+    boxes.extra = "in __dict__"
+    for out in (mtc_loader.start_copy([boxes], "cpu").get()[0],
+                mm.packed_collate([{"b": boxes}]).to("cpu")["b"][0]):
+        assert type(out) is TrackedBoxes
+        assert torch.equal(out.track_ids, boxes.track_ids) and out._TrackedBoxes__secret == "s"
+        assert out.extra == "in __dict__" and out.box_dim == 7 and torch.equal(out.tensor, boxes.tensor)
+
+
+# ------------------------------------------------------------------------- the per-class table
+
+def test_per_class_tables_are_bounded():
+    """Classes made per batch are not kept alive by mtc_loader.mmengine's tables."""
+    first = None
+    for i in range(1200):
+        cls = type(f"Made{i}", (BaseDataElement,), {})
+        el = cls()
+        el.t = torch.zeros(1)
+        mtc_loader.start_copy([el], "cpu").get()
+        if first is None:
+            first = weakref.ref(cls)
+        del cls, el
+    gc.collect()
+    assert mm._moves_lists.cache_info().currsize <= 512
+    assert mm._slots.cache_info().currsize <= 512
+    assert first() is None
