@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import weakref
 from multiprocessing import context as _mp_context
 from multiprocessing import reduction, resource_sharer
@@ -43,6 +44,14 @@ def _record_parent() -> None:
 
 
 os.register_at_fork(after_in_child=_record_parent)
+
+
+def _exit_orphaned(message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
 
 
 def _consumer() -> int:
@@ -414,10 +423,21 @@ class PackedCollate:
     def __call__(self, samples: list[Any]) -> PackedBatch:
         # the tensors default_collate stacks go to this process's warm blocks rather than
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
+        consumer = _consumer()
         with stacking_into_scratch(self):
             batch = self.collate_fn(samples)
-            off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align, self.timeout,
-                                                                   _consumer())
+            try:
+                off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align,
+                                                                       self.timeout, consumer)
+            except RuntimeError as e:
+                if consumer and os.getppid() != consumer:
+                    # The process this worker packs for has exited: nobody reads the error,
+                    # torch's worker loop would carry on for seconds, and the interpreter's
+                    # teardown takes as long again on a loaded machine. The worker ends now,
+                    # its message on its stderr; its arena regions are reclaimed as a dead
+                    # owner's.
+                    _exit_orphaned(str(e))
+                raise
             del batch
         me = os.getpid()
         try:

@@ -853,7 +853,12 @@ class Big(torch.utils.data.Dataset):
         return torch.full((64 << 10,), i, dtype=torch.int32)  # 256 KiB: four slots of the arena
 
 def rank(index, pc, ctx, out):
-    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=ctx)
+    # prefetch_factor=4: each worker has indices left once the arena is full, so both wait for
+    # room (a worker with none waits in torch's own loop, which torch's watchdog ends);
+    # in_order=False: the batches kept are whichever came, so the arena cannot fill with
+    # batches the loop does not reach yet
+    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=ctx,
+                    prefetch_factor=4, in_order=False)
     it = iter(dl)
     kept = [next(it) for _ in range(3)]  # held: the arena stays full, the workers wait for room
     with open(out, "w") as f:
@@ -881,10 +886,12 @@ def test_workers_waiting_for_room_exit_with_their_rank_process_not_the_arenas_cr
     p = subprocess.Popen([sys.executable, str(script), ctx, str(out)], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=package_parent())
     workers: list[int] = []
+    rank_pid = 0
     try:
         deadline = time.monotonic() + 240
-        while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
+        while not (out.exists() and out.read_text().strip()):
             assert p.poll() is None, "the launcher exited"
+            assert time.monotonic() < deadline, "the rank wrote no pids"
             time.sleep(0.2)
         pids = [int(x) for x in out.read_text().split()]
         rank_pid, workers = pids[0], pids[1:]
@@ -899,7 +906,7 @@ def test_workers_waiting_for_room_exit_with_their_rank_process_not_the_arenas_cr
         assert not left, f"workers {left} outlived their rank process by 5 s"
         assert p.poll() is None  # the arena's creator is alive: only the rank was watched for
     finally:
-        for w in workers:
+        for w in workers + ([rank_pid] if rank_pid else []):
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
         p.kill()
