@@ -36,6 +36,7 @@ with warnings.catch_warnings():  # the stack's imports warn (deprecations)
     import mtc_loader
     import mtc_loader.mmengine as mm
 from conftest import requires_cuda  # noqa: E402,I100
+from openmmlab_data import assert_same, snapshot  # noqa: E402,I100  (tensors compared bitwise)
 
 DEVICES = ["cpu", pytest.param("cuda:0", marks=requires_cuda)]
 
@@ -118,48 +119,6 @@ class Samples(Dataset):
         return SAMPLES[self.kind](i)
 
 
-class _Tag(str):
-    """Marks a tensor's snapshot (a plain "tensor" string could be an attribute's name)."""
-
-
-TENSOR = _Tag("tensor")
-
-
-def snapshot(x):
-    """What a model receives, as comparable values: classes, attributes, tensors (bytes, dtype,
-    shape, strides, device), arrays."""
-    if isinstance(x, torch.Tensor):
-        return (TENSOR, str(x.device), x.dtype, tuple(x.shape), x.stride(), x.detach().cpu().clone())
-    if isinstance(x, BaseDataElement):
-        return (type(x), sorted(((k, sorted(v) if k in ("_metainfo_fields", "_data_fields") else snapshot(v))
-                                 for k, v in vars(x).items()), key=lambda kv: kv[0]))
-    if isinstance(x, dict):
-        return (type(x), [(k, snapshot(v)) for k, v in x.items()])
-    if isinstance(x, (list, tuple)):
-        return (type(x), [snapshot(v) for v in x])
-    if isinstance(x, np.ndarray):
-        return ("ndarray", x.dtype.str, x.shape, x.tobytes())
-    if hasattr(x, "__dict__") and type(x).__module__.startswith(("mmdet", "mmcv")):
-        return (type(x), sorted((k, snapshot(v)) for k, v in vars(x).items()))
-    return x
-
-
-def assert_same(a, b, where="batch"):
-    if isinstance(a, tuple) and a and type(a[0]) is _Tag:
-        assert isinstance(b, tuple) and b and type(b[0]) is _Tag, f"{where}: {b!r:.200} is not a tensor"
-        assert a[1:5] == b[1:5], f"{where}: (device, dtype, shape, strides) {b[1:5]} != {a[1:5]}"
-        assert torch.equal(a[5].view(torch.uint8) if a[5].dtype == torch.bool else a[5],
-                           b[5].view(torch.uint8) if b[5].dtype == torch.bool else b[5]), f"{where}: values differ"
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{where}: {b!r:.300} != {a!r:.300}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, dict):
-        assert_same(list(a.items()), list(b.items()), where)
-    else:
-        assert a == b, f"{where}: {b!r:.200} != {a!r:.200}"
-
-
 def mmengine_path(batch, device):
     """What mmengine's own path gives the model: cast_data of the pseudo-collated batch."""
     pre = BaseDataPreprocessor().to(device)
@@ -173,7 +132,7 @@ def test_start_copy_gives_what_cast_data_gives(kind, device):
     ref = snapshot(mmengine_path(batch, device))
     got = snapshot(mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor")).to(device).cast_data(
         mtc_loader.start_copy(batch, device).get()))
-    assert_same(ref, got)
+    assert_same(ref, got, "batch")
 
 
 def test_structures_keep_every_attribute():
