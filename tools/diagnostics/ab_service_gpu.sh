@@ -4,7 +4,8 @@
 # collection and the inline staging of small jobs, as any caller of start_copy does), with the
 # service thread marked to skip both (skips: _engine.service_thread), and with both rules turned
 # off for the whole process by their environment switches (off). One line per run.
-# Usage: tools/diagnostics/ab_service_gpu.sh RUNS OUTDIR
+# Usage: tools/diagnostics/ab_service_gpu.sh RUNS OUTDIR  (RUNS a multiple of 3 puts each arm first, second
+# and last equally often)
 set -u
 runs=${1:-5}; out=${2:-/tmp/ab}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
