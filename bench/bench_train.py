@@ -48,7 +48,7 @@ collate_samples)`` over the same dataset, except ``ideal``:
   in ``mtc_loader.PrefetchLoader(loader, device)``; the arena holds (workers * prefetch_factor +
   depth + 4) batches;
 - ``packed_align1`` (only with ``--methods``): the same with ``min_packed_alignment_bytes=1`` (no
-  gap pieces between the tensors of a group: fewer views per batch).
+  gaps between the tensors of a group: each group's segment is cut with one split).
 
 The dataset pre-generates a pool of samples (``--pool``, default 4 batches) in ``__init__`` and
 serves index i from ``pool[i % pool]``: the images as they are (the collate copies them into a new
@@ -402,7 +402,7 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
             extra["packed_collate"] = pc
-        elif name == "packed_align1":  # no gap pieces between a group's tensors (fewer views)
+        elif name == "packed_align1":  # no gaps between a group's tensors (one split per segment)
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers),
                                           min_packed_alignment_bytes=1)
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)

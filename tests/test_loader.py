@@ -809,9 +809,8 @@ def test_packed_collate_built_in_a_launcher(worker_ctx, device):
 
 def test_unpack_hands_its_temporary_views_to_the_caller():
     """Dropping a tensor releases the GIL, so on a thread that asks for it (the prefetch service:
-    keep_temporaries) the views the unpack makes on the way to the outputs (segment views, the
-    padding pieces between members) are not dropped inside it: the handle holds them until its
-    owner takes them. Elsewhere they are dropped as they are used (nothing outlives the call)."""
+    keep_temporaries) the views the unpack makes on the way to the outputs (typed chunk views,
+    segment views) are not dropped inside it: the handle holds them until its owner takes them. Elsewhere they are dropped as they are used (nothing outlives the call)."""
     data = seed_batch(4, seed=7)
     pc = mtc_loader.PackedCollate(list)
     h = pc(data).start_copy("cpu")
@@ -829,3 +828,45 @@ def test_unpack_hands_its_temporary_views_to_the_caller():
     del temps
     gc.collect()
     assert_tree_bitwise(out, data)
+
+
+def _tensors_in(items) -> int:
+    return sum(_tensors_in(x) if isinstance(x, (tuple, list)) else isinstance(x, torch.Tensor) for x in items)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "dropped"])
+def test_members_apart_leave_no_piece_per_gap_for_the_hand_out(keep):
+    """Members of one dtype and trailing shape whose lengths are not multiples of the alignment
+    lie apart, with padding rows between them. Cutting their segment with one split makes a
+    tensor of every gap too: on a thread that keeps its temporaries for the caller (the prefetch
+    service, whose hand-out drops them on the training thread, a release of the GIL each) they
+    are sliced out member by member instead, and the temporaries stay a few per segment however
+    many members and gaps; elsewhere one split cuts them (faster) and its pieces are dropped in
+    the call. Either way the outputs are the tensors' values with the strides and storage
+    offsets that .to() and the reference's alignment give."""
+    # 1-D lengths 1..3 (not multiples of the 16-byte alignment for int64 / float32 / bool) and
+    # (n, 3) float32 rows: almost every member is followed by a gap
+    data = [[(torch.arange(1 + k % 3) % 2).to(dt) for k in range(40)] for dt in (torch.int64, torch.float32, torch.bool)]
+    data.append([torch.randn(1 + k % 3, 3) for k in range(40)])
+    pc = mtc_loader.PackedCollate(list, min_packed_alignment_bytes=16)
+    previous = mtc_loader._engine.keep_temporaries(keep)
+    try:
+        h = pc(data).start_copy("cpu")
+        out = h.get()
+    finally:
+        mtc_loader._engine.keep_temporaries(previous)
+    temps = h._h.temporaries()
+    assert_tree_bitwise(out, data)
+    leaves = [t for group in out for t in group]
+    assert len(leaves) == 160
+    if keep:
+        # a few views per segment and dtype (the typed chunk, the segment's view), not one per gap
+        assert 0 < _tensors_in(temps) <= 12, _tensors_in(temps)
+    else:
+        assert temps is None or _tensors_in(temps) == 0
+    for t, ref in zip(leaves, [t for group in data for t in group]):
+        assert t.stride() == ref.stride() and t.is_contiguous()
+        assert (t.storage_offset() * t.element_size()) % 16 == 0
+    # what the segment views were cut from: one storage, the members at distinct offsets
+    assert len({t.untyped_storage().data_ptr() for t in leaves}) == 1
+    assert len({(t.storage_offset() * t.element_size()) for t in leaves}) == 160

@@ -498,7 +498,7 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
     mtc_handle *h = mtc_handle_new(st);
     if (!h) return NULL;
     c.t = &h->tree;
-    /* the outputs: a tensor per leaf (and a padding piece at most) and a container per node */
+    /* the outputs: a tensor per leaf (and a gap's piece at most) and a container per node */
     if (_read_leaves(&c, args[0]) || _plan(&c) ||
         (!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)c.t->nnodes + c.t->nleaves)) ||
         _alloc_outputs(&c) ||

@@ -245,8 +245,41 @@ static PyObject *_split_sizes(const mtc_tree *t, const mtc_plan *p, const mtc_se
     return sizes;
 }
 
+/* 1 when a SPLIT segment's members leave rows between them or after the
+ * last one (alignment padding), which split_with_sizes would make pieces
+ * of too. */
+static int _split_has_gaps(const mtc_tree *t, const mtc_plan *p, const mtc_seg *s)
+{
+    int64_t cursor = 0;
+    for (uint32_t k = 0; k < s->count; k++) {
+        const mtc_leaf *l = &t->leaves[p->members[s->first + k]];
+        if (l->slot != cursor) return 1;
+        cursor = l->slot + t->shape[l->dims];
+    }
+    return cursor != s->rows;
+}
+
+/* shaped[start:stop]: a member's rows of a segment view. Torch's indexing
+ * runs with the GIL held, where an operator call (split_with_sizes) releases
+ * it. New reference, or NULL. */
+static PyObject *_rows(PyObject *shaped, int64_t start, int64_t stop)
+{
+    PyObject *a = PyLong_FromLongLong(start), *b = a ? PyLong_FromLongLong(stop) : NULL;
+    PyObject *slice = b ? PySlice_New(a, b, NULL) : NULL, *v = slice ? PyObject_GetItem(shaped, slice) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(slice);
+    return v;
+}
+
 /* A SPLIT segment: one view (rows, *trailing), cut at the member starts with
- * one split_with_sizes. 0 or -1. */
+ * one split_with_sizes, which also makes a piece of every gap between members
+ * (alignment padding), dropped here. Where the temporaries are kept for the
+ * caller (keep: the prefetch service), a segment with gaps is sliced member by
+ * member instead: its gap pieces would be dropped where the batch is handed
+ * out, on the training thread, a release of the GIL each (a batch of a few
+ * hundred small tensors has about as many gaps). Slicing costs about twice a
+ * split's piece per member, which a direct call keeps. 0 or -1. */
 static int _split_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
                         PyObject *typed, int64_t offset, PyObject **outputs, PyObject *keep)
 {
@@ -254,8 +287,17 @@ static int _split_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, con
     PyObject *shaped = _strided(st, t, &t->leaves[s->proto], 1, s->rows, -1, offset, typed), *sizes = NULL,
              *parts = NULL;
     if (!shaped || _keep(keep, shaped)) goto out;
+    if (keep && _split_has_gaps(t, p, s)) {
+        for (uint32_t k = 0; k < s->count; k++) {
+            const mtc_leaf *l = &t->leaves[p->members[s->first + k]];
+            PyObject *v = _rows(shaped, l->slot, l->slot + t->shape[l->dims]);
+            if (!v) goto out;
+            outputs[p->members[s->first + k]] = v;
+        }
+        rc = 0;
+        goto out;
+    }
     if (!(sizes = _split_sizes(t, p, s))) goto out;
-    /* the pieces, padding pieces included, stay alive in keep */
     if ((parts = _call_method(shaped, st->s_split_with_sizes, &sizes, 1)) && !_keep(keep, parts))
         rc = _store_views(parts, t, p, s, 1, outputs);
 out:

@@ -41,11 +41,13 @@ int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
  * 0, see copy.c) and stores them (new references) in outputs[]: per chunk
  * one typed view per dtype, per segment one as_strided view, cut into its
  * members with one split_with_sizes or unbind. A segment whose start is not a
- * multiple of its element size (which the planner and the layout decoder
- * never make) is a SystemError. The temporary tensors made on the way
- * (typed and segment views, padding pieces) are appended to the list `keep`
- * when it is not NULL, so that none is dropped here: dropping a tensor
- * releases the GIL. 0 or -1. */
+ * multiple of its element size (which the planner and the layout decoder never
+ * make) is a SystemError. With `keep` not NULL, the temporary tensors made on
+ * the way (typed and segment views) are appended to it, so that none is
+ * dropped here (dropping a tensor releases the GIL), and a segment whose
+ * members leave gaps is sliced member by member (torch's indexing keeps the
+ * GIL) rather than split, which would make a piece of every gap for the
+ * caller to drop. Without it they are dropped as they are used. 0 or -1. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                   const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep);
 
