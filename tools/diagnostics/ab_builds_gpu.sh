@@ -6,7 +6,8 @@
 # (new_off: MTC_EARLY_GC=0 MTC_INLINE_MAX_BYTES=0), and the tree in OLD (old, built in place there).
 # The arms' order rotates from run to run, so that a machine whose speed drifts favours none. One
 # line per run and arm: % of ideal (whole epochs, and steady: from the first batch in hand), the
-# training thread's steady __next__, the prefetch thread's CPU per batch.
+# training thread's steady __next__, the prefetch thread's CPU per batch. Every arm runs this tree's
+# benchmarks (bench/), with the package of its own tree on PYTHONPATH.
 # Usage: tools/diagnostics/ab_builds_gpu.sh OLD RUNS OUTDIR [LOADER_RUNS]
 set -u
 old=$(cd "${1:?the tree to compare with}" && pwd); runs=${2:-6}; out=${3:-/tmp/ab_builds}; lruns=${4:-2}
