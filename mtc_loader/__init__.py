@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch  # noqa: F401  (the engine reaches torch through objects _setup hands it)
 
@@ -67,7 +67,7 @@ from .prefetch import PrefetchLoader, SideCopy, copy_stream, start_side_copy
 
 __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
            "SideCopy", "copy_stream", "start_side_copy", "FileTensor", "file_reader", "stats", "configure",
-           "trim", "register_container", "unregister_container"]
+           "trim", "output_maker", "register_container", "unregister_container"]
 __version__ = "0.1.0"
 
 # The framework integrations, imported on first attribute access (PEP 562), so that
@@ -104,6 +104,24 @@ def stats() -> dict[str, int]:
     out = _engine.stats()
     warn_environment()  # a variable first read since import (the pinned cap, by this call)
     return out
+
+
+def output_maker() -> dict[str, Any]:
+    """How this process makes the output tensors of packed batches: ``{"maker": "shim" |
+    "split", "reason": str | None}``.
+
+    ``"shim"``: through torch's AOTInductor C shim (torch 2.3 and newer), one C call per output
+    and one Python call per batch, a fraction of a microsecond of the GIL per tensor. ``"split"``:
+    with torch's split operators, one or two operator calls per group of tensors, plus a piece
+    for every alignment gap between tensors (about twice the GIL time per tensor); ``reason``
+    says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. Both give the same tensors:
+    dtype, shape, strides, storage offsets and storage sharing."""
+    offered, on = _engine._shim_info()
+    if on:
+        return {"maker": "shim", "reason": None}
+    why = ("MTC_TORCH_SHIM=0 (or mtc_loader._engine._use_shim(False)) turned it off" if offered
+           else f"torch {torch.__version__} has no AOTInductor C shim (torch 2.3 and newer have it)")
+    return {"maker": "split", "reason": why}
 
 
 def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:

@@ -1,6 +1,8 @@
 """Hands the engine the torch objects it needs: it never imports torch itself."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _dtypes, _engine, _tree
@@ -14,6 +16,20 @@ def _cuda_device(index: int) -> torch.device:
     if dev is None:
         dev = _CUDA_DEVICES[index] = torch.device("cuda", index)
     return dev
+
+
+def _shim() -> "tuple[str, object, object] | None":
+    """torch's AOTInductor C shim, where this torch has it: the library that exports it (already
+    loaded by torch; the engine only looks it up) and the handle converters of torch._C._aoti. The
+    engine then makes each output view with one C call and a batch's tensors with one Python call;
+    without it, with torch's split operators."""
+    aoti = getattr(torch._C, "_aoti", None)
+    handle_of = getattr(aoti, "unsafe_alloc_void_ptr_from_tensor", None)
+    steal = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if handle_of is None or steal is None or not os.path.exists(lib):
+        return None
+    return (lib, handle_of, steal)
 
 
 def _raw_stream_unavailable(index: int) -> int:
@@ -41,6 +57,7 @@ _engine._setup({
     "dlpack_samples": [torch.empty(0, dtype=dt) for dt in DTYPES],
     # and of the dtypes it does not copy, whose DLPack form may be one of its own (int4 as int8)
     "dlpack_others": _dtypes.other_samples(),
+    "shim": _shim(),
     "leaf_slot": _tree.LEAF,
     "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors

@@ -34,6 +34,7 @@ VARIABLES = {
     "MTC_ARENA_POPULATE": ("on", "o"),
     "MTC_URING_ASYNC": ("no", "async"),
     "MTC_URING_MAX_IO": ("4096", "4 KiB"),
+    "MTC_TORCH_SHIM": ("0", "sometimes"),
 }
 
 _CHILD = """

@@ -24,6 +24,7 @@
 #include "slab.h"
 #include "transfer.h"
 #include "nvtx.h"
+#include "shim.h"
 #include "uring.h"
 
 /* ---------------------------------------------------------------- _setup */
@@ -107,6 +108,28 @@ static PyObject *engine_use_dlpack(PyObject *module, PyObject *flag)
     return prev;
 }
 
+/* _use_shim(flag) -> bool: whether output views are made through torch's C
+ * shim (when torch offers it); returns the previous setting. For tests and
+ * benchmarks, which compare the two makers; MTC_TORCH_SHIM=0 sets it off at
+ * start. */
+static PyObject *engine_use_shim(PyObject *module, PyObject *flag)
+{
+    mtc_state *st = mtc_get_state(module);
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *prev = PyBool_FromLong(st->shim_on);
+    st->shim_on = on && st->shim_offered;
+    return prev;
+}
+
+/* _shim_info() -> (offered, on): whether this torch has the C shim, and
+ * whether outputs are made through it now. */
+static PyObject *engine_shim_info(PyObject *module, PyObject *unused)
+{
+    mtc_state *st = mtc_get_state(module);
+    return Py_BuildValue("(OO)", st->shim_offered ? Py_True : Py_False, st->shim_on ? Py_True : Py_False);
+}
+
 /* _setup(cfg: dict): receives torch objects and the Python helpers. */
 static PyObject *engine_setup(PyObject *module, PyObject *cfg)
 {
@@ -173,6 +196,7 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         if (tn >= 0 && tn < 32 && code >= 0 && code < st->ndtypes) st->np_to_code[tn] = (int)code;
     }
     if (_setup_dlpack(st, cfg)) return NULL;
+    if (mtc_shim_setup(st, cfg)) return NULL;
     Py_XSETREF(st->type_cache, PyDict_New());
     if (!st->type_cache) return NULL;
     st->ready = 1;
@@ -223,6 +247,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("unpacks", mtc_cnt.unpacks); P("ns_unpack_decode", mtc_cnt.ns_unpack_decode);
     P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
     P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild); P("gc_early_collections", mtc_cnt.gc_early);
+    P("shim_views", mtc_cnt.shim_views);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_taken_back", e.jobs_taken_back);
@@ -477,6 +502,9 @@ static PyObject *engine_env_problems(PyObject *module, PyObject *check)
 
 static PyMethodDef engine_methods[] = {
     {"_setup", engine_setup, METH_O, "Hand the engine the torch objects and helpers it uses."},
+    {"_use_shim", engine_use_shim, METH_O,
+     "_use_shim(flag) -> previous: make output views through torch's C shim (tests compare the makers)."},
+    {"_shim_info", engine_shim_info, METH_NOARGS, "_shim_info() -> (offered, on): torch's C shim for the outputs."},
     {"_use_dlpack", engine_use_dlpack, METH_O,
      "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
     {"_early_gc", mtc_collector_set, METH_O,
@@ -568,6 +596,8 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->unflatten);
     Py_VISIT(st->diagnose);
     Py_VISIT(st->cuda_device);
+    Py_VISIT(st->shim_handle_of);
+    Py_VISIT(st->shim_steal);
     Py_VISIT(st->gc_isenabled);
     Py_VISIT(st->gc_get_count);
     Py_VISIT(st->gc_get_threshold);
@@ -598,6 +628,9 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->diagnose);
     Py_CLEAR(st->cuda_device);
     Py_CLEAR(st->pinned_empty);
+    Py_CLEAR(st->shim_handle_of);
+    Py_CLEAR(st->shim_steal);
+    st->shim_on = st->shim_offered = 0;
     Py_CLEAR(st->s_data_ptr); Py_CLEAR(st->s_dtype); Py_CLEAR(st->s_shape); Py_CLEAR(st->s_stride);
     Py_CLEAR(st->s_get_device); Py_CLEAR(st->s_is_cuda); Py_CLEAR(st->s_is_neg); Py_CLEAR(st->s_is_conj);
     Py_CLEAR(st->s_contiguous); Py_CLEAR(st->s_is_contiguous);

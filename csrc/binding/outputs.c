@@ -5,7 +5,10 @@
  */
 #include "outputs.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+#include "shim.h"
 
 PyObject *mtc_out_shape(const mtc_tree *t, const mtc_leaf *l, int from)
 {
@@ -383,14 +386,134 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
     return _split_views(st, t, p, s, typed, offset, outputs, keep);
 }
 
+/* ---- the shim's maker (shim.h) ---- */
+
+/* The geometry of member k of segment s, which starts `offset` elements into
+ * its typed chunk: its element offset (the return value), and its sizes and
+ * strides in sizes[] / strides[] (leaf->ndim of each). The same geometry the
+ * split maker below gives each member: a leaf's own output strides when it is
+ * MTC_LEAF_STRIDED, else contiguous strides as torch's view() makes them (a
+ * dim of 0 counts as 1); SPLIT members at their first row, UNIFORM members
+ * one after the other (back to back, or a slot apart). */
+static int64_t _member_geometry(const mtc_tree *t, const mtc_plan *p, const mtc_seg *s, uint32_t k,
+                                int64_t offset, int64_t *sizes, int64_t *strides)
+{
+    const mtc_leaf *l = &t->leaves[p->members[s->first + k]], *proto = &t->leaves[s->proto];
+    int64_t el = 1, rows = proto->ndim >= 1 ? t->shape[proto->dims] : 0;
+    for (int d = l->ndim - 1; d >= 0; d--) {
+        int64_t dim = t->shape[l->dims + d];
+        sizes[d] = dim;
+        strides[d] = (l->flags & MTC_LEAF_STRIDED) ? t->ostrides[l->dims + d] : el;
+        el *= dim > 1 ? dim : 1;
+    }
+    /* the elements of one row (dim 0) of the segment's view */
+    int64_t row = 1;
+    for (int d = 1; d < proto->ndim; d++) {
+        int64_t dim = t->shape[proto->dims + d];
+        row *= dim > 1 ? dim : 1;
+    }
+    if (s->kind == MTC_SEG_SPLIT) return offset + l->slot * row;
+    if (s->count == 1) return offset;
+    if (rows > 0 && s->row_bytes == proto->nbytes) return offset + (int64_t)k * rows * row; /* back to back */
+    return offset + (int64_t)k * (s->row_bytes / proto->elsize);
+}
+
+/* mtc_out_views through torch's C shim: per chunk and dtype one typed view
+ * (as below) and its handle, per member one C call, and one Python call for
+ * the whole plan's tensors. No piece of any gap, no segment view. 0 or -1. */
+static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
+                       const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
+{
+    uint32_t n = 0;
+    int maxdim = 1;
+    for (uint32_t s = 0; s < p->nsegs; s++) n += p->segs[s].count;
+    for (uint32_t s = 0; s < p->nsegs; s++) {
+        const mtc_seg *sg = &p->segs[s];
+        for (uint32_t k = 0; k < sg->count; k++) {
+            int nd = t->leaves[p->members[sg->first + k]].ndim;
+            if (nd > maxdim) maxdim = nd;
+        }
+    }
+    int rc = -1;
+    _bases b;
+    memset(b.typed, 0, sizeof b.typed);
+    _bases_clear(&b, -1, 0);
+    void *handles[MTC_MAX_DTYPES] = {0};
+    int64_t *geo = PyMem_Malloc(2 * (size_t)maxdim * sizeof(int64_t));
+    PyObject *caps = PyList_New(n), *made = NULL;
+    if (!geo || !caps) {
+        if (!geo) PyErr_NoMemory();
+        goto out;
+    }
+    uint32_t i = 0;
+    for (uint32_t s = 0; s < p->nsegs; s++) {
+        const mtc_seg *sg = &p->segs[s];
+        const mtc_leaf *proto = &t->leaves[sg->proto];
+        if (sg->chunk != b.chunk) {
+            for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]), handles[d] = NULL;
+            _bases_clear(&b, sg->chunk, (chunk_skip ? chunk_skip[sg->chunk] : 0) + p->chunks[sg->chunk].payload);
+        }
+        PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], proto, keep);
+        if (!typed) goto out;
+        void **h = &handles[proto->dtype];
+        if (!*h && !(*h = mtc_shim_handle(st, typed))) goto out;
+        int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
+        if (start % proto->elsize) {
+            PyErr_Format(PyExc_SystemError, "mtc_loader: a packed segment at byte %lld is not on a multiple of "
+                         "its element size %d", (long long)start, (int)proto->elsize);
+            goto out;
+        }
+        for (uint32_t k = 0; k < sg->count; k++, i++) {
+            const mtc_leaf *l = &t->leaves[p->members[sg->first + k]];
+            int64_t off = _member_geometry(t, p, sg, k, start / proto->elsize, geo, geo + maxdim);
+            void *v;
+            if (mtc_shim_view(st, *h, l->ndim, geo, geo + maxdim, off, &v)) {
+                PyErr_Format(PyExc_SystemError, "mtc_loader: torch's C shim refused an output view "
+                             "(MTC_TORCH_SHIM=0 makes them with torch's split operators)");
+                goto out;
+            }
+            PyObject *cap = PyCapsule_New(v, NULL, NULL);
+            if (!cap) {
+                mtc_shim_release(st, v);
+                goto out;
+            }
+            PyList_SET_ITEM(caps, i, cap);
+        }
+    }
+    made = mtc_shim_tensors(st, caps);
+    Py_CLEAR(caps); /* torch took the handles, whatever the outcome */
+    if (!made) goto out;
+    i = 0;
+    for (uint32_t s = 0; s < p->nsegs; s++)
+        for (uint32_t k = 0; k < p->segs[s].count; k++, i++)
+            outputs[p->members[p->segs[s].first + k]] = Py_NewRef(PyList_GET_ITEM(made, i));
+    mtc_cnt.shim_views += n;
+    rc = 0;
+out:
+    if (caps) {
+        /* not handed to torch: release the handles made so far */
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(caps); j++) {
+            PyObject *cap = PyList_GET_ITEM(caps, j);
+            if (cap) mtc_shim_release(st, PyCapsule_GetPointer(cap, NULL));
+        }
+        Py_DECREF(caps);
+    }
+    Py_XDECREF(made);
+    for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]);
+    _bases_clear(&b, -1, 0);
+    PyMem_Free(geo);
+    return rc;
+}
+
 /* Creates the output views of every segment of plan p over the chunk
- * tensors and stores them (new references) in outputs[]: per chunk one typed
- * view per dtype, per segment one as_strided view at the segment's offset,
- * cut into members with split_with_sizes or unbind. 0 or -1 with an
- * exception. */
+ * tensors and stores them (new references) in outputs[]: through torch's C
+ * shim where it is on (above), else per chunk one typed view per dtype, per
+ * segment one as_strided view at the segment's offset, cut into members with
+ * split_with_sizes or unbind. 0 or -1 with an exception. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                   const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
 {
+    if (mtc_shim_on(st) && p->nsegs) return _shim_views(st, t, p, chunk_t, chunk_skip, outputs, keep);
     _bases b;
     memset(b.typed, 0, sizeof b.typed);
     _bases_clear(&b, -1, 0);

@@ -17,6 +17,11 @@
 
 #define MTC_MAX_DTYPES 64
 
+/* torch's AOTInductor C shim (shim.h): a tensor handle is an opaque pointer */
+typedef int32_t (*mtc_shim_reinterpret_fn)(void *self, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                           int64_t offset_increment, void **ret);
+typedef int32_t (*mtc_shim_delete_fn)(void *handle);
+
 /* dtype flags */
 #define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
 #define MTC_DT_COMPLEX 0x2  /* may carry the conjugate bit (is_conj) */
@@ -83,6 +88,15 @@ typedef struct mtc_state {
     PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
     int gc_early;                /* mtc_collector_before_outputs runs collections ahead */
     PyObject *kw_dtype_device;   /* ("dtype", "device") */
+
+    /* torch's AOTInductor C shim (shim.h): output views made with one C call
+     * each, turned into Python tensors with one call per batch */
+    mtc_shim_reinterpret_fn shim_reinterpret; /* aoti_torch__reinterpret_tensor, or NULL */
+    mtc_shim_delete_fn shim_delete;           /* aoti_torch_delete_tensor_object */
+    PyObject *shim_handle_of;    /* torch._C._aoti.unsafe_alloc_void_ptr_from_tensor */
+    PyObject *shim_steal;        /* torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs */
+    int shim_offered;            /* this torch has the shim */
+    int shim_on;                 /* outputs are made through it (MTC_TORCH_SHIM, _use_shim) */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 
@@ -97,6 +111,7 @@ typedef struct mtc_counters {
     /* unpack of a packed batch: calls, and the calling thread's time per stage
      * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
     uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
+    uint64_t shim_views;         /* output views made through torch's C shim (shim.h) */
     uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
 } mtc_counters;
 extern mtc_counters mtc_cnt;

@@ -1,0 +1,51 @@
+/*
+ * shim.h - torch's AOTInductor C shim, found at run time: the fast maker of
+ * output tensors. Where the process's libtorch offers it (torch 2.3 and
+ * newer: aoti_torch__reinterpret_tensor and aoti_torch_delete_tensor_object
+ * in libtorch_cpu, torch._C._aoti's handle converters), an output view is one
+ * C call (a new tensor over the chunk's storage with its sizes, strides and
+ * offset: no operator dispatch, no autograd view record, no padding piece
+ * between members) and a whole batch's views become Python tensors in one
+ * Python call. The engine links no libtorch: the library is opened with
+ * RTLD_NOLOAD (only the copy torch already loaded), and without the symbols
+ * the outputs are made with torch's split operators (outputs.c).
+ *
+ * Everything here holds the GIL except mtc_shim_view (plain C, any thread).
+ * Functions return 0 / a new reference, or -1 / NULL with an exception set.
+ */
+#ifndef MTC_SHIM_H
+#define MTC_SHIM_H
+
+#include "state.h"
+
+/* cfg["shim"]: None, or (library path, torch._C._aoti.unsafe_alloc_void_ptr_from_tensor,
+ * torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs). Sets st->shim_offered;
+ * MTC_TORCH_SHIM=0 leaves it unused. A library that is not loaded already, or
+ * lacks a symbol, offers nothing (no error). 0 or -1. */
+int mtc_shim_setup(mtc_state *st, PyObject *cfg);
+
+/* 1 when outputs are made through the shim now. */
+static inline int mtc_shim_on(const mtc_state *st) { return st->shim_on; }
+
+/* A handle (torch's AtenTensorHandle: a new reference to the tensor, owned by
+ * the caller, released with mtc_shim_release) of a Python tensor. NULL with an
+ * exception set on failure. */
+void *mtc_shim_handle(mtc_state *st, PyObject *tensor);
+
+/* A new handle of a tensor over base's storage: base's dtype and device,
+ * sizes[ndim], strides[ndim] (elements) and storage offset `offset` elements
+ * from base's own. No GIL needed; nothing is checked against the storage's
+ * size (the caller's layout is). 0, or -1 (torch refused; *out unset). */
+int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *sizes,
+                  const int64_t *strides, int64_t offset, void **out);
+
+/* Releases a handle. */
+void mtc_shim_release(const mtc_state *st, void *handle);
+
+/* Python tensors of a list of handles (PyCapsules without a destructor, one
+ * handle each), which they take over, in order: a new list of len(capsules),
+ * or NULL with an exception set (the handles are then taken over or released
+ * all the same: the caller never releases them). */
+PyObject *mtc_shim_tensors(mtc_state *st, PyObject *capsules);
+
+#endif /* MTC_SHIM_H */
