@@ -8,6 +8,8 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -113,7 +115,9 @@ static int _run_tasks(mtc_batch *b)
 
 static void *_helper_main(void *arg)
 {
-    (void)arg;
+    char name[16];
+    snprintf(name, sizeof name, "mtc-helper-%d", (int)(intptr_t)arg);
+    pthread_setname_np(pthread_self(), name); /* for top -H and tools/diagnostics/placement.py */
     pthread_mutex_lock(&_pool.lock);
     while (!_pool.stop) {
         mtc_batch *b = _pool.head;
@@ -160,7 +164,7 @@ int mtc_pool_start(int nthreads)
     _pool.stop = 0;
     int rc = 0;
     for (int i = 0; i < nthreads; i++) {
-        if ((rc = pthread_create(&_pool.threads[i], NULL, _helper_main, NULL))) break;
+        if ((rc = pthread_create(&_pool.threads[i], NULL, _helper_main, (void *)(intptr_t)i))) break;
         _pool.nthreads++;
     }
     pthread_mutex_unlock(&_pool.lock);

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -165,6 +166,11 @@ static _worker *_workers[MTC_MAX_DEVICES + 1]; /* [0]: CPU targets, [d+1]: cuda:
 static void *_worker_main(void *arg)
 {
     _worker *w = arg;
+    /* named for top -H, profilers and tools/diagnostics/placement.py */
+    char name[16];
+    if (w->dev < 0) snprintf(name, sizeof name, "mtc-xfer-cpu");
+    else snprintf(name, sizeof name, "mtc-xfer-cuda%u", (unsigned)w->dev % 100u); /* devices < 64 */
+    pthread_setname_np(pthread_self(), name);
     for (;;) {
         void *item = mtc_ring_pop_sc(&w->ring);
         if (!item) {

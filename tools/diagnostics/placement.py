@@ -1,0 +1,365 @@
+"""One process's copy latency and where its threads and memory sit: is this process fast or slow,
+and why?
+
+    python3 tools/diagnostics/placement.py [--device cuda:0] [--calls 1500] [--warmup 200]
+                                           [--experiments] [--json PATH]
+
+It times ``start_copy(seed16, device).get()`` with a synchronize after each call (the reference
+batch: 528 small tensors), ``--calls`` calls after ``--warmup``, and prints:
+
+- the machine: CPUs, which of them share a core (SMT siblings), NUMA nodes, the GPU's PCI address
+  and NUMA node (sysfs), transparent huge pages, each CPU's clock now;
+- this process: the CPUs it may run on, where its main thread and the engine's threads (named
+  ``mtc-xfer-cuda<N>``: the transfer thread; ``mtc-helper-<i>``: the staging helpers) ran while it
+  was timed, and the CPU time each thread used per call;
+- the latency: mean, p50, p90, p99, max; the engine's stages per call (``mtc_loader.stats()``:
+  the walk, the plan, the outputs, waiting in ``get``; on the transfer thread the queueing, the
+  staging memcpy, the DMA's issue); the DMA's own time on the GPU (CUDA events around a call);
+  a fixed pure-CPU loop timed beside it (how fast this CPU runs now: a slow process whose loop is
+  as fast as a fast one's is slow for a reason of its own);
+- controls in the same process: torch's ``pin_memory().to(non_blocking=True)`` and ``.to()`` of
+  the same batch;
+- where the pinned memory's pages are: pages per NUMA node of the process's page-locked mappings
+  (``/proc/self/numa_maps``).
+
+``--experiments`` then pins the threads in turn and times each placement (``--calls`` / 2 calls
+each): as the scheduler placed them; the transfer thread on the main thread's CPU, on its SMT
+sibling, on another core, on another NUMA node (where there is one); the helpers off the main
+thread's core; and the fixed loop on every CPU (a CPU that runs it slower is one the host shares).
+
+The output's last line is JSON (also written to ``--json``), so that a script can collect many
+processes. Run it several times, each in a fresh process: a process keeps the placement it got.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
+import mtc_loader  # noqa: E402
+from workloads import machine_speed, seed_batch, tree_map  # noqa: E402
+
+STAGES = ["ns_traverse", "ns_plan", "ns_outputs", "ns_views", "ns_get_wait", "ns_queue", "ns_stage",
+          "ns_dma_issue", "ns_sync"]
+
+
+# --------------------------------------------------------------------------- the machine
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cpulist(text: Optional[str]) -> list[int]:
+    out: list[int] = []
+    for part in (text or "").split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += range(int(a), int(b) + 1)
+        elif part.strip():
+            out.append(int(part))
+    return out
+
+
+def machine(device: str) -> dict[str, Any]:
+    cpus = sorted(int(p.rsplit("cpu", 1)[1]) for p in glob.glob("/sys/devices/system/cpu/cpu[0-9]*"))
+    siblings = {c: _cpulist(_read(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")) for c in cpus}
+    cores = sorted({tuple(v) for v in siblings.values() if v})
+    nodes = {int(p.rsplit("node", 1)[1]): _cpulist(_read(p + "/cpulist"))
+             for p in glob.glob("/sys/devices/system/node/node[0-9]*")}
+    mhz = {}
+    for c in cpus:
+        f = _read(f"/sys/devices/system/cpu/cpu{c}/cpufreq/scaling_cur_freq")
+        if f:
+            mhz[c] = int(f) // 1000
+    if not mhz:
+        cur = None
+        for line in (_read("/proc/cpuinfo") or "").splitlines():
+            if line.startswith("processor"):
+                cur = int(line.split(":")[1])
+            elif line.startswith("cpu MHz") and cur is not None:
+                mhz[cur] = int(float(line.split(":")[1]))
+    model = next((ln.split(":", 1)[1].strip() for ln in (_read("/proc/cpuinfo") or "").splitlines()
+                  if ln.startswith("model name")), "?")
+    gpu: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        idx = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(idx)
+        gpu["name"] = props.name
+        bus = None
+        if hasattr(props, "pci_bus_id"):
+            bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        if bus is None or not os.path.exists(f"/sys/bus/pci/devices/{bus}"):
+            try:
+                q = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(idx)],
+                                   capture_output=True, text=True, timeout=20).stdout.strip()
+                bus = q[-12:].lower() if q else bus  # 00000000:19:00.0 -> 0000:19:00.0
+            except (OSError, subprocess.SubprocessError):
+                pass
+        gpu["pci"] = bus
+        gpu["numa_node"] = _read(f"/sys/bus/pci/devices/{bus}/numa_node") if bus else None
+        gpu["local_cpus"] = _read(f"/sys/bus/pci/devices/{bus}/local_cpulist") if bus else None
+        try:
+            gpu["topo"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                         timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            gpu["topo"] = None
+    return {"cpus": cpus, "cores": [list(c) for c in cores], "nodes": nodes, "mhz": mhz, "model": model,
+            "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"), "gpu": gpu,
+            "torch": torch.__version__, "output_maker": mtc_loader.output_maker()["maker"]}
+
+
+# --------------------------------------------------------------------------- this process's threads
+
+def threads() -> dict[int, str]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        name = _read(f"/proc/self/task/{tid}/comm")
+        if name is not None:
+            out[int(tid)] = name
+    return out
+
+
+def _stat(tid: int) -> Optional[tuple[int, int]]:
+    """(the CPU the thread last ran on, its CPU time in clock ticks)."""
+    s = _read(f"/proc/self/task/{tid}/stat")
+    if not s:
+        return None
+    f = s[s.rindex(")") + 2:].split()
+    return int(f[36]), int(f[11]) + int(f[12])  # processor (field 39), utime + stime (14, 15)
+
+
+class ThreadWatch:
+    """Samples each thread's CPU and counts its CPU time between start() and stop()."""
+
+    def __init__(self) -> None:
+        self.names = threads()
+        self.cpu_at_start = {t: (_stat(t) or (0, 0))[1] for t in self.names}
+        self.seen: dict[int, dict[int, int]] = {t: {} for t in self.names}
+
+    def sample(self) -> None:
+        for t in self.names:
+            s = _stat(t)
+            if s:
+                self.seen[t][s[0]] = self.seen[t].get(s[0], 0) + 1
+
+    def stop(self, calls: int) -> dict[str, Any]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for t, name in self.names.items():
+            s = _stat(t)
+            if s is None:
+                continue
+            used = (s[1] - self.cpu_at_start[t]) / tick
+            key = "main" if t == os.getpid() else f"{name}[{t}]"
+            out[key] = {"cpus": dict(sorted(self.seen[t].items())), "cpu_us_per_call": 1e6 * used / max(calls, 1)}
+        return out
+
+
+def engine_threads() -> dict[str, list[int]]:
+    names = threads()
+    return {"xfer": [t for t, n in names.items() if n.startswith("mtc-xfer")],
+            "helpers": [t for t, n in names.items() if n.startswith("mtc-helper")]}
+
+
+# --------------------------------------------------------------------------- pinned pages
+
+def pinned_pages() -> dict[str, int]:
+    """Pages per NUMA node of the process's locked or device-file mappings of 1 MiB or more."""
+    nodes: dict[str, int] = {}
+    for line in (_read("/proc/self/numa_maps") or "").splitlines():
+        f = line.split()
+        if not ("locked" in line or "/dev/nvidia" in line or "memfd" in line):
+            continue
+        kb = next((int(x.split("=")[1]) for x in f if x.startswith("kernelpagesize_kB=")), 4)
+        pages = {x.split("=")[0]: int(x.split("=")[1]) for x in f if x[:1] == "N" and "=" in x}
+        if sum(pages.values()) * kb < 1024:
+            continue
+        for n, p in pages.items():
+            nodes[n] = nodes.get(n, 0) + p * kb // 4
+    return nodes
+
+
+# --------------------------------------------------------------------------- timing
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(ms), "p50": _pct(ms, 0.5), "p90": _pct(ms, 0.9), "p99": _pct(ms, 0.99),
+            "max": max(ms)}
+
+
+def time_calls(fn: Callable[[], Any], sync: Callable[[], None], calls: int,
+               watch: Optional[ThreadWatch] = None) -> list[float]:
+    ms = []
+    for i in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ms.append((time.perf_counter() - t0) * 1e3)
+        if watch is not None and i % 50 == 0:
+            watch.sample()
+    return ms
+
+
+def measure(batch: Any, device: str, calls: int, with_stages: bool = True) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    before = mtc_loader.stats()
+    watch = ThreadWatch()
+    speed0 = machine_speed()
+    ms = time_calls(lambda: mtc_loader.start_copy(batch, device).get(), sync, calls, watch)
+    speed1 = machine_speed()
+    after = mtc_loader.stats()
+    out: dict[str, Any] = {"ms": summary(ms), "cpu_loop_ms": 1e3 * (speed0 + speed1) / 2}
+    if with_stages:
+        out["stages_us"] = {k[3:]: (after[k] - before[k]) / calls / 1e3 for k in STAGES}
+        out["threads"] = watch.stop(calls)
+    return out
+
+
+def gpu_dma_us(batch: Any, device: str, calls: int = 100) -> Optional[float]:
+    if not device.startswith("cuda"):
+        return None
+    times = []
+    for _ in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        mtc_loader.start_copy(batch, device).get()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- experiments
+
+def _setaff(tids: list[int], cpus: set[int]) -> None:
+    for t in tids:
+        try:
+            os.sched_setaffinity(t, cpus)
+        except OSError:
+            pass
+
+
+def experiments(batch: Any, device: str, calls: int, m: dict[str, Any]) -> dict[str, Any]:
+    allowed = os.sched_getaffinity(0)
+    eng = engine_threads()
+    main_cpu = _stat(os.getpid())[0]  # type: ignore[index]
+    sib = next((c for core in m["cores"] if main_cpu in core for c in core if c != main_cpu), None)
+    core_of = {c: tuple(core) for core in m["cores"] for c in core}
+    node_of = {c: n for n, cs in m["nodes"].items() for c in cs}
+    other_core = next((c for c in sorted(allowed) if core_of.get(c) != core_of.get(main_cpu)
+                       and node_of.get(c) == node_of.get(main_cpu)), None)
+    other_node = next((c for c in sorted(allowed) if node_of.get(c) != node_of.get(main_cpu)), None)
+    plans: list[tuple[str, Optional[int]]] = [("xfer on the main thread's CPU", main_cpu),
+                                              ("xfer on its SMT sibling", sib),
+                                              ("xfer on another core", other_core),
+                                              ("xfer on another NUMA node", other_node)]
+    out: dict[str, Any] = {"main_cpu": main_cpu}
+    os.sched_setaffinity(0, {main_cpu})
+    out["as placed (main pinned)"] = measure(batch, device, calls, with_stages=True)
+    for name, cpu in plans:
+        if cpu is None:
+            continue
+        _setaff(eng["xfer"], {cpu})
+        out[f"{name} ({cpu})"] = measure(batch, device, calls, with_stages=True)
+    _setaff(eng["xfer"], allowed)
+    away = allowed - set(core_of.get(main_cpu, (main_cpu,)))
+    if away:
+        _setaff(eng["helpers"] + eng["xfer"], away)
+        out["engine threads off the main thread's core"] = measure(batch, device, calls, with_stages=True)
+        _setaff(eng["helpers"] + eng["xfer"], allowed)
+    os.sched_setaffinity(0, allowed)
+    # the fixed loop on each CPU: the host's share of each
+    loop = {}
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        loop[c] = min(machine_speed() for _ in range(5)) * 1e3
+    os.sched_setaffinity(0, allowed)
+    out["cpu_loop_ms_per_cpu"] = loop
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calls", type=int, default=1500)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--baseline-calls", type=int, default=100)
+    ap.add_argument("--experiments", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = args.device
+    batch = seed_batch(16)
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    m = machine(dev)
+    time_calls(lambda: mtc_loader.start_copy(batch, dev).get(), sync, args.warmup)
+    res: dict[str, Any] = {"machine": m, "affinity": sorted(os.sched_getaffinity(0))}
+    res["start_copy"] = measure(batch, dev, args.calls)
+    res["gpu_us"] = gpu_dma_us(batch, dev)
+    res["pinned_pages_per_node"] = pinned_pages()
+    if dev.startswith("cuda"):
+        pin = time_calls(lambda: tree_map(lambda t: t.pin_memory().to(dev, non_blocking=True), batch), sync,
+                         args.baseline_calls)
+        to = time_calls(lambda: tree_map(lambda t: t.to(dev), batch), sync, args.baseline_calls)
+        res["pin_memory_to_ms"] = summary(pin)
+        res["to_ms"] = summary(to)
+    if args.experiments:
+        res["experiments"] = experiments(batch, dev, max(args.calls // 2, 50), m)
+
+    # the report
+    g = m["gpu"]
+    print(f"machine: {len(m['cpus'])} CPUs ({m['model']}), {len(m['cores'])} cores, NUMA nodes "
+          f"{ {n: len(c) for n, c in m['nodes'].items()} }, THP {m['thp']}, torch {m['torch']}, "
+          f"outputs made by {m['output_maker']}")
+    if g:
+        print(f"gpu: {g.get('name')} at {g.get('pci')}, NUMA node {g.get('numa_node')}, local CPUs {g.get('local_cpus')}")
+    if m["mhz"]:
+        print(f"CPU clocks now (MHz): {sorted(set(m['mhz'].values()))}")
+    s = res["start_copy"]
+    print(f"start_copy(seed16).get() + sync, {args.calls} calls: " +
+          " ".join(f"{k} {v:.3f}" for k, v in s["ms"].items()) + f" ms; fixed CPU loop {s['cpu_loop_ms']:.3f} ms")
+    print("  stages per call (us): " + " ".join(f"{k}={v:.1f}" for k, v in s["stages_us"].items()))
+    if res["gpu_us"] is not None:
+        print(f"  on the GPU (event to event, median): {res['gpu_us']:.1f} us")
+    for name, t in s["threads"].items():
+        if t["cpu_us_per_call"] > 1 or name == "main" or "xfer" in name:
+            print(f"  thread {name}: ran on {t['cpus']} (samples), {t['cpu_us_per_call']:.1f} us CPU per call")
+    print(f"  pinned pages per NUMA node: {res['pinned_pages_per_node']}")
+    for k in ("pin_memory_to_ms", "to_ms"):
+        if k in res:
+            print(f"control {k[:-3]}: mean {res[k]['mean']:.3f} p50 {res[k]['p50']:.3f} ms")
+    if args.experiments:
+        for name, v in res["experiments"].items():
+            if isinstance(v, dict) and "ms" in v:
+                print(f"experiment {name}: mean {v['ms']['mean']:.3f} p50 {v['ms']['p50']:.3f} ms, "
+                      f"loop {v['cpu_loop_ms']:.3f} ms; " +
+                      " ".join(f"{k}={x:.0f}" for k, x in v["stages_us"].items() if x >= 1))
+        loop = res["experiments"]["cpu_loop_ms_per_cpu"]
+        print("fixed loop per CPU (ms): " + " ".join(f"{c}:{v:.3f}" for c, v in loop.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(json.dumps(res, default=str))
+
+
+if __name__ == "__main__":
+    main()
