@@ -22,7 +22,8 @@ batch: 528 small tensors), ``--calls`` calls after ``--warmup``, and prints:
 - where the pinned memory's pages are: pages per NUMA node of the process's page-locked mappings
   (``/proc/self/numa_maps``).
 
-``--experiments`` then pins the threads in turn and times each placement (``--calls`` / 2 calls
+``--drift SECONDS`` then sweeps every CPU's speed once a second (which CPUs run slow, and for how
+long they stay so). ``--experiments`` pins the threads in turn and times each placement (``--calls`` / 2 calls
 each): as the scheduler placed them; the transfer thread on the main thread's CPU, on its SMT
 sibling, on another core, on another NUMA node (where there is one); the helpers off the main
 thread's core; and the fixed loop on every CPU (a CPU that runs it slower is one the host shares).
@@ -298,6 +299,35 @@ def experiments(batch: Any, device: str, calls: int, m: dict[str, Any]) -> dict[
     return out
 
 
+def drift(seconds: float, period: float = 1.0) -> dict[str, Any]:
+    """Every ``period`` s for ``seconds``: the fixed loop's best of 3 on each CPU in turn (this
+    thread pinned there). Which CPUs run slow, and for how long they stay so."""
+    allowed = sorted(os.sched_getaffinity(0))
+    sweeps: list[dict[int, float]] = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        sweep = {}
+        for c in allowed:
+            os.sched_setaffinity(0, {c})
+            sweep[c] = min(machine_speed() for _ in range(3)) * 1e3
+        sweeps.append(sweep)
+        time.sleep(max(0.0, period - (time.perf_counter() - t0)))
+    os.sched_setaffinity(0, set(allowed))
+    fast = min(min(sw.values()) for sw in sweeps)
+    per_cpu = {}
+    for c in allowed:
+        slow = [sw[c] > 1.3 * fast for sw in sweeps]
+        runs, cur = [], 0
+        for x in slow:
+            cur = cur + 1 if x else 0
+            runs.append(cur)
+        per_cpu[c] = {"slow_fraction": sum(slow) / len(slow), "longest_slow_sweeps": max(runs),
+                      "pattern": "".join("s" if x else "." for x in slow)}
+    return {"period_s": period, "sweeps": len(sweeps), "fastest_ms": fast, "per_cpu": per_cpu,
+            "slow_cpus_per_sweep": [sum(sw[c] > 1.3 * fast for c in allowed) for sw in sweeps]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -305,6 +335,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--baseline-calls", type=int, default=100)
     ap.add_argument("--experiments", action="store_true")
+    ap.add_argument("--drift", type=float, default=0.0, metavar="SECONDS",
+                    help="then sweep every CPU's speed once a second for SECONDS (how long slow CPUs stay slow)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = args.device
@@ -324,6 +356,8 @@ def main() -> None:
         res["to_ms"] = summary(to)
     if args.experiments:
         res["experiments"] = experiments(batch, dev, max(args.calls // 2, 50), m)
+    if args.drift:
+        res["drift"] = drift(args.drift)
 
     # the report
     g = m["gpu"]
@@ -355,6 +389,12 @@ def main() -> None:
                       " ".join(f"{k}={x:.0f}" for k, x in v["stages_us"].items() if x >= 1))
         loop = res["experiments"]["cpu_loop_ms_per_cpu"]
         print("fixed loop per CPU (ms): " + " ".join(f"{c}:{v:.3f}" for c, v in loop.items()))
+    if args.drift:
+        d = res["drift"]
+        print(f"CPU speed over {d['sweeps']} sweeps, {d['period_s']} s apart ('s': the fixed loop over 1.3x "
+              f"the fastest, {d['fastest_ms']:.3f} ms):")
+        for c, v in d["per_cpu"].items():
+            print(f"  cpu {c:3d} {v['pattern']}  slow {100 * v['slow_fraction']:.0f}%, longest {v['longest_slow_sweeps']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
