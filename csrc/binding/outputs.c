@@ -418,17 +418,19 @@ static int64_t _member_geometry(const mtc_tree *t, const mtc_plan *p, const mtc_
     return offset + (int64_t)k * (s->row_bytes / proto->elsize);
 }
 
-/* mtc_out_views through torch's C shim: per chunk and dtype one typed view
- * (as below) and its handle, per member one C call, and one Python call for
- * the whole plan's tensors. No piece of any gap, no segment view. 0 or -1. */
+/* mtc_out_views through torch's C shim: per chunk its handle and one typed
+ * view per dtype (in C where the shim has view_dtype: no torch call from
+ * Python, so no release of the GIL; else as below, from Python), per member
+ * one C call, and one Python call for the whole plan's tensors. No piece of
+ * any gap, no segment view. 0 or -1. */
 static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                        const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
 {
     uint32_t n = 0;
     int maxdim = 1;
-    for (uint32_t s = 0; s < p->nsegs; s++) n += p->segs[s].count;
     for (uint32_t s = 0; s < p->nsegs; s++) {
         const mtc_seg *sg = &p->segs[s];
+        n += sg->count;
         for (uint32_t k = 0; k < sg->count; k++) {
             int nd = t->leaves[p->members[sg->first + k]].ndim;
             if (nd > maxdim) maxdim = nd;
@@ -438,7 +440,7 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
     _bases b;
     memset(b.typed, 0, sizeof b.typed);
     _bases_clear(&b, -1, 0);
-    void *handles[MTC_MAX_DTYPES] = {0};
+    void *handles[MTC_MAX_DTYPES] = {0}, *chunk_h = NULL;
     int64_t *geo = PyMem_Malloc(2 * (size_t)maxdim * sizeof(int64_t));
     PyObject *caps = PyList_New(n), *made = NULL;
     if (!geo || !caps) {
@@ -451,12 +453,23 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
         const mtc_leaf *proto = &t->leaves[sg->proto];
         if (sg->chunk != b.chunk) {
             for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]), handles[d] = NULL;
+            mtc_shim_release(st, chunk_h);
+            chunk_h = NULL;
             _bases_clear(&b, sg->chunk, (chunk_skip ? chunk_skip[sg->chunk] : 0) + p->chunks[sg->chunk].payload);
         }
-        PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], proto, keep);
-        if (!typed) goto out;
+        if (proto->dtype >= MTC_MAX_DTYPES) {
+            PyErr_SetString(PyExc_SystemError, "mtc_loader: a packed segment has an unknown dtype code");
+            goto out;
+        }
         void **h = &handles[proto->dtype];
-        if (!*h && !(*h = mtc_shim_handle(st, typed))) goto out;
+        if (!*h && st->shim_view_dtype) {
+            if (!chunk_h && !(chunk_h = mtc_shim_handle(st, chunk_t[sg->chunk]))) goto out;
+            *h = mtc_shim_typed(st, chunk_h, b.bytes, proto->dtype);
+        }
+        if (!*h) {
+            PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], proto, keep);
+            if (!typed || !(*h = mtc_shim_handle(st, typed))) goto out;
+        }
         int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
         if (start % proto->elsize) {
             PyErr_Format(PyExc_SystemError, "mtc_loader: a packed segment at byte %lld is not on a multiple of "
@@ -500,6 +513,7 @@ out:
     }
     Py_XDECREF(made);
     for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]);
+    mtc_shim_release(st, chunk_h);
     _bases_clear(&b, -1, 0);
     PyMem_Free(geo);
     return rc;

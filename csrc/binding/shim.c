@@ -12,6 +12,7 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_offered = st->shim_on = 0;
     st->shim_reinterpret = NULL;
     st->shim_delete = NULL;
+    st->shim_view_dtype = NULL;
     Py_CLEAR(st->shim_handle_of);
     Py_CLEAR(st->shim_steal);
     PyObject *v = PyDict_GetItemString(cfg, "shim"); /* borrowed */
@@ -35,6 +36,23 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_handle_of = Py_NewRef(handle_of);
     st->shim_steal = Py_NewRef(steal);
     st->shim_offered = 1;
+    /* typed views in C too where the shim has view_dtype: each dtype's code, asked of torch */
+    mtc_shim_get_dtype_fn get_dtype = (mtc_shim_get_dtype_fn)dlsym(lib, "aoti_torch_get_dtype");
+    st->shim_view_dtype = (mtc_shim_view_dtype_fn)dlsym(lib, "aoti_torch_view_dtype");
+    for (int c = 0; c < MTC_MAX_DTYPES; c++) st->shim_dtype[c] = -1;
+    PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
+    if (get_dtype && st->shim_view_dtype && samples && PyList_Check(samples) &&
+        PyList_GET_SIZE(samples) == st->ndtypes) {
+        for (int c = 0; c < st->ndtypes; c++) {
+            void *h = mtc_shim_handle(st, PyList_GET_ITEM(samples, c));
+            int32_t code;
+            if (!h) return -1;
+            if (get_dtype(h, &code) == 0) st->shim_dtype[c] = code;
+            mtc_shim_release(st, h);
+        }
+    } else {
+        st->shim_view_dtype = NULL;
+    }
     st->shim_on = mtc_env_bool(MTC_ENV_TORCH_SHIM, 1);
     return 0;
 }
@@ -57,6 +75,17 @@ int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *
     if (st->shim_reinterpret(base, ndim, sizes, strides, offset, &h) != 0 || !h) return -1;
     *out = h;
     return 0;
+}
+
+void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code)
+{
+    if (!st->shim_view_dtype || code < 0 || code >= MTC_MAX_DTYPES || st->shim_dtype[code] < 0) return NULL;
+    int64_t whole = nbytes - nbytes % st->elsize[code], one = 1;
+    void *bytes = NULL, *typed = NULL;
+    if (mtc_shim_view(st, base, 1, &whole, &one, 0, &bytes)) return NULL;
+    if (st->shim_view_dtype(bytes, st->shim_dtype[code], &typed) != 0) typed = NULL;
+    mtc_shim_release(st, bytes);
+    return typed;
 }
 
 void mtc_shim_release(const mtc_state *st, void *handle)

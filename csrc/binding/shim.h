@@ -19,7 +19,9 @@
 #include "state.h"
 
 /* cfg["shim"]: None, or (library path, torch._C._aoti.unsafe_alloc_void_ptr_from_tensor,
- * torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs). Sets st->shim_offered;
+ * torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs); cfg["dlpack_samples"][code]: an
+ * empty tensor of each of the engine's dtypes (their shim codes, for mtc_shim_typed). Needs
+ * st->ndtypes set. Sets st->shim_offered;
  * MTC_TORCH_SHIM=0 leaves it unused. A library that is not loaded already, or
  * lacks a symbol, offers nothing (no error). 0 or -1. */
 int mtc_shim_setup(mtc_state *st, PyObject *cfg);
@@ -38,6 +40,13 @@ void *mtc_shim_handle(mtc_state *st, PyObject *tensor);
  * size (the caller's layout is). 0, or -1 (torch refused; *out unset). */
 int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *sizes,
                   const int64_t *strides, int64_t offset, void **out);
+
+/* A new handle of the first whole elements of a 1-D uint8 tensor's `nbytes`
+ * bytes (base: its handle) viewed as the engine's dtype `code`: the typed
+ * view the output views of that dtype are made over. No GIL needed. NULL
+ * when torch refuses, or this torch's shim has no view_dtype (then the
+ * caller views the chunk from Python). */
+void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code);
 
 /* Releases a handle. */
 void mtc_shim_release(const mtc_state *st, void *handle);

@@ -21,6 +21,8 @@
 typedef int32_t (*mtc_shim_reinterpret_fn)(void *self, int64_t ndim, const int64_t *sizes, const int64_t *strides,
                                            int64_t offset_increment, void **ret);
 typedef int32_t (*mtc_shim_delete_fn)(void *handle);
+typedef int32_t (*mtc_shim_view_dtype_fn)(void *self, int32_t dtype, void **ret);
+typedef int32_t (*mtc_shim_get_dtype_fn)(void *self, int32_t *dtype);
 
 /* dtype flags */
 #define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
@@ -93,6 +95,8 @@ typedef struct mtc_state {
      * each, turned into Python tensors with one call per batch */
     mtc_shim_reinterpret_fn shim_reinterpret; /* aoti_torch__reinterpret_tensor, or NULL */
     mtc_shim_delete_fn shim_delete;           /* aoti_torch_delete_tensor_object */
+    mtc_shim_view_dtype_fn shim_view_dtype;   /* aoti_torch_view_dtype, or NULL (typed views from Python) */
+    int32_t shim_dtype[MTC_MAX_DTYPES];       /* dtype code -> the shim's code of that dtype, -1 unknown */
     PyObject *shim_handle_of;    /* torch._C._aoti.unsafe_alloc_void_ptr_from_tensor */
     PyObject *shim_steal;        /* torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs */
     int shim_offered;            /* this torch has the shim */
