@@ -27,12 +27,14 @@ with warnings.catch_warnings():  # mmengine's imports warn (deprecations)
     from mmengine.evaluator import BaseMetric
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
-    from mmengine.registry import LOOPS, METRICS, MODELS, RUNNERS, DefaultScope
+    from mmengine.registry import DATASETS, LOOPS, METRICS, MODELS, RUNNERS, DefaultScope
     from mmengine.runner import Runner
     from mmengine.structures import BaseDataElement, InstanceData
 
     import mtc_loader
     import mtc_loader.mmengine as mm
+
+from conftest import ROOT, fenced_block, mmengine_switch_lines, package_parent  # noqa: E402,I100
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -277,6 +279,70 @@ def test_switch_config_keeps_others_and_is_idempotent():
     assert once.test_cfg.type == "MTCTestLoop"
     assert once.custom_imports.imports == ["project.mod", "mtc_loader.mmengine"]
     assert mm.switch_config(once).to_dict() == once.to_dict()
+
+
+# ------------------------------------------------------------------------- the README's switch
+
+README_BASE = """
+model = dict(type="MtcReadmeToy")
+train_dataloader = dict(dataset=dict(type="MtcReadmeSamples"), sampler=dict(type="DefaultSampler", shuffle=False),
+                        batch_size=4, num_workers=0)
+train_cfg = dict(by_epoch=True, max_epochs=2, val_interval=1)   # as mmdet3d's schedules write it
+optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.01))
+default_hooks = dict(logger=None, checkpoint=None)
+default_scope = "mmengine"
+log_level = "ERROR"
+"""
+MODELS.register_module(name="MtcReadmeToy", module=Toy, force=True)
+DATASETS.register_module(name="MtcReadmeSamples", module=Samples, force=True)
+
+
+def test_readme_shows_the_docs_switch():
+    """The README's OpenMMLab paragraph shows the child config docs/mmengine.md leads with (the
+    config trained, and two lines), and the command; not the line-by-line switch, whose
+    train_cfg type fails under a base schedule's by_epoch without runner_type."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "mmengine.md")) as f:
+        docs = f.read()
+    block = fenced_block(readme, "With OpenMMLab's mmengine")
+    assert block == fenced_block(docs, "## Switching a config")
+    assert 'runner_type = "MTCRunner"' in block and '"mtc_loader.mmengine"' in block
+    start = readme.index("With OpenMMLab's mmengine")
+    paragraph = readme[start:readme.index("\n\n", readme.index("```\n", readme.index("```python", start) + 9) + 4)]
+    assert "python3 -m mtc_loader.mmengine train" in paragraph
+    for old in ("MTCEpochBasedTrainLoop", "mtc_packed_collate", "MTCDataPreprocessor"):
+        assert old not in paragraph, old
+
+
+def _train_file(path: str, work_dir) -> tuple:
+    """Trains a config file as the OpenMMLab projects' tools/train.py builds its runner; returns
+    the runner and its weights."""
+    cfg = Config.fromfile(path)
+    cfg.work_dir = str(work_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
+        runner.train()
+    return runner, {k: v.clone() for k, v in runner.model.state_dict().items()}
+
+
+def test_child_config_of_the_readme_trains(tmp_path):
+    """A child config written from the README's lines, under a base whose schedule has
+    by_epoch=True: it trains with the switch on, to the base's weights, bit for bit."""
+    _, lines = mmengine_switch_lines()
+    (tmp_path / "base.py").write_text(README_BASE)
+    (tmp_path / "child.py").write_text('_base_ = ["./base.py"]\n' + lines)
+    plain, plain_state = _train_file(str(tmp_path / "base.py"), tmp_path / "plain")
+    runner, state = _train_file(str(tmp_path / "child.py"), tmp_path / "child")
+    assert type(plain.train_loop).__name__ == "EpochBasedTrainLoop"
+    assert type(runner) is mm.MTCRunner and type(runner.train_loop) is mm.MTCEpochBasedTrainLoop
+    assert type(runner.model.data_preprocessor) is mm.MTCDataPreprocessor
+    assert runner.train_loop.epoch == plain.train_loop.epoch == 2
+    assert list(state) == list(plain_state)
+    for k in state:
+        assert torch.equal(state[k], plain_state[k]), k
+    assert not torch.equal(state["w"], torch.ones(1))  # it trained
 
 
 # ------------------------------------------------------------------------- the train command
