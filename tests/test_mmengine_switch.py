@@ -345,6 +345,39 @@ def test_child_config_of_the_readme_trains(tmp_path):
     assert not torch.equal(state["w"], torch.ones(1))  # it trained
 
 
+# ------------------------------------------------------------------------- a plain Runner from the switched config
+
+def _mtc_warnings(records) -> list:
+    return [str(w.message) for w in records if "mtc_loader" in str(w.message)]
+
+
+def test_plain_runner_from_cfg_says_runner_type_is_ignored(tmp_path, monkeypatch):
+    """Runner.from_cfg on a config naming MTCRunner builds mmengine's Runner (it ignores
+    runner_type): said once, with the two ways to build the runner the config names."""
+    monkeypatch.setattr(mm._switch, "_said_ignored", False, raising=False)
+    (tmp_path / "base.py").write_text(README_BASE + f"work_dir = {str(tmp_path / 'wd')!r}\n")
+    (tmp_path / "child.py").write_text('_base_ = ["./base.py"]\n' + THREE_LINES)
+    cfg, plain = Config.fromfile(str(tmp_path / "child.py")), Config.fromfile(str(tmp_path / "base.py"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runner = Runner.from_cfg(cfg)
+        again = Runner.from_cfg(cfg)  # once
+    said = _mtc_warnings(seen)
+    assert len(said) == 1, said
+    assert "runner_type='MTCRunner'" in said[0] and "without mtc_loader's switch" in said[0]
+    assert "RUNNERS.build(cfg)" in said[0] and "MTCRunner.from_cfg(cfg)" in said[0]
+    assert type(runner) is Runner and type(again) is Runner  # mmengine's behaviour is kept
+    assert seen[[str(w.message) for w in seen].index(said[0])].filename == __file__  # points at the call
+    # the builds that honour runner_type, and a config without it, say nothing
+    monkeypatch.setattr(mm._switch, "_said_ignored", False, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert type(RUNNERS.build(cfg)) is mm.MTCRunner
+        assert type(mm.MTCRunner.from_cfg(cfg)) is mm.MTCRunner
+        assert type(Runner.from_cfg(plain)) is Runner
+    assert not _mtc_warnings(seen)
+
+
 # ------------------------------------------------------------------------- the train command
 
 CLI_MODULE = '''

@@ -17,15 +17,21 @@ Importing this module (it needs ``mmengine``; ``import mtc_loader`` never import
   left to do;
 - registers :class:`MTCEpochBasedTrainLoop` and :class:`MTCIterBasedTrainLoop` in ``LOOPS``:
   mmengine's loops with the batches prefetched by :class:`~mtc_loader.PrefetchLoader` (batch k+1
-  copied on the copy stream while step k trains).
+  copied on the copy stream while step k trains);
+- registers :class:`MTCValLoop` and :class:`MTCTestLoop` in ``LOOPS``, and :class:`MTCRunner`
+  in ``RUNNERS``: mmengine's ``Runner`` with all of the above applied to what the config builds
+  (:func:`switch_config`);
+- wraps ``Runner.from_cfg`` with a check: it ignores ``runner_type``, and warns once when the
+  config it builds names ``MTCRunner``.
 
-In a config (see the docs' mmengine recipe)::
+In a child config of the config you train (see the docs' mmengine recipe)::
+
+    _base_ = ["mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_kitti-3d-3class.py"]
 
     custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
-    train_dataloader = dict(..., collate_fn=dict(type="mtc_packed_collate"))
-    model = dict(..., data_preprocessor=dict(type="MTCDataPreprocessor",
-                                             preprocessor=dict(type="Det3DDataPreprocessor", ...)))
-    train_cfg = dict(type="MTCEpochBasedTrainLoop", max_epochs=24)
+    runner_type = "MTCRunner"
+
+or, with the config left as it is, ``python3 -m mtc_loader.mmengine train CONFIG``.
 """
 from __future__ import annotations
 
