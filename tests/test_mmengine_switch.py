@@ -496,16 +496,29 @@ def test_hooks_and_metrics_receive_the_batch(tmp_path, loop, prefetch_depth):
     assert {(t, d) for _, t, d in SEEN} == {("Sample", device)}
 
 
-def test_mmengine_val_loop_would_hand_a_packed_batch(tmp_path):
-    """What MTCValLoop is for: mmengine's ValLoop over a packed loader gives hooks the PackedBatch."""
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_mmengine_loops_over_a_packed_loader_name_the_switch(tmp_path, stage):
+    """A config that packs the loaders but keeps mmengine's loops (the collate switched, the
+    runner not): the first hook that reads the PackedBatch is told to set runner_type."""
     cfg = toy_config(tmp_path)
-    cfg["val_dataloader"]["collate_fn"] = dict(type="mtc_packed_collate")
+    cfg["train_dataloader"]["collate_fn"] = cfg["val_dataloader"]["collate_fn"] = dict(type="mtc_packed_collate")
     cfg["model"] = Toy(data_preprocessor=dict(type="MTCDataPreprocessor"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner = Runner(**cfg)
-        with pytest.raises(TypeError, match="PackedBatch"):
-            runner.val()
+        with pytest.raises(TypeError, match="PackedBatch") as e:
+            runner.train() if stage == "train" else runner.val()
+    msg = str(e.value)
+    assert 'runner_type = "MTCRunner"' in msg and "MTCEpochBasedTrainLoop" in msg and "MTCValLoop" in msg, msg
+    assert "PrefetchLoader" not in msg, msg
+
+
+def test_packed_batch_outside_mmengine_keeps_its_message():
+    batch = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": torch.zeros(2)}])
+    with pytest.raises(TypeError, match=r"batch\.to\(device\).*PrefetchLoader") as e:
+        batch["x"]
+    assert "runner_type" not in str(e.value)
+    batch.to("cpu")
 
 
 # ------------------------------------------------------------------------- the iteration loop's end

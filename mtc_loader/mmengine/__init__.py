@@ -328,6 +328,15 @@ _ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...) in the model's config (m
                   "dict(type='MTCDataPreprocessor', ..., arena_bytes=...)), or switch_config(cfg, arena_bytes=...))")
 
 
+# what a PackedBatch read as its structure (by a hook of mmengine's own loops) tells the user
+_UNPACK_HINT_MM = (
+    "mmengine's own loops (EpochBasedTrainLoop, IterBasedTrainLoop, ValLoop, TestLoop) hand the hooks the "
+    "batch as the loader made it. Set runner_type = \"MTCRunner\" in the config (built with RUNNERS.build(cfg) "
+    "or MTCRunner.from_cfg(cfg)), or name mtc_loader's loops (train_cfg=dict(type=\"MTCEpochBasedTrainLoop\", "
+    "...) or \"MTCIterBasedTrainLoop\", val_cfg=dict(type=\"MTCValLoop\"), test_cfg=dict(type=\"MTCTestLoop\")): "
+    "they unpack each packed batch on the model's device before the hooks run")
+
+
 class PackedPseudoCollate:
     """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
     ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
@@ -364,6 +373,7 @@ class PackedPseudoCollate:
                 if arena_bytes is not None:
                     self.arena_bytes = int(arena_bytes)
                 self.arena = Arena(self.arena_bytes)
+                self.arena._unpack_hint = _UNPACK_HINT_MM
             return self.arena
 
     def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None], kwargs: dict[str, Any]) -> PackedCollate:
