@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -451,12 +452,14 @@ def test_train_command_parses_as_tools_train(tmp_path):
     assert cfg.work_dir == os.path.join("./work_dirs", "cfg")
 
 
-def test_train_command_trains_on_the_cpu(tmp_path):
-    """``python3 -m mtc_loader.mmengine train``: a real run (3 epochs of a toy model), then a resume."""
+def test_train_command_trains_and_resumes_on_the_cpu(tmp_path):
+    """``python3 -m mtc_loader.mmengine train``: a real run (3 epochs of a toy model), then a
+    resume, which loads mmengine's checkpoint (torch >= 2.6's weights-only default refuses what
+    it holds) with nothing set."""
     (tmp_path / "mtc_cli_toy.py").write_text(CLI_MODULE)
     (tmp_path / "cfg.py").write_text(CLI_CONFIG)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]), CUDA_VISIBLE_DEVICES="",
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_parent()]), CUDA_VISIBLE_DEVICES="")
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     cmd = [sys.executable, "-W", "ignore", "-m", "mtc_loader.mmengine", "train", str(tmp_path / "cfg.py"),
            "--work-dir", str(tmp_path / "wd"), "--cfg-options", "train_cfg.max_epochs=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -468,6 +471,38 @@ def test_train_command_trains_on_the_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("MTC-CLI") == 2  # the third epoch only
     assert (tmp_path / "wd" / "epoch_3.pth").exists()
+    assert "weights_only=False" in out.stdout + out.stderr  # the trust it takes is said
+
+
+BAD_CONFIGS = {
+    "syntax": ("cfg.py", "a = 1\nb = dict(\nc = 2\n", r"cfg\.py, line 2: SyntaxError: .*never closed"),
+    "base_syntax": ("cfg.py", '_base_ = ["./base.py"]\n', r"cfg\.py: \S*base\.py, line 2: SyntaxError: .*never closed"),
+    "name": ("cfg.py", "a = 1\nb = undefined_name\n", r"cfg\.py, line 2: NameError: name 'undefined_name'"),
+    "base_missing": ("cfg.py", '_base_ = ["./nothere.py"]\n', r"cfg\.py: no file .*nothere\.py"),
+}
+
+
+@pytest.mark.parametrize("case", ["missing"] + sorted(BAD_CONFIGS))
+def test_train_command_config_errors(tmp_path, monkeypatch, capsys, case):
+    """A config that is not there, or that does not parse or run: argparse's way (the usage,
+    ``error: ...`` naming the file and line, exit status 2), no traceback."""
+    from mtc_loader.mmengine.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base.py").write_text("a = 1\nb = (\n")
+    if case == "missing":
+        path, expected = "missing.py", r"no config file missing\.py\n"
+    else:
+        path, text, expected = BAD_CONFIGS[case]
+        (tmp_path / path).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python3 -m mtc_loader.mmengine train"), err
+    expected = expected if case == "missing" else r"config file (\S*/)?" + expected
+    assert re.search(r"train: error: " + expected, err), err
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------------------------------- hooks and metrics
