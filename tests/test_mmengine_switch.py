@@ -505,6 +505,120 @@ def test_train_command_config_errors(tmp_path, monkeypatch, capsys, case):
     assert "Traceback" not in err
 
 
+DIST_MODULE = """
+import os
+
+import torch
+import torch.distributed as dist
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.structures import BaseDataElement
+
+
+def record(line):
+    with open(os.path.join(os.environ["MTC_RECORDS"], f"rank{dist.get_rank()}.txt"), "a") as f:
+        f.write(line + "\\n")
+
+
+@DATASETS.register_module()
+class MtcDistSamples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"inputs": torch.randn(4, generator=g), "data_samples": BaseDataElement(metainfo={"i": i})}
+
+
+@MODELS.register_module()
+class MtcDistModel(BaseModel):
+    def __init__(self, data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        loss = self.lin(torch.stack(inputs)).pow(2).mean()
+        record(f"{type(self.data_preprocessor).__name__} {[d.i for d in data_samples]} {loss.item().hex()}")
+        return {"loss": loss}
+
+
+@HOOKS.register_module()
+class MtcDistLoopHook(Hook):
+    def before_train(self, runner):
+        record(f"loop {type(runner.train_loop).__name__} {type(runner.model).__name__}")
+
+    def after_train(self, runner):
+        record("weight " + " ".join(x.hex() for x in runner.model.module.lin.weight.view(-1).tolist()))
+"""
+
+DIST_CONFIG = """
+custom_imports = dict(imports=["mtc_dist_toy"], allow_failed_imports=False)
+model = dict(type="MtcDistModel")
+train_dataloader = dict(dataset=dict(type="MtcDistSamples"), sampler=dict(type="DefaultSampler", shuffle=True),
+                        batch_size=2, num_workers=1)
+train_cfg = dict(by_epoch=True, max_epochs=2)
+optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1))
+custom_hooks = [dict(type="MtcDistLoopHook")]
+default_hooks = dict(logger=dict(type="LoggerHook", interval=1), checkpoint=None)
+env_cfg = dict(cudnn_benchmark=False, dist_cfg=dict(backend="nccl"))
+randomness = dict(seed=0)
+log_level = "WARNING"
+"""
+
+# tools/train.py's path with mmengine's own Runner, made to work on the CPU by hand: the process
+# group set up (gloo) before the Runner, whose init_dist calls torch.cuda.set_device, and DDP
+# without device_ids
+PLAIN_TRAIN = """
+import sys
+
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+cfg = Config.fromfile(sys.argv[1])
+cfg.launcher, cfg.work_dir = "pytorch", sys.argv[2]
+dist.init_process_group("gloo")
+cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False)
+Runner.from_cfg(cfg).train()
+"""
+
+
+def test_train_command_two_ranks_on_the_cpu(tmp_path):
+    """``torchrun --nproc_per_node=2 -m mtc_loader.mmengine train CONFIG --launcher pytorch`` on
+    the CPU (gloo): both ranks train with the switch, on the same data, to the same losses and
+    weights as mmengine's Runner on two ranks, bit for bit."""
+    (tmp_path / "mtc_dist_toy.py").write_text(DIST_MODULE)
+    (tmp_path / "cfg.py").write_text(DIST_CONFIG)
+    (tmp_path / "plain_train.py").write_text(PLAIN_TRAIN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_parent()]), CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    records = {}
+    cfg = str(tmp_path / "cfg.py")
+    for kind, cmd in (("plain", [str(tmp_path / "plain_train.py"), cfg, str(tmp_path / "wd-plain")]),
+                      ("switched", ["-m", "mtc_loader.mmengine", "train", cfg, "--launcher", "pytorch",
+                                    "--work-dir", str(tmp_path / "wd-switched")])):
+        (tmp_path / kind).mkdir()
+        out = subprocess.run(torchrun + cmd, env=dict(env, MTC_RECORDS=str(tmp_path / kind)), cwd=str(tmp_path),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (kind, out.stdout[-3000:], out.stderr[-5000:])
+        records[kind] = [(tmp_path / kind / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    for rank in (0, 1):
+        plain, switched = records["plain"][rank], records["switched"][rank]
+        assert plain[0] == "loop EpochBasedTrainLoop MMDistributedDataParallel"
+        assert switched[0] == "loop MTCEpochBasedTrainLoop MMDistributedDataParallel"
+        assert len(plain) == len(switched) == 1 + 4 + 1  # 2 epochs of 2 batches per rank, the weights
+        for p, s in zip(plain[1:-1], switched[1:-1]):
+            assert p.split(" ", 1) == ["BaseDataPreprocessor", s.split(" ", 1)[1]]
+            assert s.startswith("MTCDataPreprocessor ")
+        assert plain[-1] == switched[-1] and plain[-1].startswith("weight ")
+    batches = [[line.split(" ", 1)[1] for line in records["switched"][r][1:-1]] for r in (0, 1)]
+    assert batches[0] != batches[1]  # each rank its own share of the data
+    assert records["switched"][0][-1] == records["switched"][1][-1]  # DDP: one model
+
+
 # ------------------------------------------------------------------------- hooks and metrics
 
 @pytest.mark.parametrize("loop,prefetch_depth", [("epoch", 0), ("epoch", 2), ("iter", 0), ("iter", 2)])

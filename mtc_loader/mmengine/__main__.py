@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -213,6 +214,45 @@ def _resume_trusted(runner: Any) -> None:
     runner.resume = resume_trusted
 
 
+def _cpu_process_group(cfg: Any) -> None:
+    """On a machine without CUDA, with ``--launcher pytorch``: sets up the process group with gloo
+    and has the model wrapped in DDP without ``device_ids``.
+
+    mmengine's ``init_dist`` calls ``torch.cuda.set_device`` and its default DDP wrapper names the
+    rank's GPU (``device_ids=[LOCAL_RANK]``): neither works without CUDA. The Runner uses a
+    process group that is already set up, and a ``model_wrapper_cfg``'s ``device_ids`` over its
+    default, so the command does both here: ``dist_cfg``'s backend (gloo where the config names
+    nccl, which needs GPUs) and timeout, and mmengine's default wrapper with ``device_ids=None``
+    (or that key added to a DDP wrapper the config names)."""
+    import torch
+    import torch.distributed as dist
+    from mmengine.logging import print_log
+    from mmengine.registry import MODEL_WRAPPERS
+
+    if torch.cuda.is_available() or not dist.is_available() or dist.is_initialized():
+        return
+    dist_cfg = dict(cfg.get("env_cfg", {}).get("dist_cfg", {}))
+    if dist_cfg.pop("init_backend", "torch") != "torch":
+        return  # deepspeed's or colossalai's launch: theirs
+    backend = dist_cfg.pop("backend", "nccl")
+    if backend == "nccl":
+        print_log("mtc_loader: no CUDA device: the process group uses gloo, not the config's nccl",
+                  logger="current", level=logging.WARNING)
+        backend = "gloo"
+    if dist_cfg.get("timeout") is not None:
+        dist_cfg["timeout"] = datetime.timedelta(seconds=dist_cfg["timeout"])
+    dist.init_process_group(backend=backend, **dist_cfg)
+    wrapper = cfg.get("model_wrapper_cfg")
+    if wrapper is None:  # mmengine's default wrapper, without device_ids
+        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False,
+                                     find_unused_parameters=cfg.get("find_unused_parameters", False))
+        return
+    tp = wrapper.get("type", "MMDistributedDataParallel")
+    cls = MODEL_WRAPPERS.get(tp) if isinstance(tp, str) else tp
+    if isinstance(cls, type) and issubclass(cls, torch.nn.parallel.DistributedDataParallel):
+        wrapper.setdefault("device_ids", None)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
@@ -221,6 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from mmengine.runner import Runner
 
     cfg = build_config(args)
+    if args.launcher == "pytorch":
+        _cpu_process_group(cfg)
     runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
     if cfg.get("resume"):
         _resume_trusted(runner)
