@@ -75,6 +75,11 @@ class Arena:
         nbytes: Size of the data area, rounded up to 64 KiB slots.
     """
 
+    # What a PackedBatch read as its structure tells the user to do: an integration whose loops
+    # unpack the batches (mtc_loader.mmengine) names its own way on the arenas it creates.
+    _unpack_hint = ("get the structure with batch.to(device) (or batch.unpack()), or iterate "
+                    "mtc_loader.PrefetchLoader(loader, device), which yields it on the device")
+
     def __init__(self, nbytes: int = 256 << 20, *, _engine_arena: Any = None, _token: Any = None):
         if _engine_arena is None:
             try:
@@ -210,8 +215,7 @@ class PackedBatch:
     def __getitem__(self, key: Any) -> Any:
         # (also what a for loop over the batch, or unpacking it, reaches)
         raise TypeError("mtc_loader: a PackedBatch is the batch packed for the trip from the worker, not "
-                        "its structure: get the structure with batch.to(device) (or batch.unpack()), or "
-                        "iterate mtc_loader.PrefetchLoader(loader, device), which yields it on the device")
+                        f"its structure: {self._arena._unpack_hint}")
 
     def pin_memory(self, device: Any = None) -> "PackedBatch":
         """The arena is page-locked already: ``DataLoader(pin_memory=True)`` does no work here."""

@@ -52,6 +52,27 @@ def _pread_fallback_warning(tmp_path_factory):
     yield
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fenced_block(text: str, after: str, lang: str = "python") -> str:
+    """The first fenced code block in ``lang`` after the first occurrence of ``after`` in a
+    markdown text (its lines, without the fences)."""
+    start = text.index(after)
+    opening = text.index(f"```{lang}\n", start) + len(lang) + 4
+    return text[opening:text.index("```", opening)]
+
+
+def mmengine_switch_lines() -> tuple[str, str]:
+    """The child config the README's OpenMMLab paragraph shows, as (its ``_base_`` line, the
+    lines of the switch): what a test writes under a base of its own."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = fenced_block(f.read(), "With OpenMMLab's mmengine")
+    base, _, lines = block.partition("\n")
+    assert base.startswith("_base_ = "), block
+    return base, lines
+
+
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_2gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs two CUDA GPUs")
 

@@ -66,13 +66,27 @@ def test_missing_frameworks_are_no_attributes_but_import_says_what_to_install():
 
 
 def test_installed_framework_loads_on_attribute_access():
+    """Also: mmengine's Runner is left as it is until mtc_loader.mmengine is imported, which adds
+    its runner_type check to Runner.from_cfg, keeping its signature and documentation."""
+    pytest.importorskip("mmengine", reason="needs mmengine (the test extra installs it)")
     out = _run("""
-        import sys
+        import inspect, sys, warnings
         import mtc_loader
         assert "mtc_loader.mmengine" not in sys.modules
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # mmengine's imports warn (deprecations)
+            from mmengine.runner import Runner
+        before = Runner.__dict__["from_cfg"]
+        assert before.__func__.__module__ == "mmengine.runner.runner", before.__func__.__module__
+        signature, doc = inspect.signature(Runner.from_cfg), Runner.from_cfg.__doc__
         assert hasattr(mtc_loader, "mmengine")
         import mtc_loader.mmengine as m
         assert mtc_loader.mmengine is m
+        after = Runner.__dict__["from_cfg"]
+        assert after is not before and after.__func__.__wrapped__ is before.__func__
+        assert inspect.signature(Runner.from_cfg) == signature and Runner.from_cfg.__doc__ == doc
+        m._switch._install_runner_check()  # installed once
+        assert Runner.__dict__["from_cfg"] is after
         print("ok")
     """)
     assert out.strip() == "ok"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,12 +28,14 @@ with warnings.catch_warnings():  # mmengine's imports warn (deprecations)
     from mmengine.evaluator import BaseMetric
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
-    from mmengine.registry import LOOPS, METRICS, MODELS, RUNNERS, DefaultScope
+    from mmengine.registry import DATASETS, LOOPS, METRICS, MODELS, RUNNERS, DefaultScope
     from mmengine.runner import Runner
     from mmengine.structures import BaseDataElement, InstanceData
 
     import mtc_loader
     import mtc_loader.mmengine as mm
+
+from conftest import ROOT, fenced_block, mmengine_switch_lines, package_parent  # noqa: E402,I100
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -279,6 +282,103 @@ def test_switch_config_keeps_others_and_is_idempotent():
     assert mm.switch_config(once).to_dict() == once.to_dict()
 
 
+# ------------------------------------------------------------------------- the README's switch
+
+README_BASE = """
+model = dict(type="MtcReadmeToy")
+train_dataloader = dict(dataset=dict(type="MtcReadmeSamples"), sampler=dict(type="DefaultSampler", shuffle=False),
+                        batch_size=4, num_workers=0)
+train_cfg = dict(by_epoch=True, max_epochs=2, val_interval=1)   # as mmdet3d's schedules write it
+optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.01))
+default_hooks = dict(logger=None, checkpoint=None)
+default_scope = "mmengine"
+log_level = "ERROR"
+"""
+MODELS.register_module(name="MtcReadmeToy", module=Toy, force=True)
+DATASETS.register_module(name="MtcReadmeSamples", module=Samples, force=True)
+
+
+def test_readme_shows_the_docs_switch():
+    """The README's OpenMMLab paragraph shows the child config docs/mmengine.md leads with (the
+    config trained, and two lines), and the command; not the line-by-line switch, whose
+    train_cfg type fails under a base schedule's by_epoch without runner_type."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "mmengine.md")) as f:
+        docs = f.read()
+    block = fenced_block(readme, "With OpenMMLab's mmengine")
+    assert block == fenced_block(docs, "## Switching a config")
+    assert 'runner_type = "MTCRunner"' in block and '"mtc_loader.mmengine"' in block
+    start = readme.index("With OpenMMLab's mmengine")
+    paragraph = readme[start:readme.index("\n\n", readme.index("```\n", readme.index("```python", start) + 9) + 4)]
+    assert "python3 -m mtc_loader.mmengine train" in paragraph
+    for old in ("MTCEpochBasedTrainLoop", "mtc_packed_collate", "MTCDataPreprocessor"):
+        assert old not in paragraph, old
+
+
+def _train_file(path: str, work_dir) -> tuple:
+    """Trains a config file as the OpenMMLab projects' tools/train.py builds its runner; returns
+    the runner and its weights."""
+    cfg = Config.fromfile(path)
+    cfg.work_dir = str(work_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
+        runner.train()
+    return runner, {k: v.clone() for k, v in runner.model.state_dict().items()}
+
+
+def test_child_config_of_the_readme_trains(tmp_path):
+    """A child config written from the README's lines, under a base whose schedule has
+    by_epoch=True: it trains with the switch on, to the base's weights, bit for bit."""
+    _, lines = mmengine_switch_lines()
+    (tmp_path / "base.py").write_text(README_BASE)
+    (tmp_path / "child.py").write_text('_base_ = ["./base.py"]\n' + lines)
+    plain, plain_state = _train_file(str(tmp_path / "base.py"), tmp_path / "plain")
+    runner, state = _train_file(str(tmp_path / "child.py"), tmp_path / "child")
+    assert type(plain.train_loop).__name__ == "EpochBasedTrainLoop"
+    assert type(runner) is mm.MTCRunner and type(runner.train_loop) is mm.MTCEpochBasedTrainLoop
+    assert type(runner.model.data_preprocessor) is mm.MTCDataPreprocessor
+    assert runner.train_loop.epoch == plain.train_loop.epoch == 2
+    assert list(state) == list(plain_state)
+    for k in state:
+        assert torch.equal(state[k], plain_state[k]), k
+    assert not torch.equal(state["w"], torch.ones(1))  # it trained
+
+
+# ------------------------------------------------------------------------- a plain Runner from the switched config
+
+def _mtc_warnings(records) -> list:
+    return [str(w.message) for w in records if "mtc_loader" in str(w.message)]
+
+
+def test_plain_runner_from_cfg_says_runner_type_is_ignored(tmp_path, monkeypatch):
+    """Runner.from_cfg on a config naming MTCRunner builds mmengine's Runner (it ignores
+    runner_type): said once, with the two ways to build the runner the config names."""
+    monkeypatch.setattr(mm._switch, "_said_ignored", False, raising=False)
+    (tmp_path / "base.py").write_text(README_BASE + f"work_dir = {str(tmp_path / 'wd')!r}\n")
+    (tmp_path / "child.py").write_text('_base_ = ["./base.py"]\n' + THREE_LINES)
+    cfg, plain = Config.fromfile(str(tmp_path / "child.py")), Config.fromfile(str(tmp_path / "base.py"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runner = Runner.from_cfg(cfg)
+        again = Runner.from_cfg(cfg)  # once
+    said = _mtc_warnings(seen)
+    assert len(said) == 1, said
+    assert "runner_type='MTCRunner'" in said[0] and "without mtc_loader's switch" in said[0]
+    assert "RUNNERS.build(cfg)" in said[0] and "MTCRunner.from_cfg(cfg)" in said[0]
+    assert type(runner) is Runner and type(again) is Runner  # mmengine's behaviour is kept
+    assert seen[[str(w.message) for w in seen].index(said[0])].filename == __file__  # points at the call
+    # the builds that honour runner_type, and a config without it, say nothing
+    monkeypatch.setattr(mm._switch, "_said_ignored", False, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert type(RUNNERS.build(cfg)) is mm.MTCRunner
+        assert type(mm.MTCRunner.from_cfg(cfg)) is mm.MTCRunner
+        assert type(Runner.from_cfg(plain)) is Runner
+    assert not _mtc_warnings(seen)
+
+
 # ------------------------------------------------------------------------- the train command
 
 CLI_MODULE = '''
@@ -352,12 +452,14 @@ def test_train_command_parses_as_tools_train(tmp_path):
     assert cfg.work_dir == os.path.join("./work_dirs", "cfg")
 
 
-def test_train_command_trains_on_the_cpu(tmp_path):
-    """``python3 -m mtc_loader.mmengine train``: a real run (3 epochs of a toy model), then a resume."""
+def test_train_command_trains_and_resumes_on_the_cpu(tmp_path):
+    """``python3 -m mtc_loader.mmengine train``: a real run (3 epochs of a toy model), then a
+    resume, which loads mmengine's checkpoint (torch >= 2.6's weights-only default refuses what
+    it holds) with nothing set."""
     (tmp_path / "mtc_cli_toy.py").write_text(CLI_MODULE)
     (tmp_path / "cfg.py").write_text(CLI_CONFIG)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]), CUDA_VISIBLE_DEVICES="",
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_parent()]), CUDA_VISIBLE_DEVICES="")
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     cmd = [sys.executable, "-W", "ignore", "-m", "mtc_loader.mmengine", "train", str(tmp_path / "cfg.py"),
            "--work-dir", str(tmp_path / "wd"), "--cfg-options", "train_cfg.max_epochs=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -369,6 +471,152 @@ def test_train_command_trains_on_the_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("MTC-CLI") == 2  # the third epoch only
     assert (tmp_path / "wd" / "epoch_3.pth").exists()
+    assert "weights_only=False" in out.stdout + out.stderr  # the trust it takes is said
+
+
+BAD_CONFIGS = {
+    "syntax": ("cfg.py", "a = 1\nb = dict(\nc = 2\n", r"cfg\.py, line 2: SyntaxError: .*never closed"),
+    "base_syntax": ("cfg.py", '_base_ = ["./base.py"]\n', r"cfg\.py: \S*base\.py, line 2: SyntaxError: .*never closed"),
+    "name": ("cfg.py", "a = 1\nb = undefined_name\n", r"cfg\.py, line 2: NameError: name 'undefined_name'"),
+    "base_missing": ("cfg.py", '_base_ = ["./nothere.py"]\n', r"cfg\.py: no file .*nothere\.py"),
+}
+
+
+@pytest.mark.parametrize("case", ["missing"] + sorted(BAD_CONFIGS))
+def test_train_command_config_errors(tmp_path, monkeypatch, capsys, case):
+    """A config that is not there, or that does not parse or run: argparse's way (the usage,
+    ``error: ...`` naming the file and line, exit status 2), no traceback."""
+    from mtc_loader.mmengine.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base.py").write_text("a = 1\nb = (\n")
+    if case == "missing":
+        path, expected = "missing.py", r"no config file missing\.py\n"
+    else:
+        path, text, expected = BAD_CONFIGS[case]
+        (tmp_path / path).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python3 -m mtc_loader.mmengine train"), err
+    expected = expected if case == "missing" else r"config file (\S*/)?" + expected
+    assert re.search(r"train: error: " + expected, err), err
+    assert "Traceback" not in err
+
+
+DIST_MODULE = """
+import os
+
+import torch
+import torch.distributed as dist
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, HOOKS, MODELS
+from mmengine.structures import BaseDataElement
+
+
+def record(line):
+    with open(os.path.join(os.environ["MTC_RECORDS"], f"rank{dist.get_rank()}.txt"), "a") as f:
+        f.write(line + "\\n")
+
+
+@DATASETS.register_module()
+class MtcDistSamples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"inputs": torch.randn(4, generator=g), "data_samples": BaseDataElement(metainfo={"i": i})}
+
+
+@MODELS.register_module()
+class MtcDistModel(BaseModel):
+    def __init__(self, data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        loss = self.lin(torch.stack(inputs)).pow(2).mean()
+        record(f"{type(self.data_preprocessor).__name__} {[d.i for d in data_samples]} {loss.item().hex()}")
+        return {"loss": loss}
+
+
+@HOOKS.register_module()
+class MtcDistLoopHook(Hook):
+    def before_train(self, runner):
+        record(f"loop {type(runner.train_loop).__name__} {type(runner.model).__name__}")
+
+    def after_train(self, runner):
+        record("weight " + " ".join(x.hex() for x in runner.model.module.lin.weight.view(-1).tolist()))
+"""
+
+DIST_CONFIG = """
+custom_imports = dict(imports=["mtc_dist_toy"], allow_failed_imports=False)
+model = dict(type="MtcDistModel")
+train_dataloader = dict(dataset=dict(type="MtcDistSamples"), sampler=dict(type="DefaultSampler", shuffle=True),
+                        batch_size=2, num_workers=1)
+train_cfg = dict(by_epoch=True, max_epochs=2)
+optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1))
+custom_hooks = [dict(type="MtcDistLoopHook")]
+default_hooks = dict(logger=dict(type="LoggerHook", interval=1), checkpoint=None)
+env_cfg = dict(cudnn_benchmark=False, dist_cfg=dict(backend="nccl"))
+randomness = dict(seed=0)
+log_level = "WARNING"
+"""
+
+# tools/train.py's path with mmengine's own Runner, made to work on the CPU by hand: the process
+# group set up (gloo) before the Runner, whose init_dist calls torch.cuda.set_device, and DDP
+# without device_ids
+PLAIN_TRAIN = """
+import sys
+
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+cfg = Config.fromfile(sys.argv[1])
+cfg.launcher, cfg.work_dir = "pytorch", sys.argv[2]
+dist.init_process_group("gloo")
+cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False)
+Runner.from_cfg(cfg).train()
+"""
+
+
+def test_train_command_two_ranks_on_the_cpu(tmp_path):
+    """``torchrun --nproc_per_node=2 -m mtc_loader.mmengine train CONFIG --launcher pytorch`` on
+    the CPU (gloo): both ranks train with the switch, on the same data, to the same losses and
+    weights as mmengine's Runner on two ranks, bit for bit."""
+    (tmp_path / "mtc_dist_toy.py").write_text(DIST_MODULE)
+    (tmp_path / "cfg.py").write_text(DIST_CONFIG)
+    (tmp_path / "plain_train.py").write_text(PLAIN_TRAIN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_parent()]), CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    records = {}
+    cfg = str(tmp_path / "cfg.py")
+    for kind, cmd in (("plain", [str(tmp_path / "plain_train.py"), cfg, str(tmp_path / "wd-plain")]),
+                      ("switched", ["-m", "mtc_loader.mmengine", "train", cfg, "--launcher", "pytorch",
+                                    "--work-dir", str(tmp_path / "wd-switched")])):
+        (tmp_path / kind).mkdir()
+        out = subprocess.run(torchrun + cmd, env=dict(env, MTC_RECORDS=str(tmp_path / kind)), cwd=str(tmp_path),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (kind, out.stdout[-3000:], out.stderr[-5000:])
+        records[kind] = [(tmp_path / kind / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    for rank in (0, 1):
+        plain, switched = records["plain"][rank], records["switched"][rank]
+        assert plain[0] == "loop EpochBasedTrainLoop MMDistributedDataParallel"
+        assert switched[0] == "loop MTCEpochBasedTrainLoop MMDistributedDataParallel"
+        assert len(plain) == len(switched) == 1 + 4 + 1  # 2 epochs of 2 batches per rank, the weights
+        for p, s in zip(plain[1:-1], switched[1:-1]):
+            assert p.split(" ", 1) == ["BaseDataPreprocessor", s.split(" ", 1)[1]]
+            assert s.startswith("MTCDataPreprocessor ")
+        assert plain[-1] == switched[-1] and plain[-1].startswith("weight ")
+    batches = [[line.split(" ", 1)[1] for line in records["switched"][r][1:-1]] for r in (0, 1)]
+    assert batches[0] != batches[1]  # each rank its own share of the data
+    assert records["switched"][0][-1] == records["switched"][1][-1]  # DDP: one model
 
 
 # ------------------------------------------------------------------------- hooks and metrics
@@ -397,16 +645,29 @@ def test_hooks_and_metrics_receive_the_batch(tmp_path, loop, prefetch_depth):
     assert {(t, d) for _, t, d in SEEN} == {("Sample", device)}
 
 
-def test_mmengine_val_loop_would_hand_a_packed_batch(tmp_path):
-    """What MTCValLoop is for: mmengine's ValLoop over a packed loader gives hooks the PackedBatch."""
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_mmengine_loops_over_a_packed_loader_name_the_switch(tmp_path, stage):
+    """A config that packs the loaders but keeps mmengine's loops (the collate switched, the
+    runner not): the first hook that reads the PackedBatch is told to set runner_type."""
     cfg = toy_config(tmp_path)
-    cfg["val_dataloader"]["collate_fn"] = dict(type="mtc_packed_collate")
+    cfg["train_dataloader"]["collate_fn"] = cfg["val_dataloader"]["collate_fn"] = dict(type="mtc_packed_collate")
     cfg["model"] = Toy(data_preprocessor=dict(type="MTCDataPreprocessor"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner = Runner(**cfg)
-        with pytest.raises(TypeError, match="PackedBatch"):
-            runner.val()
+        with pytest.raises(TypeError, match="PackedBatch") as e:
+            runner.train() if stage == "train" else runner.val()
+    msg = str(e.value)
+    assert 'runner_type = "MTCRunner"' in msg and "MTCEpochBasedTrainLoop" in msg and "MTCValLoop" in msg, msg
+    assert "PrefetchLoader" not in msg, msg
+
+
+def test_packed_batch_outside_mmengine_keeps_its_message():
+    batch = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": torch.zeros(2)}])
+    with pytest.raises(TypeError, match=r"batch\.to\(device\).*PrefetchLoader") as e:
+        batch["x"]
+    assert "runner_type" not in str(e.value)
+    batch.to("cpu")
 
 
 # ------------------------------------------------------------------------- the iteration loop's end

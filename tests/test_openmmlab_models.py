@@ -8,7 +8,7 @@ Each model's config is inherited as a user writes it: a child config file whose 
 real config, shrunk only where CPU time needs it (fewer channels, a smaller point-cloud range or
 image size, a few samples), reading a small synthetic dataset written in the dataset's own
 on-disk format (tests/openmmlab_data.py) through the real dataset class, pipeline and metric.
-The switched config is a child of that one with the documented lines. The matrix knobs
+The switched config is a child of that one written from the README's lines. The matrix knobs
 (workers, loop, resume) are set as ``tools/train.py --cfg-options`` sets them.
 
 Skipped where the stack or mmdet3d's runtime imports are absent (README: "OpenMMLab's stack for
@@ -48,6 +48,7 @@ with warnings.catch_warnings():  # the stack's imports warn (deprecations)
     register_mmdet3d(init_default_scope=False)
 
 import openmmlab_data as data  # noqa: E402,I100
+from conftest import mmengine_switch_lines  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::ImportWarning"),
@@ -82,10 +83,12 @@ def write_config(path: str, base: str, values: dict) -> str:
     return path
 
 
-def switch(plain: Config, loop: str) -> dict:
-    """The lines of docs/mmengine.md that a child config of ``plain`` adds."""
-    return dict(custom_imports=dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False),
-                runner_type="MTCRunner")
+def write_switched(path: str, base: str) -> str:
+    """A child config of ``base`` written from the README's lines (docs/mmengine.md shows the same)."""
+    _, lines = mmengine_switch_lines()
+    with open(path, "w") as f:
+        f.write(f"_base_ = [{base!r}]\n" + lines)
+    return path
 
 
 def rewrite(node, key: str, value):
@@ -234,9 +237,7 @@ def configs(tmp_path, model: str) -> dict:
         train_cfg=dict(_delete_=True, type="IterBasedTrainLoop", max_iters=3, val_interval=3),
         default_hooks=dict(checkpoint=dict(by_epoch=False))))
     for loop in ("Epoch", "Iter"):
-        plain = Config.fromfile(out["plain", loop])
-        out["switched", loop] = write_config(str(tmp_path / f"switched_{loop.lower()}.py"),
-                                             out["plain", loop], switch(plain, loop))
+        out["switched", loop] = write_switched(str(tmp_path / f"switched_{loop.lower()}.py"), out["plain", loop])
     return out
 
 

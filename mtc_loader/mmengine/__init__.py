@@ -17,15 +17,21 @@ Importing this module (it needs ``mmengine``; ``import mtc_loader`` never import
   left to do;
 - registers :class:`MTCEpochBasedTrainLoop` and :class:`MTCIterBasedTrainLoop` in ``LOOPS``:
   mmengine's loops with the batches prefetched by :class:`~mtc_loader.PrefetchLoader` (batch k+1
-  copied on the copy stream while step k trains).
+  copied on the copy stream while step k trains);
+- registers :class:`MTCValLoop` and :class:`MTCTestLoop` in ``LOOPS``, and :class:`MTCRunner`
+  in ``RUNNERS``: mmengine's ``Runner`` with all of the above applied to what the config builds
+  (:func:`switch_config`);
+- wraps ``Runner.from_cfg`` with a check: it ignores ``runner_type``, and warns once when the
+  config it builds names ``MTCRunner``.
 
-In a config (see the docs' mmengine recipe)::
+In a child config of the config you train (see the docs' mmengine recipe)::
+
+    _base_ = ["mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_kitti-3d-3class.py"]
 
     custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
-    train_dataloader = dict(..., collate_fn=dict(type="mtc_packed_collate"))
-    model = dict(..., data_preprocessor=dict(type="MTCDataPreprocessor",
-                                             preprocessor=dict(type="Det3DDataPreprocessor", ...)))
-    train_cfg = dict(type="MTCEpochBasedTrainLoop", max_epochs=24)
+    runner_type = "MTCRunner"
+
+or, with the config left as it is, ``python3 -m mtc_loader.mmengine train CONFIG``.
 """
 from __future__ import annotations
 
@@ -322,6 +328,15 @@ _ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...) in the model's config (m
                   "dict(type='MTCDataPreprocessor', ..., arena_bytes=...)), or switch_config(cfg, arena_bytes=...))")
 
 
+# what a PackedBatch read as its structure (by a hook of mmengine's own loops) tells the user
+_UNPACK_HINT_MM = (
+    "mmengine's own loops (EpochBasedTrainLoop, IterBasedTrainLoop, ValLoop, TestLoop) hand the hooks the "
+    "batch as the loader made it. Set runner_type = \"MTCRunner\" in the config (built with RUNNERS.build(cfg) "
+    "or MTCRunner.from_cfg(cfg)), or name mtc_loader's loops (train_cfg=dict(type=\"MTCEpochBasedTrainLoop\", "
+    "...) or \"MTCIterBasedTrainLoop\", val_cfg=dict(type=\"MTCValLoop\"), test_cfg=dict(type=\"MTCTestLoop\")): "
+    "they unpack each packed batch on the model's device before the hooks run")
+
+
 class PackedPseudoCollate:
     """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
     ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
@@ -358,6 +373,7 @@ class PackedPseudoCollate:
                 if arena_bytes is not None:
                     self.arena_bytes = int(arena_bytes)
                 self.arena = Arena(self.arena_bytes)
+                self.arena._unpack_hint = _UNPACK_HINT_MM
             return self.arena
 
     def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None], kwargs: dict[str, Any]) -> PackedCollate:

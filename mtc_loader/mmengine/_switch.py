@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, Optional, Union
 
@@ -164,7 +166,8 @@ class MTCRunner(Runner):  # type: ignore[misc]
 
     ``RUNNERS.build(cfg)`` (what the OpenMMLab projects' ``tools/train.py`` calls when the config
     has a ``runner_type``) and ``MTCRunner.from_cfg(cfg)`` both build it; mmengine's
-    ``Runner.from_cfg(cfg)`` ignores ``runner_type``.
+    ``Runner.from_cfg(cfg)`` ignores ``runner_type`` and builds a plain ``Runner``, which trains
+    without the switch: it warns once when the config names ``MTCRunner``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -192,3 +195,65 @@ class MTCRunner(Runner):  # type: ignore[misc]
                 return LOOPS.build(copy.deepcopy(loop),
                                    default_args=dict(runner=self, dataloader=self._train_dataloader))
         return super().build_train_loop(loop)
+
+
+# ------------------------------------------------------------------------- Runner.from_cfg's check
+
+# A script that builds its runner with mmengine's Runner.from_cfg(cfg) ignores runner_type: a
+# config switched by its two lines then trains without the switch, and none of mtc_loader's code
+# runs to notice (the config's only trace of the switch is runner_type, which Runner.from_cfg
+# never reads, and the module's import by custom_imports happens before any runner exists). So
+# the check sits in Runner.from_cfg itself, installed when mtc_loader.mmengine is imported (the
+# import that custom_imports makes, which also fills mmengine's registries): it reads the
+# config's runner_type and warns once; what from_cfg builds, its signature and its docstring
+# stay mmengine's. A process that never imports mtc_loader.mmengine keeps mmengine's Runner
+# untouched.
+
+_said_ignored = False  # whether the warning was given (once per process)
+
+
+def _names_mtc_runner(runner_type: Any) -> bool:
+    """Whether a config's ``runner_type`` (a registered name or a class) is MTCRunner or a subclass."""
+    cls = runner_type
+    if isinstance(runner_type, str):
+        try:
+            cls = RUNNERS.get(runner_type)
+        except Exception:  # a scope that does not import: not ours to report here
+            return False
+    return isinstance(cls, type) and issubclass(cls, MTCRunner)
+
+
+def _check_runner_type(cls: Any, cfg: Any) -> None:
+    """Warns (once) when ``cls.from_cfg`` builds a runner that is not the MTCRunner ``cfg`` names."""
+    global _said_ignored
+    if _said_ignored or (isinstance(cls, type) and issubclass(cls, MTCRunner)):
+        return
+    runner_type = cfg.get("runner_type") if isinstance(cfg, MutableMapping) or hasattr(cfg, "get") else None
+    if runner_type is None or not _names_mtc_runner(runner_type):
+        return
+    _said_ignored = True
+    warnings.warn(
+        f"mtc_loader: the config names runner_type={_name(runner_type)!r}, which {getattr(cls, '__name__', cls)}"
+        ".from_cfg ignores: this run trains without mtc_loader's switch (mmengine's loops, data preprocessor "
+        "and collate). Build the runner the config names: RUNNERS.build(cfg) (from mmengine.registry import "
+        "RUNNERS; what the OpenMMLab projects' tools/train.py call) or MTCRunner.from_cfg(cfg) (from "
+        "mtc_loader.mmengine import MTCRunner)", UserWarning, stacklevel=3)
+
+
+def _install_runner_check() -> None:
+    """Wraps ``Runner.from_cfg`` with :func:`_check_runner_type` (once per process)."""
+    plain = Runner.__dict__.get("from_cfg")
+    if not isinstance(plain, classmethod) or getattr(plain.__func__, "_mtc_loader_check", False):
+        return
+    build = plain.__func__
+
+    @functools.wraps(build)
+    def from_cfg(cls: Any, cfg: Any) -> Any:
+        _check_runner_type(cls, cfg)
+        return build(cls, cfg)
+
+    from_cfg._mtc_loader_check = True  # type: ignore[attr-defined]
+    Runner.from_cfg = classmethod(from_cfg)
+
+
+_install_runner_check()
