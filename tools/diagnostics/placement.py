@@ -347,6 +347,15 @@ def main() -> None:
     res: dict[str, Any] = {"machine": m, "affinity": sorted(os.sched_getaffinity(0))}
     res["start_copy"] = measure(batch, dev, args.calls)
     res["gpu_us"] = gpu_dma_us(batch, dev)
+    # the mode: the fixed loop on the main thread's CPU now against the fastest CPU's now
+    here = min(machine_speed() for _ in range(5)) * 1e3
+    allowed = os.sched_getaffinity(0)
+    best = here
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        best = min(best, min(machine_speed() for _ in range(3)) * 1e3)
+    os.sched_setaffinity(0, allowed)
+    res["mode"] = {"loop_here_ms": here, "loop_fastest_ms": best, "slow": here > 1.3 * best}
     res["pinned_pages_per_node"] = pinned_pages()
     if dev.startswith("cuda"):
         pin = time_calls(lambda: tree_map(lambda t: t.pin_memory().to(dev, non_blocking=True), batch), sync,
@@ -371,6 +380,9 @@ def main() -> None:
     s = res["start_copy"]
     print(f"start_copy(seed16).get() + sync, {args.calls} calls: " +
           " ".join(f"{k} {v:.3f}" for k, v in s["ms"].items()) + f" ms; fixed CPU loop {s['cpu_loop_ms']:.3f} ms")
+    mo = res["mode"]
+    print(f"  mode: {'SLOW' if mo['slow'] else 'fast'} (the fixed loop on this thread's CPU {mo['loop_here_ms']:.3f} ms, "
+          f"on the fastest CPU now {mo['loop_fastest_ms']:.3f} ms: the host runs some CPUs slower)")
     print("  stages per call (us): " + " ".join(f"{k}={v:.1f}" for k, v in s["stages_us"].items()))
     if res["gpu_us"] is not None:
         print(f"  on the GPU (event to event, median): {res['gpu_us']:.1f} us")
