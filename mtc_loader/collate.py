@@ -15,15 +15,17 @@ import sys
 import weakref
 from multiprocessing import context as _mp_context
 from multiprocessing import reduction, resource_sharer
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from . import _engine, _tree
 from ._device import target_index
 from ._options import positive_int, seconds
-from ._stack import RETIRED, stacking_into_scratch, warn_escaped
+from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -358,6 +360,52 @@ def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: in
     return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent", atoms)
 
 
+def _ragged_at(samples: list[Any], path: str = "sample") -> Optional[tuple[str, int, list[int], list[int]]]:
+    """Where the samples' tensors (or arrays) differ in shape, walking them as ``default_collate``
+    does: ``(path, sample, first shape, its shape)``, or None."""
+    first = samples[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        for i, x in enumerate(samples):
+            if isinstance(x, (torch.Tensor, np.ndarray)) and tuple(x.shape) != tuple(first.shape):
+                return path, i, list(first.shape), list(x.shape)
+        return None
+    if isinstance(first, Mapping):
+        for key in first:
+            if all(isinstance(x, Mapping) and key in x for x in samples):
+                found = _ragged_at([x[key] for x in samples], f"{path}[{key!r}]")
+                if found:
+                    return found
+    elif isinstance(first, (list, tuple)):
+        for j in range(len(first)):
+            if all(isinstance(x, (list, tuple)) and len(x) > j for x in samples):
+                found = _ragged_at([x[j] for x in samples], f"{path}[{j}]")
+                if found:
+                    return found
+    return None
+
+
+def _ragged_message(samples: list[Any], e: RaggedStack, by_default_collate: bool) -> str:
+    """The error for samples whose tensors ``default_collate`` cannot stack: where, and what to do."""
+    found = _ragged_at(samples) if by_default_collate else None
+    if found is not None:
+        path, i, shape0, shape = found
+        if path == "sample":  # the samples are tensors
+            what = (f"mtc_loader: default_collate cannot stack the samples into one tensor: sample 0 has shape "
+                    f"{shape0}, sample {i} {shape}.")
+        else:
+            what = (f"mtc_loader: default_collate cannot stack {path} across the batch: it has shape {shape0} "
+                    f"in sample 0 and {shape} in sample {i}, and default_collate stacks each tensor of the "
+                    "samples into one tensor of the batch.")
+    else:
+        (a, b), (shape0, shape) = e.entries, e.shapes
+        what = (f"mtc_loader: default_collate (called by the collate_fn) cannot stack tensors of shapes "
+                f"{shape0} and {shape} (entries {a} and {b} of one stack): tensors stack only when their "
+                "shapes are equal.")
+    return (f"{what} For samples whose tensors vary in size, keep the samples apart: PackedCollate(list) "
+            "makes each batch the list of its samples and packs every tensor as it is; or pass a "
+            "collate_fn of your own that pads them to one shape")
+
+
 class PackedCollate:
     """A picklable drop-in ``collate_fn`` that packs each batch into a shared arena.
 
@@ -378,8 +426,13 @@ class PackedCollate:
     warned about once. The process keeps at most as many idle blocks as one batch stacked, until
     the last ``PackedCollate`` that stacked in it goes or :func:`mtc_loader.trim` is called.
 
+    ``default_collate`` stacks each tensor of the samples into one tensor of the batch, so it
+    cannot take samples whose tensors differ in shape (a varying number of boxes per sample):
+    ``PackedCollate(list)`` keeps each batch the list of its samples, every tensor packed as it
+    is. Where ``default_collate`` meets such samples, the error names the tensor and says so.
+
     Args:
-        collate_fn: The collate function to wrap.
+        collate_fn: The collate function to wrap (``list`` keeps samples apart).
         arena_bytes: Size of the shared arena. It must hold every batch in flight: about
             ``(num_workers * prefetch_factor + PrefetchLoader depth + 2)`` batches.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
@@ -425,7 +478,10 @@ class PackedCollate:
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
         consumer = _consumer()
         with stacking_into_scratch(self):
-            batch = self.collate_fn(samples)
+            try:
+                batch = self.collate_fn(samples)
+            except RaggedStack as e:
+                raise RuntimeError(_ragged_message(samples, e, self.collate_fn is default_collate)) from None
             try:
                 off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align,
                                                                        self.timeout, consumer)
