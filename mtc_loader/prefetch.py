@@ -30,6 +30,7 @@ import torch
 
 from . import _engine, _trace
 from ._device import target_index
+from ._flight import expect_in_flight
 from .collate import _ARENAS, PackedBatch, _consumes
 from .copy import start_copy
 from .handle import AsyncCopyHandle
@@ -840,6 +841,9 @@ class PrefetchLoader:
         on_caller = self.produce_on_caller
         if on_caller is None:
             on_caller = _produces_in_process(self.iterable)
+        # before the DataLoader's workers start (the service's iter()): they check their first
+        # batch against the room the arena has for what this loader keeps in flight
+        expect_in_flight(self.iterable, self.depth, index >= 0)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
                            getattr(self, "_prepare", None), on_caller)
