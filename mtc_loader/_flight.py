@@ -67,17 +67,30 @@ def in_flight(num_workers: int, prefetch_factor: Optional[int], depth: int, cuda
     return batches, ", ".join(parts), least, least_why
 
 
-def expect_in_flight(iterable: Any, depth: int, cuda: bool) -> None:
+Told = Optional[tuple[Arena, tuple[int, str, int, str]]]
+
+
+def expect_in_flight(iterable: Any, depth: int, cuda: bool) -> Told:
     """Tells the arena of a DataLoader over PackedCollate (or of mmengine's endless iterator over
     one) what a PrefetchLoader of ``depth`` over it keeps in flight; does nothing for any other
-    iterable. Call it before the DataLoader's workers start (they take the word with the arena)."""
+    iterable. Call it before the DataLoader's workers start (they take the word with the arena).
+    Returns what :func:`withdraw` takes back at the end of the epoch."""
     loader = iterable
     if not isinstance(loader, torch.utils.data.DataLoader):
         loader = getattr(iterable, "_dataloader", None)  # mmengine's _InfiniteDataloaderIterator
     if not isinstance(loader, torch.utils.data.DataLoader):
-        return
+        return None
     arena = _arena_of(loader.collate_fn)
     if arena is None:
-        return
-    arena._expect(in_flight(loader.num_workers, loader.prefetch_factor, depth, cuda,
-                            bool(getattr(loader, "in_order", True))))
+        return None
+    word = in_flight(loader.num_workers, loader.prefetch_factor, depth, cuda, bool(getattr(loader, "in_order", True)))
+    arena._expect(word)
+    return arena, word
+
+
+def withdraw(told: Told) -> None:
+    """The epoch is over: the arena no longer has this loader's word (workers started later, for
+    a loop without a PrefetchLoader, count as they would without it), unless another loader's
+    word has replaced it meanwhile."""
+    if told is not None and told[0]._expected is told[1]:
+        told[0]._expected = None

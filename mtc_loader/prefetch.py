@@ -30,7 +30,7 @@ import torch
 
 from . import _engine, _trace
 from ._device import target_index
-from ._flight import expect_in_flight
+from ._flight import expect_in_flight, withdraw
 from .collate import _ARENAS, PackedBatch, _consumes
 from .copy import start_copy
 from .handle import AsyncCopyHandle
@@ -843,7 +843,7 @@ class PrefetchLoader:
             on_caller = _produces_in_process(self.iterable)
         # before the DataLoader's workers start (the service's iter()): they check their first
         # batch against the room the arena has for what this loader keeps in flight
-        expect_in_flight(self.iterable, self.depth, index >= 0)
+        told = expect_in_flight(self.iterable, self.depth, index >= 0)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
                            getattr(self, "_prepare", None), on_caller)
@@ -864,6 +864,7 @@ class PrefetchLoader:
             # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
             # the caller now; that thread ends by itself (stop's docstring)
             service.stop(_STOP_JOIN_S)
+            withdraw(told)
 
 
 class _ResumablePrefetchLoader(PrefetchLoader):

@@ -120,6 +120,20 @@ def test_an_arena_that_lets_the_loader_go_on_is_not_refused():
     assert run_epoch(PackedCollate(arena_bytes=2 * SLOT, timeout=30.0), workers=1, prefetch_factor=4) == 6
 
 
+def test_the_word_lasts_for_the_epoch():
+    """The arena has the loader's word while its epoch runs, so that workers started for it check
+    their first batch; a loop without a PrefetchLoader afterwards counts as it would without it."""
+    pc = PackedCollate(list, arena_bytes=1 << 20)
+    loader = PrefetchLoader(DataLoader(Rows(8), batch_size=4, num_workers=0, collate_fn=pc), "cpu", depth=3)
+    for _ in loader:
+        assert pc.arena._expected == in_flight(0, None, 3, cuda=False)
+    assert pc.arena._expected is None
+    epoch = iter(loader)
+    next(epoch)
+    epoch.close()  # a loop left early
+    assert pc.arena._expected is None
+
+
 def test_the_word_travels_with_the_pickled_arena():
     """Workers started by spawn or forkserver receive the arena pickled: the word goes with it."""
     pc = PackedCollate(list, arena_bytes=SLOT)
