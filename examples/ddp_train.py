@@ -137,7 +137,7 @@ def main() -> int:
 
     ds = CameraSamples(args.samples)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    # The arena holds every batch in flight: about workers * prefetch_factor + depth + 2 batches
+    # The arena holds every batch in flight: workers * prefetch_factor + 1, + depth on a GPU
     # (~0.5 MB each here); 16 MiB leaves ample room.
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         collate_fn=mtc_loader.PackedCollate(arena_bytes=16 << 20),

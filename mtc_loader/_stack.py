@@ -252,10 +252,37 @@ def _stackable(batch: Any) -> bool:
     return True
 
 
+class RaggedStack(RuntimeError):
+    """``default_collate`` was asked, inside a PackedCollate call, to stack sample tensors whose
+    shapes differ (``torch.stack`` would refuse them; in a DataLoader worker torch's message is
+    about a storage it cannot resize). PackedCollate turns it into the error that names where
+    and what to do."""
+
+    def __init__(self, first: int, other: int, shapes: tuple[list[int], list[int]]) -> None:
+        super().__init__(f"mtc_loader: default_collate cannot stack tensors whose shapes differ: "
+                         f"{shapes[0]} (entry {first}) and {shapes[1]} (entry {other})")
+        self.entries = (first, other)
+        self.shapes = shapes
+
+
+def _check_same_shapes(batch: Any) -> None:
+    """Raises RaggedStack when ``batch`` holds strided tensors of different shapes (anything else
+    goes to torch's function, which stacks or refuses it as it always has)."""
+    if not all(isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided for t in batch):
+        return
+    shape = batch[0].shape
+    for i, t in enumerate(batch):
+        if t.shape != shape:
+            raise RaggedStack(0, i, (list(shape), list(t.shape)))
+
+
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def collate_tensor_into_scratch(batch: Any, *, collate_fn_map: Optional[dict[Any, Any]] = None) -> Any:
         call = getattr(_TLS, "active", None)
-        if call is None or not _stackable(batch):
+        if call is None:
+            return original(batch, collate_fn_map=collate_fn_map)
+        if not _stackable(batch):
+            _check_same_shapes(batch)
             return original(batch, collate_fn_map=collate_fn_map)
         elem = batch[0]
         nbytes = len(batch) * elem.numel() * elem.element_size()

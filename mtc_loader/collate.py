@@ -15,15 +15,17 @@ import sys
 import weakref
 from multiprocessing import context as _mp_context
 from multiprocessing import reduction, resource_sharer
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from . import _engine, _tree
 from ._device import target_index
 from ._options import positive_int, seconds
-from ._stack import RETIRED, stacking_into_scratch, warn_escaped
+from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
 
@@ -71,8 +73,11 @@ class Arena:
     reachable only by processes it is handed to (the descriptor travels with the pickled
     :class:`PackedCollate` to DataLoader workers started by fork, spawn or forkserver).
 
+    Its data area is cut into slots of 64 KiB, and each packed batch takes a run of whole slots:
+    ``Arena(1024)`` is one 64 KiB slot, and holds one batch at a time; a batch of 100 KB takes two.
+
     Args:
-        nbytes: Size of the data area, rounded up to 64 KiB slots.
+        nbytes: Size of the data area, rounded up to whole 64 KiB slots.
     """
 
     # What a PackedBatch read as its structure tells the user to do: an integration whose loops
@@ -96,6 +101,11 @@ class Arena:
         self._a: _engine.Arena = _engine_arena
         self.token = _token
         self.creator = _token[0]
+        # what the loader that unpacks this arena's batches keeps in flight and needs at the
+        # least, (batches, what they are, least, what they are), as a PrefetchLoader over a
+        # DataLoader of it says (_flight.py); and the process whose first pack was checked
+        self._expected: Optional[tuple[int, str, int, str]] = None
+        self._checked = 0
         # resource-sharer registrations of this arena's descriptor that no process has taken
         # yet (a pickle never unpickled): closed with the arena, or they would keep its memory
         self._shared: list[int] = []
@@ -106,7 +116,7 @@ class Arena:
         if _mp_context.get_spawning_popen() is not None:
             # a child being started (spawn / forkserver): the descriptor goes to that child only
             # (pass_fds, or SCM_RIGHTS over the forkserver's socket), no copy is left behind
-            return (_attach, (reduction.DupFd(self._a.fileno()), self.token))
+            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected))
         # Outside process start-up, multiprocessing's resource sharer keeps a dup of the
         # descriptor until a process asks for it. A pickle that is never unpickled would keep
         # that dup, and the arena's memory, for the life of this process: this arena tracks
@@ -115,7 +125,34 @@ class Arena:
         pending = _pending_keys()
         self._shared[:] = [k for k in self._shared if k in pending]
         self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
-        return (_attach, (dup, self.token))
+        return (_attach, (dup, self.token, self._expected))
+
+    def _expect(self, expected: tuple[int, str, int, str]) -> None:
+        """The loader that unpacks this arena's batches keeps up to ``expected[0]`` in flight and
+        needs room for ``expected[2]`` at the least (``[1]``, ``[3]``: what they are;
+        ``_flight.in_flight``): the first batch each process packs after this is refused at once,
+        with the size to configure, where the arena cannot hold the least of its size."""
+        self._expected = expected
+        self._checked = 0
+
+    def _in_flight(self) -> tuple[int, str, int, str, bool]:
+        """What ``_engine.pack`` is told: ``(batches in flight, what they are, the least the arena
+        must hold, checked at this process's first pack only (0 after), what they are, whether the
+        consumer's regions are its loaders' own)``. Without a PrefetchLoader's word, a DataLoader
+        worker counts its DataLoader's workers at the default ``prefetch_factor`` (which it cannot
+        see) and the batch the loop unpacks, and checks nothing."""
+        expected = self._expected
+        if expected is not None:
+            me = os.getpid()
+            first, self._checked = self._checked != me, me
+            batches, why, least, least_why = expected
+            return batches, why, least if first else 0, least_why, True
+        info = get_worker_info()
+        if info is None or not info.num_workers:
+            return 1, "the one the loop unpacks", 0, "", False
+        return (2 * info.num_workers + 1,
+                f"{info.num_workers} workers x prefetch_factor 2 in the DataLoader (its default; count yours if "
+                "you set another), 1 the loop unpacks", 0, "", False)
 
     def stats(self) -> dict[str, int]:
         """Allocator counters: bytes, slots in use, allocs, frees, waits, timeouts, reclaimed."""
@@ -160,13 +197,15 @@ def _consumes(arena: Arena) -> bool:
     return arena.creator == os.getpid() or get_worker_info() is None
 
 
-def _attach(dupfd: Any, token: tuple[int, int, int]) -> Arena:
+def _attach(dupfd: Any, token: tuple[int, int, int], expected: Optional[tuple[int, str, int, str]] = None) -> Arena:
     existing = _ARENAS.get(token)
     fd = dupfd.detach()
     try:
         if existing is not None:
             return existing
-        return Arena(_engine_arena=_engine.arena_attach(fd), _token=token)
+        arena = Arena(_engine_arena=_engine.arena_attach(fd), _token=token)
+        arena._expected = expected
+        return arena
     finally:
         os.close(fd)
 
@@ -362,6 +401,52 @@ def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: in
     return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent", atoms)
 
 
+def _ragged_at(samples: list[Any], path: str = "sample") -> Optional[tuple[str, int, list[int], list[int]]]:
+    """Where the samples' tensors (or arrays) differ in shape, walking them as ``default_collate``
+    does: ``(path, sample, first shape, its shape)``, or None."""
+    first = samples[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        for i, x in enumerate(samples):
+            if isinstance(x, (torch.Tensor, np.ndarray)) and tuple(x.shape) != tuple(first.shape):
+                return path, i, list(first.shape), list(x.shape)
+        return None
+    if isinstance(first, Mapping):
+        for key in first:
+            if all(isinstance(x, Mapping) and key in x for x in samples):
+                found = _ragged_at([x[key] for x in samples], f"{path}[{key!r}]")
+                if found:
+                    return found
+    elif isinstance(first, (list, tuple)):
+        for j in range(len(first)):
+            if all(isinstance(x, (list, tuple)) and len(x) > j for x in samples):
+                found = _ragged_at([x[j] for x in samples], f"{path}[{j}]")
+                if found:
+                    return found
+    return None
+
+
+def _ragged_message(samples: list[Any], e: RaggedStack, by_default_collate: bool) -> str:
+    """The error for samples whose tensors ``default_collate`` cannot stack: where, and what to do."""
+    found = _ragged_at(samples) if by_default_collate else None
+    if found is not None:
+        path, i, shape0, shape = found
+        if path == "sample":  # the samples are tensors
+            what = (f"mtc_loader: default_collate cannot stack the samples into one tensor: sample 0 has shape "
+                    f"{shape0}, sample {i} {shape}.")
+        else:
+            what = (f"mtc_loader: default_collate cannot stack {path} across the batch: it has shape {shape0} "
+                    f"in sample 0 and {shape} in sample {i}, and default_collate stacks each tensor of the "
+                    "samples into one tensor of the batch.")
+    else:
+        (a, b), (shape0, shape) = e.entries, e.shapes
+        what = (f"mtc_loader: default_collate (called by the collate_fn) cannot stack tensors of shapes "
+                f"{shape0} and {shape} (entries {a} and {b} of one stack): tensors stack only when their "
+                "shapes are equal.")
+    return (f"{what} For samples whose tensors vary in size, keep the samples apart: PackedCollate(list) "
+            "makes each batch the list of its samples and packs every tensor as it is; or pass a "
+            "collate_fn of your own that pads them to one shape")
+
+
 class PackedCollate:
     """A picklable drop-in ``collate_fn`` that packs each batch into a shared arena.
 
@@ -382,15 +467,31 @@ class PackedCollate:
     warned about once. The process keeps at most as many idle blocks as one batch stacked, until
     the last ``PackedCollate`` that stacked in it goes or :func:`mtc_loader.trim` is called.
 
+    ``default_collate`` stacks each tensor of the samples into one tensor of the batch, so it
+    cannot take samples whose tensors differ in shape (a varying number of boxes per sample):
+    ``PackedCollate(list)`` keeps each batch the list of its samples, every tensor packed as it
+    is. Where ``default_collate`` meets such samples, the error names the tensor and says so.
+
     Args:
-        collate_fn: The collate function to wrap.
-        arena_bytes: Size of the shared arena. It must hold every batch in flight: about
-            ``(num_workers * prefetch_factor + PrefetchLoader depth + 2)`` batches.
+        collate_fn: The collate function to wrap (``list`` keeps samples apart).
+        arena_bytes: Size of the shared arena, rounded up to whole 64 KiB slots; a batch takes
+            whole slots (a batch of 1 KB one slot, of 100 KB two). Workers never wait for room
+            when it holds every batch in flight: ``num_workers * prefetch_factor`` in the
+            DataLoader, one that the loop (or a :class:`~mtc_loader.PrefetchLoader`) unpacks, and
+            for a CUDA device the ``depth`` batches a PrefetchLoader keeps ready, whose copies
+            may still read the arena. With less, workers wait for room; the DataLoader goes on
+            as long as the arena holds ``(num_workers - 1) * prefetch_factor + 1`` batches (it
+            hands batches out in order, and the other workers may have packed theirs ahead of
+            the next one). Under a PrefetchLoader, an arena smaller than that, for batches the
+            size of the first one a worker packs, is refused at that batch, with the number of
+            bytes that holds the whole flight.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
             says which size to configure (negative: wait forever; a worker stops waiting either
             way, with an error, once the process it packs for (its parent, the DataLoader's
             process) or the process that created the arena has exited).
         min_packed_alignment_bytes: Alignment of every tensor in the region (a power of two).
+        arena: An :class:`Arena` to pack into instead of a new one of ``arena_bytes`` (which is
+            then not used): the ``PackedCollate`` objects that share an arena share its room.
     """
 
     def __init__(self, collate_fn: Optional[Callable[[list[Any]], Any]] = None, *, arena_bytes: int = 256 << 20,
@@ -429,10 +530,14 @@ class PackedCollate:
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
         consumer = _consumer()
         with stacking_into_scratch(self):
-            batch = self.collate_fn(samples)
+            try:
+                batch = self.collate_fn(samples)
+            except RaggedStack as e:
+                raise RuntimeError(_ragged_message(samples, e, self.collate_fn is default_collate)) from None
             try:
                 off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align,
-                                                                       self.timeout, consumer)
+                                                                       self.timeout, consumer,
+                                                                       self.arena._in_flight())
             except RuntimeError as e:
                 if consumer and os.getppid() != consumer:
                     # The process this worker packs for has exited: nobody reads the error,

@@ -30,6 +30,7 @@ import torch
 
 from . import _engine, _trace
 from ._device import target_index
+from ._flight import expect_in_flight, withdraw
 from .collate import _ARENAS, PackedBatch, _consumes
 from .copy import start_copy
 from .handle import AsyncCopyHandle
@@ -649,6 +650,9 @@ threading._register_atexit(_stop_all_services)  # type: ignore[attr-defined]
 
 
 _L = TypeVar("_L", bound="PrefetchLoader")
+# the object's type itself, past any __class__ property of a subclass (accelerate's stand-in
+# reports the class of the DataLoader it wraps through one)
+_set_class: Callable[[Any, type], None] = object.__dict__["__class__"].__set__
 _STATE_METHODS = ("state_dict", "load_state_dict")
 
 
@@ -751,17 +755,16 @@ class PrefetchLoader:
             here, whatever the batches are.
     """
 
-    def __new__(cls: type[_L], *args: Any, **kwargs: Any) -> _L:
-        # over a stateful iterable: the class that has state_dict / load_state_dict (a class
-        # lacking them otherwise, since frameworks probe for them with hasattr or the class)
-        iterable = args[0] if args else kwargs.get("iterable")
-        if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
-            cls = _resumable_class(cls)
-        return object.__new__(cls)
-
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
                  gil_switch_interval: Optional[float] = 0.0005, produce_on_caller: Optional[bool] = None,
                  **start_copy_options: Any) -> None:
+        # over a stateful iterable: the class that has state_dict / load_state_dict (a class
+        # lacking them otherwise, since frameworks probe for them with hasattr or the class).
+        # Chosen here rather than by a __new__, whose (*args, **kwargs) help() and IDEs would
+        # show instead of these parameters; the object escapes only once __init__ has run.
+        cls = type(self)
+        if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
+            _set_class(self, _resumable_class(cls))
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
         if gil_switch_interval is not None and (isinstance(gil_switch_interval, bool) or not (
@@ -838,6 +841,9 @@ class PrefetchLoader:
         on_caller = self.produce_on_caller
         if on_caller is None:
             on_caller = _produces_in_process(self.iterable)
+        # before the DataLoader's workers start (the service's iter()): they check their first
+        # batch against the room the arena has for what this loader keeps in flight
+        told = expect_in_flight(self.iterable, self.depth, index >= 0)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
                            getattr(self, "_prepare", None), on_caller)
@@ -858,6 +864,7 @@ class PrefetchLoader:
             # bounded: a KeyboardInterrupt while the service waits for a stalled batch reaches
             # the caller now; that thread ends by itself (stop's docstring)
             service.stop(_STOP_JOIN_S)
+            withdraw(told)
 
 
 class _ResumablePrefetchLoader(PrefetchLoader):

@@ -49,6 +49,64 @@ def test_pages_fit_a_1300_px_window():
     assert "white-space: nowrap" in css and "th code" in css
     long = [ln for ln in _code_lines((DOCS / "index.md").read_text()) if len(ln) > 80]
     assert not long, long
-    for page in ("benchmarks.md", "accelerate.md", "lightning.md", "design_notes.md"):
+    for page in ("benchmarks.md", "accelerate.md", "lightning.md", "design_notes.md", "getting_started.md"):
         long = [ln for ln in _code_lines((DOCS / page).read_text()) if len(ln) > 100]
         assert not long, (page, long)
+
+
+def _row(text: str, workload: str) -> list[str]:
+    """The cells of the first table row of ``workload`` on a page."""
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {workload} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def _median(cell: str) -> float:
+    return float(re.match(r"([\d.]+)", cell).group(1))
+
+
+def test_the_per_tensor_figures_are_the_tables_and_name_their_machine():
+    """The figures the home pages open with (the cost of .to() per tensor and per seed batch) are
+    those of the copy benchmark's table, and say on which machine they were measured."""
+    bench = (DOCS / "benchmarks.md").read_text()
+    cells = _row(bench, "seed16 (H2D)")
+    tensors = int(cells[1].split(",")[0])
+    ms = _median(cells[2])
+    per_tensor = f"about {round(ms * 1000 / tensors)} µs"
+    assert per_tensor in bench, per_tensor
+    for page in (DOCS.parent / "README.md", DOCS / "index.md"):
+        text = " ".join(page.read_text().split())
+        assert f"{tensors} small tensors (147 KB) takes {ms} ms" in text, page
+        assert f"costs {per_tensor} of CPU time per tensor" in text, page
+        assert "machine (one H100," in text, page
+
+
+def test_the_large_tensor_claim_is_the_tables():
+    """What the benchmarks page says of few large tensors is what its 16x16MB figures show."""
+    bench = (DOCS / "benchmarks.md").read_text()
+    rates = re.search(r"16x16MB: start_copy moves ([\d.]+) .*?GB/s; one pinned 256 MB .*?: ([\d.]+) ", bench)
+    ours, pinned = float(rates.group(1)), float(rates.group(2))
+    claim = " ".join(bench[bench.index("**Few large tensors**"):bench.index("**GPU-bound loop**")].split())
+    assert f"moves {ours:.0f} GB/s" in claim and f"moves {pinned:.0f} GB/s" in claim, claim
+    assert ours < pinned and "matches" not in claim
+    cells = _row(bench, "16x16MB (H2D)")
+    assert f"({_median(cells[6]):.2f}x against {_median(cells[4]):.2f}x `.to()`)" in claim, claim
+
+
+def test_every_page_with_h200_figures_is_named_where_the_machines_are_described():
+    """Figures come from the H100 machine unless they name another: each page that quotes an H200
+    run is listed in the benchmarks page's paragraph on machines, which says what that host is."""
+    bench = (DOCS / "benchmarks.md").read_text()
+    machines = bench[bench.index("**Which machine.**"):bench.index("How to read them")]
+    assert "torch 2.11.0+cu130" in machines and "Xeon" in machines
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name != "benchmarks.md" and "H200" in page.read_text():
+            assert f"({page.name}" in machines, page.name
+
+
+def test_no_page_asks_for_a_package_to_build_nvtx():
+    """NVTX's headers come with the source: no page makes a package a build requirement."""
+    assert (DOCS.parent / "csrc" / "third_party" / "nvtx3").is_dir()
+    requires = re.search(r"^requires = (.*)$", (DOCS.parent / "pyproject.toml").read_text(), re.M).group(1)
+    assert "nvtx" not in requires, requires
+    for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+        assert "nvidia-nvtx" not in page.read_text(), page.name

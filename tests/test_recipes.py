@@ -1,7 +1,8 @@
 """The recipes run as written: every ```python block of docs/lightning.md and docs/accelerate.md
 runs in a fresh interpreter after a plain ``import mtc_loader`` (so a recipe that needs an
 import it does not show fails here, as it would for a reader) and the few names the page leaves
-to the reader (``dataset``, ``my_collate``, ``model``, ...), defined below on the CPU.
+to the reader (``dataset``, ``my_collate``, ``model``, ...), defined below on the CPU; every
+block of docs/getting_started.md runs on its own, as a reader's first script would.
 
 The one change made to a block: ``accelerator="gpu"`` becomes ``"cpu"`` on a machine without a
 GPU. A block preceded by ``<!-- recipe-test: skip REASON -->`` is not run (it needs state a
@@ -35,6 +36,7 @@ loader = DataLoader(dataset, batch_size=4, num_workers=2,
 """
 
 PRELUDES = {
+    "getting_started.md": "",
     "lightning.md": _COMMON + """
 import lightning as L
 
@@ -95,7 +97,9 @@ def test_every_recipe_page_has_blocks():
 
 @pytest.mark.parametrize("page,line,code", CASES)
 def test_recipe_block_runs(page, line, code, tmp_path):
-    pytest.importorskip("lightning" if page == "lightning.md" else "accelerate")
+    framework = {"lightning.md": "lightning", "accelerate.md": "accelerate"}.get(page)
+    if framework:
+        pytest.importorskip(framework)
     if not torch.cuda.is_available():
         code = code.replace('accelerator="gpu"', 'accelerator="cpu"')
     script = tmp_path / "recipe.py"

@@ -116,10 +116,12 @@ def test_hook_only_while_a_call_runs_and_delegates(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:mtc_loader. a tensor that default_collate stacked:RuntimeWarning")
 def test_unstackable_tensors_take_the_original_path():
-    """Mixed shapes raise torch's own error; tensors that require grad, subclasses, channels_last
-    tensors and numpy inputs give what default_collate gives without the scratch."""
+    """Mixed shapes raise an error that names them and PackedCollate(list); tensors that require
+    grad, subclasses, channels_last tensors and numpy inputs give what default_collate gives
+    without the scratch."""
     pc = mtc_loader.PackedCollate(default_collate, arena_bytes=ARENA)
-    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+    with pytest.raises(RuntimeError, match=r"cannot stack the samples into one tensor: sample 0 has shape \[2\], "
+                                           r"sample 1 \[3\]\. .*PackedCollate\(list\)"):
         pc([torch.ones(2), torch.ones(3)])
     assert getattr(_stack._TLS, "active", None) is None  # left on the error
 

@@ -329,10 +329,41 @@ def test_an_arena_filled_by_kept_batches_says_how_many_are_held():
     with pytest.raises(RuntimeError) as ei:
         pc([torch.ones(4)])
     msg = str(ei.value)
-    assert f"4 batches (262144 bytes) are still held by the training process (pid {os.getpid()}" in msg, msg
+    assert f"4 batches (262144 bytes) are held by the training process (pid {os.getpid()}" in msg, msg
     assert "keeps the PackedBatch objects" in msg and "batch.to(device)" in msg, msg
-    assert "larger than its 262144 bytes" in msg, msg
+    # the batch the loop unpacks takes one slot: the arena's size is not what is short
+    assert "Its size is not what is short" in msg and "this arena has 262144" in msg, msg
     del kept
+
+
+def test_ragged_samples_name_the_tensor_and_packed_collate_list():
+    """default_collate cannot stack tensors that differ in shape (in a worker, torch's error is about
+    a storage it cannot resize, or the sizes, and names neither the tensor nor the way out): the
+    error names the tensor by its path in the sample and says to use PackedCollate(list)."""
+    class Boxes(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"label": i, "cams": [{"boxes": torch.zeros(1 + i % 2, 4)}]}
+
+    for workers in (0, 1):
+        dl = DataLoader(Boxes(), batch_size=2, num_workers=workers, collate_fn=PackedCollate(arena_bytes=1 << 20))
+        with pytest.raises(RuntimeError, match=r"default_collate cannot stack sample\['cams'\]\[0\]\['boxes'\] "
+                                               r"across the batch: it has shape \[1, 4\] in sample 0 and \[2, 4\] "
+                                               r"in sample 1.*PackedCollate\(list\)"):
+            next(iter(mtc_loader.PrefetchLoader(dl, "cpu")))
+    out = next(iter(mtc_loader.PrefetchLoader(
+        DataLoader(Boxes(), batch_size=2, collate_fn=PackedCollate(list, arena_bytes=1 << 20)), "cpu")))
+    assert [s["cams"][0]["boxes"].shape for s in out] == [(1, 4), (2, 4)]
+    # a collate_fn of one's own that stacks ragged parts with default_collate: the shapes, and the way out
+    with pytest.raises(RuntimeError, match=r"called by the collate_fn\) cannot stack tensors of shapes \[1\] "
+                                           r"and \[2\].*PackedCollate\(list\)"):
+        PackedCollate(_stack_firsts, arena_bytes=1 << 20)([[torch.zeros(1)], [torch.zeros(2)]])
+
+
+def _stack_firsts(samples):
+    return torch.utils.data.default_collate([s[0] for s in samples])
 
 
 def _lambda_collate():

@@ -10,7 +10,8 @@
 #include "arenaobj.h"
 #include "state.h"
 
-/* _engine.pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton) */
+/* _engine.pack(arena, data, align, timeout_s[, consumer_pid[, in_flight]])
+ *   -> (offset, nbytes, layout, skeleton, atoms) */
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _engine.unpack(arena, offset, nbytes, owner, layout, skeleton, target, background) -> Handle */
