@@ -1,0 +1,65 @@
+"""bench/bench_openmmlab_train.py's pairing: the order of the arms and what the pairs' ratios say
+(median, spread, the exact sign test, the bootstrap interval of the median)."""
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+
+from openmmlab_train import paired  # noqa: E402
+
+
+def test_pairs_alternate_which_arm_runs_first():
+    order = paired.arm_order(6)
+    assert len(order) == 12
+    assert order[:4] == [(1, "plain"), (1, "switched"), (2, "switched"), (2, "plain")]
+    firsts = [arms for k, arms in order[::2]]
+    assert firsts == ["plain", "switched"] * 3  # each arm first in half the pairs
+    for k in range(1, 7):
+        assert sorted(a for j, a in order if j == k) == ["plain", "switched"]
+
+
+@pytest.mark.parametrize("above, below, p", [
+    (6, 0, 2 / 64),             # all six on one side: the smallest p six pairs can give
+    (5, 1, 2 * 7 / 64),         # P(X <= 1) = (1 + 6) / 64, two-sided
+    (3, 3, 1.0),
+    (0, 4, 2 / 16),
+])
+def test_sign_test_is_the_exact_binomial(above, below, p):
+    ratios = [1.1] * above + [0.9] * below
+    assert paired.sign_test(ratios) == pytest.approx(p)
+
+
+def test_sign_test_leaves_out_ties():
+    assert paired.sign_test([1.0, 1.0, 1.2]) == pytest.approx(1.0)  # one pair left: p = 1
+    assert paired.sign_test([1.0] * 4) == 1.0
+
+
+def test_six_pairs_all_above_one_are_distinguishable_five_are_not():
+    s = paired.summarise_pairs([1.21, 1.25, 1.19, 1.30, 1.22, 1.24])
+    assert s["distinguishable"] and s["above_one"] == 6
+    assert s["median"] == pytest.approx((1.22 + 1.24) / 2)
+    assert (s["min"], s["max"]) == (1.19, 1.30)
+    lo, hi = s["ci95"]
+    assert 1.19 <= lo <= s["median"] <= hi <= 1.30
+    assert "distinguishable from 1" in paired.verdict(s) and "not" not in paired.verdict(s)
+    mixed = paired.summarise_pairs([1.02, 0.99, 1.03, 1.01, 0.98, 1.04])
+    assert not mixed["distinguishable"] and mixed["sign_p"] > 0.05
+    assert "not distinguishable" in paired.verdict(mixed)
+
+
+def test_bootstrap_interval_is_seeded_and_contains_the_median():
+    ratios = [1.05, 0.97, 1.12, 1.01, 1.08, 0.99, 1.03]
+    a = paired.bootstrap_median_ci(ratios)
+    assert a == paired.bootstrap_median_ci(ratios)
+    assert min(ratios) <= a[0] <= 1.03 <= a[1] <= max(ratios)
+
+
+def test_no_pairs():
+    s = paired.summarise_pairs([])
+    assert s["pairs"] == 0 and not s["distinguishable"] and math.isnan(s["median"])
+    assert paired.verdict(s) == "no complete pair"
