@@ -302,7 +302,10 @@ def install(names: Sequence[str]) -> Callable[[], None]:
             from mmengine.registry import MODELS
             old = MODELS.get("DCNv2")
             MODELS.register_module("DCNv2", force=True, module=ModulatedDeformConv2dPack)
-            undo.append(lambda old=old: MODELS.register_module("DCNv2", force=True, module=old))
+
+            def register_old(old: Any = old) -> None:
+                MODELS.register_module("DCNv2", force=True, module=old)
+            undo.append(register_old)
         elif name == "grid_sample":
             import mmdet3d.models.layers.fusion_layers.point_fusion as point_fusion
             swap(point_fusion, "F", _FunctionalWithGridSample())
