@@ -314,7 +314,7 @@ def main() -> int:
     gran = model.granularity(args.batch_size)
     cap = args.iters or (gran * max(1, math.ceil(6 / gran)) if args.quick else model.iters)
     cap = max(gran, cap // gran * gran)
-    floor = args.min_iters or args.warmup + 8
+    floor = args.min_iters or args.warmup + 6
     floor = min(cap, max(gran, math.ceil(floor / gran) * gran))
     unique = args.unique or (model.quick_unique if args.quick else model.unique)
     args.pairs = args.pairs or (1 if args.quick else 6)
@@ -355,9 +355,11 @@ def main() -> int:
     arms = [dict(name="warm-up", config=configs["plain"], iters=warm_iters)]
     arms += [dict(name=name, config=config) for name, config in order]
     deadline = t_begin + args.budget_s if args.budget_s else None
+    # no arm starts after the budget and 15% more: a run a little over its plan keeps its pairs
+    stop_at = t_begin + 1.15 * args.budget_s if args.budget_s else None
     common = dict(model=model.name, batch_size=args.batch_size, device=device, stand_ins=stand_ins,
                   work=os.path.join(root, "work"), cap=cap, floor=floor, granularity=gran, warmup=args.warmup,
-                  timed_arms=len(order), deadline=deadline)
+                  timed_arms=len(order), deadline=deadline, stop_at=stop_at)
     log = os.path.join(out, f"{model.name}_arms.log")
     open(log, "w").close()
     far = 1e9
@@ -367,7 +369,7 @@ def main() -> int:
     if args.process == "model":
         plan = dict(common, arms=arms, iters=None if deadline else cap,
                     result=os.path.join(out, f"{model.name}_records.json"))
-        timeout = (deadline - time.time() + 60) if deadline else far
+        timeout = (stop_at - time.time() + 90) if stop_at else far
         rc, got = run_child(plan, os.path.join(out, f"{model.name}_plan.json"), log, timeout, env)
         rcs.append(rc)
         records, plan_info = got["records"], got.get("plan", {})
@@ -376,10 +378,13 @@ def main() -> int:
         for step in arms:
             if iters is None and step["name"] != "warm-up":
                 break  # the warm-up arm failed: nothing to size the arms by
+            if stop_at is not None and time.time() > stop_at:
+                print(f"bench_openmmlab_train: out of time, {step['name']} and the arms after it not run")
+                break
             plan = dict(common, arms=[dict(step, iters=step.get("iters") or iters)], iters=iters,
                         result=os.path.join(out, f"{model.name}_{step['name']}.json"))
             t1 = time.time()
-            timeout = (deadline - time.time() + 60) if deadline else far
+            timeout = (stop_at - time.time() + 90) if stop_at else far
             rc, got = run_child(plan, os.path.join(out, f"{model.name}_plan.json"), log, timeout, env)
             rcs.append(rc)
             records.update(got["records"])
