@@ -140,7 +140,7 @@ def _centerpoint_samples(iters: int, batch: int) -> dict[str, Any]:
 CENTERPOINT = Model(
     name="centerpoint", package="mmdet3d",
     config="centerpoint/centerpoint_pillar02_second_secfpn_8xb4-cyclic-20e_nus-3d.py", batch_size=4,
-    workers=4, iters=200, warmup=5, unique=8, quick_unique=2, stand_ins=("voxelization",),
+    workers=4, iters=200, warmup=3, unique=8, quick_unique=2, stand_ins=("voxelization",),
     write=_centerpoint_write, values=_centerpoint_values, samples=_centerpoint_samples,
     granularity=lambda batch: 10 // math.gcd(10, batch),
     what="mmdet3d CenterPoint (0.2 m pillars, SECOND + FPN, CenterHead) on nuScenes-format LiDAR: "

@@ -43,7 +43,7 @@
 #                                      # it/s per pair and the ratios' median and spread, data_time,
 #                                      # the step's split, the losses' agreement. The models share the
 #                                      # time left until TRAIN_DEADLINE_S (530) after the mode's start
-#                                      # (weights 2 : 3 : 4): each bench sizes its iterations per arm to
+#                                      # (weights 2 : 3 : 3): each bench sizes its iterations per arm to
 #                                      # its share (--budget-s) from a warm-up arm. $OUT gets five files:
 #                                      # openmmlab_train.log (the summaries), one JSON per model, and
 #                                      # openmmlab_train.tgz (the child configs, each model's log and
@@ -232,7 +232,7 @@ openmmlab-train)
     mv "$out/mmcv_build.log" "$out/build.log" "$out/openmmlab_versions.log" "$train/" 2>/dev/null
     models=${TRAIN_MODELS:-yolov3 centerpoint mvfcos3d}
     deadline=${TRAIN_DEADLINE_S:-530}
-    weight() { case $1 in yolov3) echo 2 ;; centerpoint) echo 3 ;; *) echo 4 ;; esac; }
+    weight() { case $1 in yolov3) echo 2 ;; *) echo 3 ;; esac; }
     weights=0
     for m in $models; do weights=$(( weights + $(weight "$m") )); done
     echo "set-up: $(( SECONDS - t_mode )) s" | tee "$out/openmmlab_train.log"
