@@ -223,6 +223,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           "/ in the whole process)")
 
 
+def _ms(key: str) -> str:
+    """A split's key in seconds (``gpu_pre_s``) as its median's key in ms (``gpu_pre_ms``)."""
+    return key[:-2] + "_ms"
+
+
 def kind_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per arm kind, the medians over its arms of it/s, data_time and each part of the split."""
     out: dict[str, dict[str, float]] = {}
@@ -239,7 +244,7 @@ def kind_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         for key, _ in SPLIT_COLUMNS:
             vals = [r["split_ms"][key] for r in mine if key in r["split_ms"] and not math.isnan(r["split_ms"][key])]
             if vals:
-                m[key.replace("_s", "_ms")] = statistics.median(vals)
+                m[_ms(key)] = statistics.median(vals)
         out[kind] = m
     return out
 
@@ -426,8 +431,7 @@ def main() -> int:
         print(f"{kind:<9} median of arms: {m['it_per_s_mean']:.2f} it/s, step {m['step_ms']:.1f} ms, "
               f"data_time {m['data_time_ms']:.2f} ms"
               + (f", workers' CPU {m['workers_cpu_ms']:.0f} ms an iteration" if "workers_cpu_ms" in m else "")
-              + "".join(f", {label} {m[key.replace('_s', '_ms')]:.1f} ms" for key, label in SPLIT_COLUMNS
-                        if key.replace("_s", "_ms") in m))
+              + "".join(f", {label} {m[_ms(key)]:.1f} ms" for key, label in SPLIT_COLUMNS if _ms(key) in m))
     the_law = law(medians, stats["median"])
     if the_law:
         print(f"law: saved per step = data_time {medians['plain']['data_time_ms']:.1f} -> "

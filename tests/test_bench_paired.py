@@ -63,3 +63,25 @@ def test_no_pairs():
     s = paired.summarise_pairs([])
     assert s["pairs"] == 0 and not s["distinguishable"] and math.isnan(s["median"])
     assert paired.verdict(s) == "no complete pair"
+
+
+def _row(arm, it_s, data_ms, pre_ms):
+    return dict(arm=arm, kind=arm.split("_")[0], it_per_s_mean=it_s, data_time_ms_mean=data_ms,
+                split_ms={"cpu_pre_s": pre_ms, "gpu_model_s": 80.0}, workers_cpu_ms_per_iter=None)
+
+
+def test_report_pairs_arms_by_number_and_predicts_the_gain():
+    import bench_openmmlab_train as bench
+
+    rows = [_row("plain_1", 8.0, 12.0, 9.0), _row("switched_1", 10.0, 2.0, 1.0),
+            _row("switched_2", 9.0, 2.0, 1.0), _row("plain_2", 7.5, 12.0, 9.0), _row("plain_3", 8.0, 12.0, 9.0)]
+    pairs = bench.pair_ratios(rows)
+    assert [(q["pair"], q["plain_first"]) for q in pairs] == [(1, True), (2, False)]  # pair 3 is incomplete
+    assert [q["ratio"] for q in pairs] == pytest.approx([10 / 8, 9 / 7.5])
+    medians = bench.kind_medians(rows)
+    assert medians["plain"]["it_per_s_mean"] == 8.0 and medians["switched"]["it_per_s_mean"] == 9.5
+    assert medians["plain"]["cpu_pre_ms"] == 9.0 and medians["switched"]["gpu_model_ms"] == 80.0
+    law = bench.law(medians, 1.22)
+    assert law["data_saved_ms"] == 10.0 and law["pre_saved_ms"] == 8.0 and law["saved_ms"] == 18.0
+    assert law["predicted_ratio"] == pytest.approx(125.0 / (125.0 - 18.0))  # a 125 ms plain step
+    assert law["measured_ratio"] == 1.22
