@@ -85,3 +85,16 @@ def test_report_pairs_arms_by_number_and_predicts_the_gain():
     assert law["data_saved_ms"] == 10.0 and law["pre_saved_ms"] == 8.0 and law["saved_ms"] == 18.0
     assert law["predicted_ratio"] == pytest.approx(125.0 / (125.0 - 18.0))  # a 125 ms plain step
     assert law["measured_ratio"] == 1.22
+
+
+def test_the_plan_fits_the_arms_in_the_time_left():
+    from openmmlab_train.child import plan_iters
+
+    # a warm-up of 5 s set-up, 1 s tear-down, 2 s for its first batch, a cold first step, then 0.5 s steps
+    warm = dict(setup_s=5.0, teardown_s=1.0, iter_s=[12.0] + [0.5] * 9, data_time_s=[2.0] + [0.01] * 9)
+    iters, est = plan_iters(warm, arms=12, seconds_left=12 * 18.0, cap=100, floor=5, granularity=5, warmup=3)
+    assert est["overhead_s"] == 8.0 and est["step_s"] == 0.5
+    assert iters == 20 and est["per_arm_s"] == 18.0  # (18 - 8) / 0.5
+    assert plan_iters(warm, 12, 12 * 18.0, cap=15, floor=5, granularity=5, warmup=3)[0] == 15  # at most the cap
+    assert plan_iters(warm, 12, 12 * 9.0, cap=100, floor=10, granularity=5, warmup=3)[0] == 10  # at least the floor
+    assert plan_iters(warm, 12, 12 * 18.3, cap=100, floor=5, granularity=8, warmup=3)[0] == 16  # rounded down

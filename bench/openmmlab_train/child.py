@@ -21,12 +21,13 @@ from .models import MODELS
 def plan_iters(warm: dict[str, Any], arms: int, seconds_left: float, cap: int, floor: int,
                granularity: int, warmup: int) -> tuple[int, dict[str, float]]:
     """The iterations per arm that let ``arms`` arms fit in ``seconds_left``, from the warm-up
-    arm's record: each arm costs its set-up (the warm-up's time to its first iteration and its
-    tear-down, taken as they were: cold, so an overestimate) and its iterations at the warm-up's
-    steady step. Rounded down to ``granularity``, within ``floor`` .. ``cap``."""
+    arm's record: each arm costs its set-up and tear-down and its wait for the first batch (the
+    warm-up's, taken as they were: its set-up was the coldest, so this overestimates), and its
+    iterations at the warm-up's steady step (its first iteration, which also loaded the device's
+    kernels, is not one of them). Rounded down to ``granularity``, within ``floor`` .. ``cap``."""
     steady = warm["iter_s"][warmup:] or warm["iter_s"][1:] or warm["iter_s"]
     step = statistics.median(steady)
-    overhead = warm["setup_s"] + warm["teardown_s"] + warm["iter_s"][0] - step
+    overhead = warm["setup_s"] + warm["teardown_s"] + warm["data_time_s"][0]
     per_arm = seconds_left / arms
     iters = int((per_arm - overhead) / step) if step > 0 else cap
     iters = max(floor, min(cap, iters // granularity * granularity))
