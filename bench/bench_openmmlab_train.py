@@ -1,51 +1,76 @@
-"""Does a real mmdet model train faster, and on the same numbers, with mtc_loader.mmengine's
-config switch than with mmengine's own data path?
+"""Does a real OpenMMLab model train faster, and on the same numbers, with mtc_loader.mmengine's
+config switch than with mmengine's own data path? Paired runs of each, and where the step's time
+goes.
 
 Usage::
 
-    python3 bench/bench_openmmlab_train.py [--device cuda:0] [--iters 300] [--batch-size 8]
-                                           [--workers 4] [--images 256] [--out DIR] [--quick]
+    python3 bench/bench_openmmlab_train.py [--model yolov3|centerpoint|mvfcos3d] [--device cuda:0]
+                                           [--pairs 6] [--iters N | --budget-s S] [--out DIR] [--quick]
 
-    python3 bench/bench_openmmlab_train.py --device cpu --quick   # a dry run without a GPU
+    python3 bench/bench_openmmlab_train.py --device cpu --quick --model centerpoint  # a dry run
 
-What it trains: mmdet's own YOLOv3 config (``--config``, default
-``yolo/yolov3_d53_8xb8-ms-608-273e_coco.py`` from the configs shipped inside the installed mmdet:
-Darknet-53, multi-scale 320..608, the real pipeline: ``LoadImageFromFile``, ``LoadAnnotations``,
-``Expand``, ``MinIoURandomCrop``, ``RandomResize``, ``RandomFlip``, ``PhotoMetricDistortion``,
-``PackDetInputs``; ``DetDataPreprocessor``; SGD), inherited by two child configs written into the
-output folder, ``plain.py`` and ``switched.py``, which differ by the switch of the mmengine
-recipe only: ``mtc_packed_collate``, ``MTCDataPreprocessor`` around the config's own
-preprocessor and ``MTCEpochBasedTrainLoop``. Both children set the same data (a synthetic
-COCO-format set: ``annotations/train.json`` and JPEG images of real sizes, 640x480 to 1280x720
-and 480x640, one to six boxes each, read by mmdet's ``CocoDataset``), one epoch of ``--iters``
-iterations, ``randomness=dict(seed=0, deterministic=True)``, no validation, no checkpoints and
-no pretrained backbone (the machine may have no network). A YOLOv3 training step calls no mmcv
-CUDA kernel, so an mmcv built with its CPU ops only is enough.
+The models (``--model``), each the config shipped inside the installed package, inherited by two
+child configs written into the output folder, ``plain.py`` and ``switched.py``, which differ by the
+recipe's two lines only (``custom_imports`` of ``mtc_loader.mmengine`` and
+``runner_type = 'MTCRunner'``), at the config's own batch size and workers:
 
-The arms run alternating, each in a fresh process through mmengine's ``Runner``: plain, switched,
-switched, plain (``--arms``). Per arm and iteration it records the losses (every entry of the
-model's loss dict, as float32 values), the iteration's wall time (from one ``after_train_iter``
-to the next) and mmengine's ``data_time``. The first ``--warmup`` iterations are left out of the
-timings.
+- ``yolov3``: mmdet's ``yolo/yolov3_d53_8xb8-ms-608-273e_coco.py`` (Darknet-53, multi-scale
+  320..608, batch 8, 4 workers) on a synthetic COCO set of JPEGs of real sizes (640x480 to
+  1280x720 and 480x640) read by ``CocoDataset`` and the config's pipeline;
+- ``centerpoint``: mmdet3d's ``centerpoint/centerpoint_pillar02_second_secfpn_8xb4-cyclic-20e_nus-3d.py``
+  (0.2 m pillars on a 512 x 512 grid, batch 4, 4 workers) on a synthetic nuScenes set: a simulated
+  32-beam LiDAR, the key frame and 10 earlier sweeps of about 34,000 points each (x, y, z,
+  intensity, ring), 36 boxes of the 10 classes a sample, a GT database; read by
+  ``NuScenesDataset`` in the config's ``CBGSDataset`` and its pipeline (``LoadPointsFromFile``,
+  ``LoadPointsFromMultiSweeps`` of 9 sweeps, ``ObjectSample``, ``GlobalRotScaleTrans``, ...): about
+  340,000 points a sample;
+- ``mvfcos3d``: mmdet3d's ``mvfcos3d/multiview-fcos3d_r101-dcn_8xb2_waymoD5-3d-3class.py``
+  (``MultiViewDfM``: ResNet-101 with DCNv2, FPN, a 3D voxel neck, Anchor3DHead; batch 2, 2 workers)
+  on a synthetic Waymo set: 5 cameras a sample (1920x1280 and 1920x886 JPEGs), read by
+  ``WaymoDataset`` and its pipeline (``LoadMultiViewImageFromFiles``, photometric distortion,
+  resize, crop, flip per view).
 
-What it prints (and writes into ``DIR/bench_openmmlab_train.json``): per arm, iterations per
-second (mean over the steady iterations and the median iteration's), ``data_time`` (mean and
-p99, ms), and the losses' agreement with the first plain arm: the iterations whose losses are
-bitwise equal, and the largest absolute difference. Two plain arms that agree bitwise show that
-the GPU's kernels are deterministic in this run; then the switched arms agree bitwise too (the
-model receives the same batches), and a difference would be a bug. Where the plain arms differ
-from each other, the switched arms' differences are of the same size.
+Both children set the same data, one epoch, ``randomness=dict(seed=0, deterministic=True)``, no
+validation, no checkpoints and no pretrained backbone (the machine may have no network); the
+number of iterations is set per arm as ``--cfg-options`` would (the dataset's ``indices``).
 
-What to expect: the losses bitwise equal in every arm; ``data_time`` lower with the switch (the
-batch is on the device before the step asks for it); iterations per second equal or higher,
-by as much as the step waited for its data (a model this size on an H100 is close to data-bound
-with 4 workers decoding and augmenting 8 images a batch).
+Stand-ins: where the step calls a kernel that an mmcv built with its CPU ops lacks on the device
+(mmcv's hard voxelization in CenterPoint's ``Det3DDataPreprocessor``, DCNv2 in the ResNet and
+``sigmoid_focal_loss`` in the Anchor3DHead's ``FocalLoss`` of the multi-view FCOS3D), or an op
+that has no deterministic CUDA backward in torch (``F.grid_sample`` in mmdet3d's
+``point_sample``), the benchmark replaces that op alone, in its own process and in both arms
+alike, by a plain-torch equivalent (bench/openmmlab_train/ops.py; the voxelization is bitwise
+equal to mmcv's, the others deterministic). The report names them, and counts the mmcv kernels
+the step still called (``--ops mmcv`` keeps mmcv's where it has them).
 
-``--quick``: tiny images (160x120 .. 320x180), the multi-scale range 96..160, batch 2, 2 workers,
-6 iterations, warm-up 2: a check that the stack runs (a few minutes on 2 CPU cores).
+The pairs: a warm-up arm (plain, not counted), then ``--pairs`` pairs, pair k plain first when k
+is odd and switched first when k is even, all in one process (``--process model``: each arm its
+own Runner, the previous one's workers stopped and its model freed) or each arm in a fresh one
+(``--process arm``). Per arm and iteration it records the losses (every entry of the model's loss
+dict, as float32), the iteration's wall time, mmengine's ``data_time`` and the step's split: on a
+GPU, CUDA events recorded (without synchronising) at the start of ``train_step``, after the data
+preprocessor and at its end give each part's time on the GPU's timeline (the preprocessor: moving
+the batch, normalising, voxelising; the model: forward, backward, optimizer) and the gap between
+steps; on the CPU, wall times. The first ``--warmup`` iterations are left out.
+
+What it prints (and writes into ``DIR/bench_openmmlab_train_MODEL.json``): per arm, it/s (mean
+over the steady iterations and the median iteration's), ``data_time`` (mean, p99) and the split,
+and the losses' agreement with the first plain arm (iterations bitwise equal, the largest
+difference); per pair, the ratio of the switched arm's mean it/s to the plain arm's; over the
+pairs, the ratios' median, min and max, the exact sign test's p-value and a bootstrap 95% interval
+of the median: distinguishable from 1 where the sign test rejects a median of 1 at 5% (with 6
+pairs: all 6 on one side).
+
+``--budget-s S``: the run (data set included) is to take about S seconds: after the warm-up arm,
+the iterations per arm are those that fit (at most ``--iters``, at least ``--min-iters``); the plan
+and its estimate per arm are printed. Without it, every arm runs ``--iters``.
+
+``--quick``: tiny sizes (images, point clouds and layers shrunk; 2 workers, batch 2, 1 pair unless
+``--pairs`` says, a few iterations): a check that the stack and the stand-ins run (a few minutes
+on 2 CPU cores).
 
 On a machine without a package index, ``bash tools/release/gpu_checks.sh openmmlab-train`` sets up
-the stack from carried wheels (``tools/release/fetch_wheels.sh``) and runs this benchmark.
+the stack from carried wheels (``tools/release/fetch_wheels.sh``) and runs the three models.
 """
 from __future__ import annotations
 
@@ -55,125 +80,42 @@ import math
 import os
 import platform
 import statistics
+import struct
 import subprocess
 import sys
 import time
 from typing import Any
 
-DEFAULT_CONFIG = "yolo/yolov3_d53_8xb8-ms-608-273e_coco.py"
-LANDSCAPE = [(640, 480), (800, 600), (960, 540), (1024, 768), (1280, 720)]
-PORTRAIT = [(480, 640)]
-QUICK_LANDSCAPE = [(160, 120), (240, 180), (320, 180)]
-QUICK_PORTRAIT = [(120, 160)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
+from openmmlab_train import paired  # noqa: E402
+from openmmlab_train.models import MODELS, Model, base_config  # noqa: E402
 
-# ------------------------------------------------------------------------- the data set
-
-def write_dataset(root: str, entries: int, batch_size: int, unique: int, quick: bool) -> dict:
-    """A COCO-format training set under ``root``: ``unique`` JPEG files and ``entries`` image
-    entries in ``annotations/train.json`` naming them in turn, each with its own boxes. Every
-    eighth batch's worth of entries is portrait, and each orientation holds a multiple of
-    ``batch_size`` entries, so that mmdet's ``AspectRatioBatchSampler`` yields exactly
-    ``entries / batch_size`` full batches. Returns a summary; kept when ``root`` already holds
-    the same set."""
-    import cv2
-    import numpy as np
-
-    from mmdet.datasets import CocoDataset
-
-    spec = dict(entries=entries, batch_size=batch_size, unique=unique, quick=quick, version=1)
-    stamp = os.path.join(root, "spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == spec:
-                return spec
-    os.makedirs(os.path.join(root, "images"), exist_ok=True)
-    os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
-    landscape, portrait = (QUICK_LANDSCAPE, QUICK_PORTRAIT) if quick else (LANDSCAPE, PORTRAIT)
-    rng = np.random.default_rng(0)
-    files: dict[bool, list[tuple[str, int, int]]] = {False: [], True: []}
-    for k in range(unique):
-        tall = k % 8 == 7
-        sizes = portrait if tall else landscape
-        w, h = sizes[(k // 8 if tall else k) % len(sizes)]
-        # smooth shapes under noise: JPEGs of a real photo's size and decoding cost
-        img = np.empty((h, w, 3), np.uint8)
-        img[:] = rng.integers(0, 256, 3, dtype=np.uint8)
-        for _ in range(12):
-            x0, y0 = int(rng.integers(0, w - 8)), int(rng.integers(0, h - 8))
-            x1, y1 = int(rng.integers(x0 + 8, w + 1)), int(rng.integers(y0 + 8, h + 1))
-            img[y0:y1, x0:x1] = rng.integers(0, 256, 3, dtype=np.uint8)
-        img = np.clip(img.astype(np.int16) + rng.integers(-24, 25, img.shape, dtype=np.int16),
-                      0, 255).astype(np.uint8)
-        name = f"{k:06d}.jpg"
-        cv2.imwrite(os.path.join(root, "images", name), img, [cv2.IMWRITE_JPEG_QUALITY, 90])
-        files[tall].append((name, w, h))
-    if not files[True]:
-        files[True] = files[False]
-    classes = CocoDataset.METAINFO["classes"]
-    batches = entries // batch_size
-    tall_batches = batches // 8
-    images: list[dict] = []
-    annotations: list[dict] = []
-    for i in range(batches * batch_size):
-        tall = i < tall_batches * batch_size
-        name, w, h = files[tall][i % len(files[tall])]
-        images.append(dict(id=i + 1, file_name=name, width=w, height=h))
-        min_side = 16 if quick else 32
-        for _ in range(int(rng.integers(1, 7))):
-            bw = int(rng.integers(min_side, w // 2))
-            bh = int(rng.integers(min_side, h // 2))
-            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
-            annotations.append(dict(id=len(annotations) + 1, image_id=i + 1, bbox=[x, y, bw, bh],
-                                    area=bw * bh, iscrowd=0,
-                                    category_id=int(rng.integers(1, len(classes) + 1))))
-    coco = dict(images=images, annotations=annotations,
-                categories=[dict(id=i + 1, name=n) for i, n in enumerate(classes)])
-    with open(os.path.join(root, "annotations", "train.json"), "w") as f:
-        json.dump(coco, f)
-    with open(stamp, "w") as f:
-        json.dump(spec, f)
-    return spec
+DEFAULT_CONFIG = MODELS["yolov3"].config
 
 
 # ------------------------------------------------------------------------- the configs
 
-def base_config(name: str) -> str:
-    """The path of a config shipped inside the installed mmdet (``mmdet/.mim/configs/NAME``)."""
-    if os.path.isfile(name):
-        return os.path.abspath(name)
-    import mmdet
-    path = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", name)
-    if not os.path.isfile(path):
-        raise SystemExit(f"bench_openmmlab_train: no config {name!r} in the installed mmdet ({path})")
-    return path
+def child_config(arm: str, model: Model, base: str, data_root: str, args: argparse.Namespace) -> str:
+    """The text of a child config inheriting ``base``: the run's settings, and for ``switched``
+    the recipe's two lines."""
+    import pprint
 
-
-def child_config(arm: str, base: str, data_root: str, args: argparse.Namespace) -> str:
-    """The text of a child config inheriting ``base``: the run's settings, and for
-    ``switched`` the config switch of the mmengine recipe."""
     from mmengine.config import Config
 
     parent = Config.fromfile(base)
-    switched = arm == "switched"
-    dataset = (f"dataset=dict(data_root={data_root + os.sep!r}, ann_file='annotations/train.json', "
-               "data_prefix=dict(img='images/')")
-    if args.quick:  # tiny images: the multi-scale range shrunk, the rest of the pipeline as it is
-        pipeline = [dict(step, scale=[(96, 96), (160, 160)]) if step["type"] == "RandomResize" else dict(step)
-                    for step in parent.train_pipeline]
-        dataset += f",\n                 pipeline={pipeline!r}"
+    values = model.values(data_root, args.batch_size, args.workers, parent, args.quick)
     lines = [
         f"_base_ = [{base!r}]",
         "",
         "# this run: the synthetic set, one epoch, seeded, no validation, no checkpoints, and the",
         "# backbone initialised here (its pretrained weights need a network)",
         "randomness = dict(seed=0, deterministic=True)",
-        "train_dataloader = dict(",
-        f"    batch_size={args.batch_size}, num_workers={args.workers}, persistent_workers=True,",
-        f"    {dataset}),",
     ]
-    lines += [")", "model = dict(backbone=dict(init_cfg=None))", "train_cfg = dict(max_epochs=1)"]
-    if switched:  # the recipe's two lines for a child config
+    lines += [f"{key} = {pprint.pformat(value, width=100, sort_dicts=False)}" for key, value in values.items()]
+    lines += ["train_cfg = dict(max_epochs=1)"]
+    if arm == "switched":  # the recipe's two lines for a child config
         lines += [
             "custom_imports = dict(imports=['mtc_loader.mmengine'], allow_failed_imports=False)  # the switch",
             "runner_type = 'MTCRunner'                                                          # the switch",
@@ -190,64 +132,6 @@ def child_config(arm: str, base: str, data_root: str, args: argparse.Namespace) 
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------- one arm (a child process)
-
-def run_arm(config: str, work_dir: str, result: str) -> None:
-    """Trains ``config`` through mmengine's Runner in this process and writes what it recorded
-    (losses, iteration times, data_time) as JSON into ``result``."""
-    import warnings
-    warnings.simplefilter("ignore")  # the stack's imports and the Runner warn (deprecations)
-    import torch
-    from mmengine.config import Config
-    from mmengine.hooks import Hook
-    from mmengine.runner import Runner
-
-    cfg = Config.fromfile(config)
-    cfg.work_dir = work_dir
-    record: dict[str, Any] = dict(losses={}, iter_s=[], data_time_s=[])
-
-    class Recorder(Hook):  # type: ignore[misc]
-        priority = "LOWEST"  # after IterTimerHook has updated data_time
-
-        def before_train(self, runner: Any) -> None:
-            self.t = time.perf_counter()
-
-        def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
-                             outputs: Any = None) -> None:
-            now = time.perf_counter()
-            record["iter_s"].append(now - self.t)
-            self.t = now
-            record["data_time_s"].append(runner.message_hub.get_scalar("train/data_time").current())
-            for name, value in (outputs or {}).items():
-                v = value.detach().float().cpu().item() if torch.is_tensor(value) else float(value)
-                record["losses"].setdefault(name, []).append(v)
-
-    if "runner_type" in cfg:  # as mmdet's tools/train.py builds it
-        from mmengine.registry import RUNNERS
-        runner = RUNNERS.build(cfg)
-    else:
-        runner = Runner.from_cfg(cfg)
-    runner.register_hook(Recorder(), priority="LOWEST")
-    if torch.are_deterministic_algorithms_enabled():
-        # an op with no deterministic kernel warns instead of stopping the run: the report names
-        # it, and the losses' agreement shows what it changed
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.filterwarnings("always", message=".*deterministic implementation")
-        runner.train()
-    record["train_s"] = time.perf_counter() - t0
-    record["nondeterministic_ops"] = sorted({str(w.message).splitlines()[0] for w in caught
-                                             if "deterministic implementation" in str(w.message)})
-    device = next(runner.model.parameters()).device
-    record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    record["loop"] = type(runner.train_loop).__name__
-    record["preprocessor"] = type(runner.model.data_preprocessor).__name__
-    record["collate_fn"] = str(cfg.train_dataloader.get("collate_fn", "pseudo_collate"))
-    with open(result, "w") as f:
-        json.dump(record, f)
-
-
 # ------------------------------------------------------------------------- the report
 
 def percentile(values: list[float], q: float) -> float:
@@ -255,157 +139,340 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def agreement(losses: dict[str, list[float]], ref: dict[str, list[float]]) -> list[dict]:
+def _bits(v: float) -> bytes:
+    return struct.pack("<f", v)  # the losses are float32: compared as their bits (NaN equal to itself)
+
+
+def agreement(losses: dict[str, list[float]], ref: dict[str, list[float]]) -> list[dict[str, Any]]:
     """Per iteration: whether every loss is bitwise equal to ``ref``'s, and the largest
     absolute difference."""
     n = min(len(v) for v in list(losses.values()) + list(ref.values()))
     out = []
     for i in range(n):
         diffs = [abs(losses[k][i] - ref[k][i]) if k in ref else math.inf for k in losses]
-        equal = all(k in ref and losses[k][i] == ref[k][i] for k in losses) and set(losses) == set(ref)
-        out.append(dict(bitwise=equal, max_abs_diff=max(diffs)))
+        equal = all(k in ref and _bits(losses[k][i]) == _bits(ref[k][i]) for k in losses) and set(losses) == set(ref)
+        out.append(dict(bitwise=equal, max_abs_diff=0.0 if equal else max(diffs)))
     return out
 
 
-def summarise(arm: str, rec: dict, ref: dict, warmup: int) -> dict:
+def _median_ms(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return 1e3 * statistics.median(finite) if finite else math.nan
+
+
+def summarise(arm: str, rec: dict[str, Any], ref: dict[str, Any], warmup: int) -> dict[str, Any]:
     steady = rec["iter_s"][warmup:] or rec["iter_s"]
     data = rec["data_time_s"][warmup:] or rec["data_time_s"]
     agree = agreement(rec["losses"], ref["losses"])
     first_diff = next((i for i, a in enumerate(agree) if not a["bitwise"]), None)
+    split = {k: _median_ms(v[warmup:] or v) for k, v in rec.get("split", {}).items()}
     return dict(
-        arm=arm, iters=len(rec["iter_s"]), device=rec["device"], loop=rec["loop"],
-        preprocessor=rec["preprocessor"], train_s=rec["train_s"],
+        arm=arm, kind=arm.split("_")[0], iters=len(rec["iter_s"]), device=rec["device"], loop=rec["loop"],
+        preprocessor=rec["preprocessor"], train_s=rec["train_s"], setup_s=rec.get("setup_s"),
         it_per_s_mean=len(steady) / sum(steady), it_per_s_median=1.0 / statistics.median(steady),
+        step_ms_median=1e3 * statistics.median(steady),
         data_time_ms_mean=1e3 * statistics.fmean(data), data_time_ms_p99=1e3 * percentile(data, 99),
+        split_ms=split,
         loss_bitwise=sum(a["bitwise"] for a in agree), loss_compared=len(agree),
         loss_max_abs_diff=max((a["max_abs_diff"] for a in agree), default=0.0),
         loss_first_diff_iter=first_diff, loss_per_iter=agree,
         final_loss=rec["losses"].get("loss", [math.nan])[-1],
-        nondeterministic_ops=rec.get("nondeterministic_ops", []),
+        nondeterministic_ops=rec.get("nondeterministic_ops", []), mmcv_kernels=rec.get("mmcv_kernels", {}),
+        loader_stats=rec.get("loader_stats"), arena_stats=rec.get("arena_stats"),
+        workers_cpu_ms_per_iter=(1e3 * rec["workers_cpu_s"] / len(rec["iter_s"])
+                                 if rec.get("workers_cpu_s") is not None and rec["iter_s"] else None),
     )
 
 
-def print_table(rows: list[dict]) -> None:
+def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per complete pair: its arms' mean it/s and the ratio switched / plain."""
+    by_pair: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        kind, _, pair = r["arm"].partition("_")
+        by_pair.setdefault(pair, {})[kind] = r
+    out = []
+    for pair, arms in by_pair.items():
+        if "plain" in arms and "switched" in arms:
+            p, s = arms["plain"]["it_per_s_mean"], arms["switched"]["it_per_s_mean"]
+            out.append(dict(pair=int(pair), plain=p, switched=s, ratio=s / p,
+                            plain_first=int(pair) % 2 == 1))
+    return sorted(out, key=lambda d: d["pair"])
+
+
+SPLIT_COLUMNS = [("gpu_gap_s", "gap"), ("gpu_pre_s", "pre"), ("gpu_model_s", "model"),
+                 ("cpu_pre_s", "cpu pre"), ("cpu_step_s", "cpu step"), ("thread_cpu_step_s", "thr cpu"),
+                 ("process_cpu_step_s", "proc cpu")]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = [(k, label) for k, label in SPLIT_COLUMNS if any(k in r["split_ms"] for r in rows)]
     head = (f"{'arm':<12} {'it/s mean':>9} {'it/s p50':>9} {'data ms':>8} {'data p99':>9} "
-            f"{'loss bitwise':>13} {'max |diff|':>11} {'final loss':>11}")
+            + "".join(f"{label:>9}" for _, label in cols)
+            + f" {'loss bitwise':>13} {'max |diff|':>11} {'final loss':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['arm']:<12} {r['it_per_s_mean']:9.2f} {r['it_per_s_median']:9.2f} "
               f"{r['data_time_ms_mean']:8.2f} {r['data_time_ms_p99']:9.2f} "
-              f"{r['loss_bitwise']:>6}/{r['loss_compared']:<6} {r['loss_max_abs_diff']:11.3g} "
+              + "".join(f"{r['split_ms'].get(k, math.nan):9.2f}" for k, _ in cols)
+              + f" {r['loss_bitwise']:>6}/{r['loss_compared']:<6} {r['loss_max_abs_diff']:11.3g} "
               f"{r['final_loss']:11.6g}")
+    print("(split: medians in ms; gap / pre / model: the GPU's timeline between steps, in the data "
+          "preprocessor, in the rest of train_step; cpu pre / cpu step: the training thread's wall time in the "
+          "preprocessor / in train_step; thr cpu / proc cpu: the CPU time train_step took on the training thread "
+          "/ in the whole process)")
+
+
+def _ms(key: str) -> str:
+    """A split's key in seconds (``gpu_pre_s``) as its median's key in ms (``gpu_pre_ms``)."""
+    return key[:-2] + "_ms"
+
+
+def kind_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per arm kind, the medians over its arms of it/s, data_time and each part of the split."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("plain", "switched"):
+        mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
+        m = dict(it_per_s_mean=statistics.median(r["it_per_s_mean"] for r in mine),
+                 step_ms=statistics.median(1e3 / r["it_per_s_mean"] for r in mine),
+                 data_time_ms=statistics.median(r["data_time_ms_mean"] for r in mine))
+        workers = [r["workers_cpu_ms_per_iter"] for r in mine if r["workers_cpu_ms_per_iter"] is not None]
+        if workers:
+            m["workers_cpu_ms"] = statistics.median(workers)
+        for key, _ in SPLIT_COLUMNS:
+            vals = [r["split_ms"][key] for r in mine if key in r["split_ms"] and not math.isnan(r["split_ms"][key])]
+            if vals:
+                m[_ms(key)] = statistics.median(vals)
+        out[kind] = m
+    return out
+
+
+def law(medians: dict[str, dict[str, float]], ratio: float) -> dict[str, float]:
+    """The switch's saving per step, from the arms' medians: what the training thread no longer
+    waits for (``data_time``) and no longer does in the preprocessor (``cast_data``'s copies of
+    each tensor and metainfo), and the gain it predicts, step / (step - saved), beside the
+    pairs' measured median ratio."""
+    p, s = medians.get("plain"), medians.get("switched")
+    if not p or not s:
+        return {}
+    out = dict(step_plain_ms=p["step_ms"], step_switched_ms=s["step_ms"],
+               data_saved_ms=p["data_time_ms"] - s["data_time_ms"], measured_ratio=ratio)
+    out["pre_saved_ms"] = p.get("cpu_pre_ms", math.nan) - s.get("cpu_pre_ms", math.nan)
+    saved = out["data_saved_ms"] + (out["pre_saved_ms"] if not math.isnan(out["pre_saved_ms"]) else 0.0)
+    out["saved_ms"] = saved
+    out["predicted_ratio"] = p["step_ms"] / (p["step_ms"] - saved) if p["step_ms"] > saved else math.inf
+    return out
+
+
+# ------------------------------------------------------------------------- running the arms
+
+def run_child(plan: dict[str, Any], plan_path: str, log: str, timeout: float, env: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+    """Runs the plan's arms in a child process; returns (its exit status, what it wrote)."""
+    with open(plan_path, "w") as f:
+        json.dump(plan, f, indent=1)
+    if os.path.exists(plan["result"]):
+        os.remove(plan["result"])
+    rc: Any
+    try:
+        with open(log, "a") as f:
+            rc = subprocess.run([sys.executable, "-m", "openmmlab_train.child", plan_path], env=env, stdout=f,
+                                stderr=subprocess.STDOUT, timeout=max(timeout, 1.0), cwd=HERE).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    out: dict[str, Any] = dict(records={}, plan={})
+    if os.path.exists(plan["result"]):
+        with open(plan["result"]) as f:
+            out = json.load(f)
+    return rc, out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="yolov3", choices=sorted(MODELS))
     p.add_argument("--device", default="cuda:0", help="cuda:N or cpu (the arms see only this device)")
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help="an mmdet config: a path, or a name under mmdet/.mim/configs")
-    p.add_argument("--iters", type=int, default=300, help="iterations per arm (one epoch)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--images", type=int, default=256, help="JPEG files in the set (entries name them in turn)")
-    p.add_argument("--warmup", type=int, default=10, help="iterations left out of the timings")
-    p.add_argument("--arms", nargs="+", default=["plain", "switched", "switched", "plain"],
-                   choices=["plain", "switched"])
-    p.add_argument("--data", default="/tmp/bench_openmmlab_train_data", help="where the set is written")
-    p.add_argument("--arm-timeout", type=float, default=300.0, help="seconds one arm may take")
+    p.add_argument("--config", help="another config of the model's package: a path, or a name under .mim/configs")
+    p.add_argument("--pairs", type=int, help="plain / switched pairs (pair k: plain first when k is odd); "
+                   "default 6, 1 with --quick")
+    p.add_argument("--iters", type=int, help="iterations per arm (one epoch); the most with --budget-s")
+    p.add_argument("--budget-s", type=float, help="seconds the whole run may take: sizes the iterations per arm")
+    p.add_argument("--min-iters", type=int, help="the fewest iterations per arm --budget-s may choose")
+    p.add_argument("--warmup", type=int, help="iterations of each arm left out of the timings")
+    p.add_argument("--batch-size", type=int, help="default: the config's")
+    p.add_argument("--workers", type=int, help="default: the config's")
+    p.add_argument("--unique", type=int, help="distinct samples written (the entries name them in turn)")
+    p.add_argument("--process", choices=["model", "arm"], default="model",
+                   help="all arms in one child process (each its own Runner), or each arm in a fresh one")
+    p.add_argument("--ops", choices=["torch", "mmcv"], default="torch",
+                   help="torch: the model's stand-ins (ops.py); mmcv: mmcv's own kernels (an mmcv built with them)")
+    p.add_argument("--data", default="/tmp/bench_openmmlab_train_data", help="where the sets are written")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run")
-    p.add_argument("--child", nargs=3, metavar=("CONFIG", "WORK_DIR", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        run_arm(*args.child)
-        return 0
+    t_begin = time.time()
+    model = MODELS[args.model]
+    args.batch_size = args.batch_size or (2 if args.quick else model.batch_size)
+    args.workers = args.workers if args.workers is not None else (2 if args.quick else model.workers)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else model.warmup)
+    gran = model.granularity(args.batch_size)
+    cap = args.iters or (gran * max(1, math.ceil(6 / gran)) if args.quick else model.iters)
+    cap = max(gran, cap // gran * gran)
+    floor = args.min_iters or args.warmup + 6
+    floor = min(cap, max(gran, math.ceil(floor / gran) * gran))
+    unique = args.unique or (model.quick_unique if args.quick else model.unique)
+    args.pairs = args.pairs or (1 if args.quick else 6)
     if args.quick:
-        args.iters, args.batch_size, args.workers, args.images, args.warmup = 6, 2, 2, 16, 2
         args.data = args.data.rstrip("/") + "_quick"
-    if "plain" not in args.arms:
-        raise SystemExit("bench_openmmlab_train: --arms needs a plain arm (the losses' reference)")
+    root = os.path.abspath(os.path.join(args.data, model.name))
 
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import mmdet
         import mmengine
         import torch
     t0 = time.perf_counter()
-    spec = write_dataset(args.data, args.iters * args.batch_size, args.batch_size, args.images, args.quick)
-    print(f"data: {args.data} ({spec['entries']} entries, {args.images} JPEG files; "
-          f"{time.perf_counter() - t0:.1f} s)")
+    summary = model.write(root, cap, args.batch_size, unique, args.quick)
+    print(f"data: {root} ({summary}; {time.perf_counter() - t0:.1f} s)", flush=True)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    base = base_config(args.config)
+    base = base_config(model, args.config)
     configs = {}
-    for arm in sorted(set(args.arms)):
-        configs[arm] = os.path.join(out, f"{arm}.py")
+    for arm in ("plain", "switched"):
+        configs[arm] = os.path.join(out, f"{model.name}_{arm}.py")
         with open(configs[arm], "w") as f:
-            f.write(child_config(arm, base, os.path.abspath(args.data), args))
-    print(f"configs: {', '.join(configs.values())} (inheriting {args.config})")
+            f.write(child_config(arm, model, base, root, args))
+    print(f"configs: {', '.join(configs.values())} (inheriting {args.config or model.config})")
+    stand_ins = list(model.stand_ins) if args.ops == "torch" else []
+    if stand_ins:
+        from openmmlab_train.ops import STAND_INS
+        print("stand-ins (both arms):\n" + "\n".join(f"  {STAND_INS[s]}" for s in stand_ins))
 
     env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's deterministic mode (deterministic=True)
     env["CUDA_VISIBLE_DEVICES"] = "" if args.device == "cpu" else args.device.partition(":")[2] or "0"
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
-    records: list[tuple[str, dict]] = []
-    for n, arm in enumerate(args.arms, 1):
-        name = f"{arm}_{n}"
-        work = os.path.join(args.data, "work", name)
-        result = os.path.join(work, "record.json")
-        os.makedirs(work, exist_ok=True)
-        if os.path.exists(result):
-            os.remove(result)
-        log = os.path.join(out, f"arm_{name}.log")
-        t1 = time.perf_counter()
-        rc: int | str
-        try:
-            with open(log, "w") as f:
-                rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", configs[arm], work, result],
-                                    env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.arm_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"arm {name}: rc={rc} ({time.perf_counter() - t1:.1f} s; log {log})", flush=True)
+    repo = os.path.dirname(HERE)
+    env["PYTHONPATH"] = os.pathsep.join([repo, HERE] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    device = "cpu" if args.device == "cpu" else "cuda:0"
+    order = [(f"{arm}_{k}", configs[arm]) for k, arm in paired.arm_order(args.pairs)]
+    warm_iters = min(cap, math.ceil((args.warmup + 5) / gran) * gran)
+    arms = [dict(name="warm-up", config=configs["plain"], iters=warm_iters)]
+    arms += [dict(name=name, config=config) for name, config in order]
+    deadline = t_begin + args.budget_s if args.budget_s else None
+    # no arm starts after the budget and 15% more: a run a little over its plan keeps its pairs
+    stop_at = t_begin + 1.15 * args.budget_s if args.budget_s else None
+    common = dict(model=model.name, batch_size=args.batch_size, device=device, stand_ins=stand_ins,
+                  work=os.path.join(root, "work"), cap=cap, floor=floor, granularity=gran, warmup=args.warmup,
+                  timed_arms=len(order), deadline=deadline, stop_at=stop_at)
+    log = os.path.join(out, f"{model.name}_arms.log")
+    open(log, "w").close()
+    far = 1e9
+    records: dict[str, Any] = {}
+    plan_info: dict[str, Any] = {}
+    rcs = []
+    if args.process == "model":
+        plan = dict(common, arms=arms, iters=None if deadline else cap,
+                    result=os.path.join(out, f"{model.name}_records.json"))
+        timeout = (stop_at - time.time() + 90) if stop_at else far
+        rc, got = run_child(plan, os.path.join(out, f"{model.name}_plan.json"), log, timeout, env)
+        rcs.append(rc)
+        records, plan_info = got["records"], got.get("plan", {})
+    else:
+        iters = None if deadline else cap
+        for step in arms:
+            if iters is None and step["name"] != "warm-up":
+                break  # the warm-up arm failed: nothing to size the arms by
+            if stop_at is not None and time.time() > stop_at:
+                print(f"bench_openmmlab_train: out of time, {step['name']} and the arms after it not run")
+                break
+            plan = dict(common, arms=[dict(step, iters=step.get("iters") or iters)], iters=iters,
+                        result=os.path.join(out, f"{model.name}_{step['name']}.json"))
+            t1 = time.time()
+            timeout = (stop_at - time.time() + 90) if stop_at else far
+            rc, got = run_child(plan, os.path.join(out, f"{model.name}_plan.json"), log, timeout, env)
+            rcs.append(rc)
+            records.update(got["records"])
+            if step["name"] == "warm-up" and iters is None and "warm-up" in records:
+                from openmmlab_train.child import plan_iters
+                warm = dict(records["warm-up"])
+                # a fresh process per arm: its start (imports, CUDA) counts as set-up
+                warm["setup_s"] += (time.time() - t1) - warm["arm_s"]
+                assert deadline is not None
+                iters, est = plan_iters(warm, len(order), deadline - time.time(), cap, floor, gran, args.warmup)
+                plan_info = dict(iters=iters, **est)
+                print(f"plan: {iters} iterations per arm, about {est['per_arm_s']:.0f} s an arm", flush=True)
+    for rc in rcs:
         if rc != 0:
+            print(f"bench_openmmlab_train: an arm's process ended with {rc} (log {log}):")
             with open(log) as f:
-                print("".join(f.readlines()[-25:]))
-            continue
-        with open(result) as f:
-            records.append((name, json.load(f)))
-    ref = next((r for name, r in records if name.startswith("plain")), None)
+                print("".join(f.readlines()[-30:]))
+    with open(log) as f:
+        print("".join(line for line in f if line.startswith(("plan:", "arm "))), end="")
+    timed = [(name, records[name]) for name, _ in order if name in records]
+    ref = next((r for name, r in timed if name.startswith("plain")), None)
     if ref is None:
         print("bench_openmmlab_train: no plain arm finished; nothing to compare")
         return 1
-    rows = [summarise(name, rec, ref, args.warmup) for name, rec in records]
-    print(f"\n{args.config} on {rows[0]['device']}: batch {args.batch_size}, {args.workers} workers, "
-          f"{args.iters} iterations per arm, timings without the first {args.warmup}; losses against "
-          f"{records[0][0] if records[0][1] is ref else 'the first plain arm'}")
+    ref_name = next(name for name, r in timed if r is ref)
+    rows = [summarise(name, rec, ref, args.warmup) for name, rec in timed]
+    pairs = pair_ratios(rows)
+    stats = paired.summarise_pairs([q["ratio"] for q in pairs])
+    medians = kind_medians(rows)
+    print(f"\n{model.name} ({args.config or model.config}) on {rows[0]['device']}: batch {args.batch_size}, "
+          f"{args.workers} workers, {rows[0]['iters']} iterations per arm, timings without the first "
+          f"{args.warmup}; losses against {ref_name}")
     print_table(rows)
+    print("\npairs (switched / plain, mean it/s): " + ", ".join(
+        f"{q['pair']}{'p' if q['plain_first'] else 's'} {q['ratio']:.3f}" for q in pairs)
+        + "   (p: plain ran first, s: switched first)")
+    print(paired.verdict(stats))
+    for kind, m in medians.items():
+        print(f"{kind:<9} median of arms: {m['it_per_s_mean']:.2f} it/s, step {m['step_ms']:.1f} ms, "
+              f"data_time {m['data_time_ms']:.2f} ms"
+              + (f", workers' CPU {m['workers_cpu_ms']:.0f} ms an iteration" if "workers_cpu_ms" in m else "")
+              + "".join(f", {label} {m[_ms(key)]:.1f} ms" for key, label in SPLIT_COLUMNS if _ms(key) in m))
+    the_law = law(medians, stats["median"])
+    if the_law:
+        print(f"law: saved per step = data_time {medians['plain']['data_time_ms']:.1f} -> "
+              f"{medians['switched']['data_time_ms']:.1f} ms + the preprocessor on the training thread "
+              f"{medians['plain'].get('cpu_pre_ms', math.nan):.1f} -> {medians['switched'].get('cpu_pre_ms', math.nan):.1f} ms"
+              f" = {the_law['saved_ms']:.1f} ms of a {the_law['step_plain_ms']:.1f} ms step: step / (step - saved) "
+              f"= {the_law['predicted_ratio']:.3f}x; measured (median of the pairs) {the_law['measured_ratio']:.3f}x")
+    batch = next((rec.get("batch") for name, rec in timed if name.startswith("plain") and rec.get("batch")), None)
+    if batch:
+        print(f"a batch (as cast_data walks it): {batch['tensors']} tensors, {batch['bytes'] / 2**20:.1f} MiB, "
+              f"{batch['elements']} data elements")
     for r in rows:
         for op in r["nondeterministic_ops"]:
             print(f"{r['arm']}: no deterministic kernel: {op}")
+    kernels = sorted({k for r in rows for k in r["mmcv_kernels"]})
+    print(f"mmcv kernels the training called: {', '.join(kernels) if kernels else 'none'}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import mmcv
+        import importlib
         import mtc_loader
+        versions = dict(python=platform.python_version(), torch=torch.__version__, mmengine=mmengine.__version__,
+                        mtc_loader=getattr(mtc_loader, "__version__", "?"))
+        for pkg in ("mmcv", "mmdet", "mmdet3d"):
+            try:
+                versions[pkg] = importlib.import_module(pkg).__version__
+            except ImportError:
+                pass
     report = dict(
-        benchmark="bench_openmmlab_train", config=args.config, device=rows[0]["device"],
-        batch_size=args.batch_size, workers=args.workers, iters=args.iters, warmup=args.warmup,
-        images=args.images, quick=args.quick, arms=args.arms,
-        versions=dict(python=platform.python_version(), torch=torch.__version__, mmengine=mmengine.__version__,
-                      mmcv=mmcv.__version__, mmdet=mmdet.__version__,
-                      mtc_loader=getattr(mtc_loader, "__version__", "?")),
-        commit=os.environ.get("MTC_BENCH_COMMIT") or _commit(root),
-        results=rows, records={name: rec for name, rec in records},
+        benchmark="bench_openmmlab_train", model=model.name, config=args.config or model.config, what=model.what,
+        device=rows[0]["device"], batch_size=args.batch_size, workers=args.workers, iters=rows[0]["iters"],
+        warmup=args.warmup, pairs=args.pairs, process=args.process, quick=args.quick, data=summary,
+        stand_ins=stand_ins, plan=plan_info, elapsed_s=time.time() - t_begin, versions=versions,
+        commit=os.environ.get("MTC_BENCH_COMMIT") or _commit(repo), command=sys.argv,
+        results=rows, pair_ratios=pairs, paired=stats, medians=medians, law=the_law, batch=batch,
+        records={name: rec for name, rec in timed},
     )
-    path = os.path.join(out, "bench_openmmlab_train.json")
+    path = os.path.join(out, f"bench_openmmlab_train_{model.name}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {path}")
-    return 0 if len(records) == len(args.arms) else 1
+    print(f"wrote {path} ({time.time() - t_begin:.0f} s in all)")
+    return 0 if len(timed) == len(order) and all(rc == 0 for rc in rcs) else 1
 
 
 def _commit(root: str) -> str:

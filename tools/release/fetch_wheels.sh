@@ -11,8 +11,10 @@
 # mmengine's other needs: numpy, pyyaml (carried above), rich (the GPU machine has it) and
 # opencv-python, which is installed with no dependency resolution and so never pulled: the GPU
 # machine's opencv-python-headless gives the same cv2 module. Matplotlib: the Visualizer that
-# every Runner builds imports it. What mmdet and mmdet3d.structures import besides (scipy, six, tqdm,
-# numba) is on the GPU machine; mmcv 2.1.0 comes as its sdist.
+# every Runner builds imports it. mmdet3d's datasets and visualization import pyquaternion and
+# trimesh (both pure Python; what an mmdet3d Runner imports besides, scipy and numba, is on the GPU
+# machine; the devkits, nuscenes-devkit and lyft_dataset_sdk, only its metrics and converters
+# import, and scikit-learn only an optional import of mmdet's). mmcv 2.1.0 comes as its sdist.
 set -euo pipefail
 dir=${1:-.whl}
 mkdir -p "$dir"
@@ -28,6 +30,7 @@ wheels=(
     nvidia-nvtx-cu12==12.9.79                                          # nvtx3 headers
     mmdet==3.3.0 mmdet3d==1.4.0 pycocotools==2.0.11 terminaltables==3.1.10 shapely==2.2.0 \
     setuptools==80.10.2                                                # openmmlab modes (mmcv's setup.py: <81)
+    pyquaternion==0.9.9 trimesh==5.2.0                                 # mmdet3d.datasets, mmdet3d.visualization
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

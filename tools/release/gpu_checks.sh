@@ -37,13 +37,19 @@
 #                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
 #                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
 #   bash tools/release/gpu_checks.sh openmmlab-train  # the openmmlab mode's set-up, then
-#                                      # bench/bench_openmmlab_train.py: mmdet's YOLOv3 config trained
-#                                      # through the Runner, plain and switched, alternating in fresh
-#                                      # processes (~5 min on one H100 with the mmcv build): it/s,
-#                                      # data_time, the losses' agreement; the JSON into $OUT, the
-#                                      # child configs and each arm's log in $OUT/openmmlab_train.tgz. TRAIN_ITERS
-#                                      # (300), TRAIN_ARM_TIMEOUT_S (150), TRAIN_TIMEOUT_S (420); a dry
-#                                      # run without a GPU: TRAIN_DEVICE=cpu TRAIN_QUICK=1
+#                                      # bench/bench_openmmlab_train.py for each model of TRAIN_MODELS
+#                                      # (default: yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs
+#                                      # of plain and switched arms each, trained through the Runner:
+#                                      # it/s per pair and the ratios' median and spread, data_time,
+#                                      # the step's split, the losses' agreement. The models share the
+#                                      # time left until TRAIN_DEADLINE_S (530) after the mode's start
+#                                      # (weights 2 : 3 : 3): each bench sizes its iterations per arm to
+#                                      # its share (--budget-s) from a warm-up arm. $OUT gets five files:
+#                                      # openmmlab_train.log (the summaries), one JSON per model, and
+#                                      # openmmlab_train.tgz (the child configs, each model's log and
+#                                      # its arms' log, the set-up's logs). A dry run without a GPU:
+#                                      # TRAIN_DEVICE=cpu TRAIN_QUICK=1 (and NO_INSTALL=1 where this
+#                                      # tree must not be pip-installed)
 #   bash tools/release/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
 #                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
 #                                      # pseudo_collate + cast_data against the config switch); the
@@ -91,7 +97,7 @@ openmmlab_setup() {
         python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
     fi
     python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures; print('torch', torch.__version__, '| mmcv',
+    python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures, mmdet3d.datasets, mmdet3d.models; print('torch', torch.__version__, '| mmcv',
         mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 \
         | tee "$out/openmmlab_versions.log" || exit 1
 }
@@ -218,14 +224,36 @@ openmmlab)
     python3 bench/bench_openmmlab.py --device cuda:0 --out "$out" > "$out/bench_openmmlab.log" 2>&1
     echo "bench_openmmlab rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab.log" | tail -12 ;;
 openmmlab-train)
+    t_mode=$SECONDS
     openmmlab_setup
-    timeout "${TRAIN_TIMEOUT_S:-420}" python3 bench/bench_openmmlab_train.py --device "${TRAIN_DEVICE:-cuda:0}" \
-        --iters "${TRAIN_ITERS:-300}" --arm-timeout "${TRAIN_ARM_TIMEOUT_S:-150}" ${TRAIN_QUICK:+--quick} \
-        --out /tmp/openmmlab_train > "$out/bench_openmmlab_train.log" 2>&1
-    echo "bench_openmmlab_train rc=$?"; grep -vE "^wrote" "$out/bench_openmmlab_train.log" | tail -20
-    # few files back (the device tool brings back 8): the JSON, and the configs and arms' logs in one archive
-    cp /tmp/openmmlab_train/bench_openmmlab_train.json "$out/" 2>/dev/null
-    tar -C /tmp -czf "$out/openmmlab_train.tgz" openmmlab_train ;;
+    train=/tmp/openmmlab_train
+    rm -rf "$train" && mkdir -p "$train"
+    # few files back (the device tool brings back 8): the set-up's logs go into the archive
+    mv "$out/mmcv_build.log" "$out/build.log" "$out/openmmlab_versions.log" "$train/" 2>/dev/null
+    models=${TRAIN_MODELS:-yolov3 centerpoint mvfcos3d}
+    deadline=${TRAIN_DEADLINE_S:-530}
+    weight() { case $1 in yolov3) echo 2 ;; *) echo 3 ;; esac; }
+    weights=0
+    for m in $models; do weights=$(( weights + $(weight "$m") )); done
+    echo "set-up: $(( SECONDS - t_mode )) s" | tee "$out/openmmlab_train.log"
+    for m in $models; do
+        # this model's share of the time left, by weight among the models still to run
+        w=$(weight "$m")
+        budget=$(( (deadline - (SECONDS - t_mode)) * w / weights ))
+        weights=$(( weights - w ))
+        [ "$budget" -lt 60 ] && budget=60
+        echo "== $m: --budget-s $budget, from $(( SECONDS - t_mode )) s" | tee -a "$out/openmmlab_train.log"
+        timeout $(( budget + 120 )) python3 bench/bench_openmmlab_train.py --model "$m" \
+            --device "${TRAIN_DEVICE:-cuda:0}" ${TRAIN_PAIRS:+--pairs $TRAIN_PAIRS} --budget-s "$budget" \
+            ${TRAIN_QUICK:+--quick} --out "$train" > "$train/$m.log" 2>&1
+        echo "$m rc=$? ($(( SECONDS - t_mode )) s)" | tee -a "$out/openmmlab_train.log"
+        grep -E "^(data|stand-ins|  |plan|arm |deadline)" "$train/$m.log" >> "$out/openmmlab_train.log"
+        # the summary: from the report's heading to its end
+        awk -v m="$m" 'index($0, m " (") == 1 {on = 1} on && !/^wrote/' "$train/$m.log" \
+            | tee -a "$out/openmmlab_train.log"
+        cp "$train/bench_openmmlab_train_$m.json" "$out/" 2>/dev/null
+    done
+    tar -C /tmp -czf "$out/openmmlab_train.tgz" --exclude='*_records.json' --exclude='*_plan.json' openmmlab_train ;;
 mmengine)
     site=/tmp/site
     if [ -d .whl ]; then
