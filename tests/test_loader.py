@@ -817,7 +817,16 @@ def _unpack_on_cpu(pc, data, keep: bool):
         mtc_loader._engine.keep_temporaries(previous)
 
 
-def test_unpack_hands_its_temporary_views_to_the_caller():
+@pytest.fixture
+def split_maker():
+    """The outputs made with torch's split operators (the maker without torch's C shim), whose
+    temporary views these tests follow; through the shim there are none."""
+    prev = mtc_loader._engine._use_shim(False)
+    yield
+    mtc_loader._engine._use_shim(prev)
+
+
+def test_unpack_hands_its_temporary_views_to_the_caller(split_maker):
     """Dropping a tensor releases the GIL, so on a thread that asks for it (the prefetch service:
     keep_temporaries) the views the unpack makes on the way to the outputs (typed chunk views,
     segment views) are not dropped inside it: the handle holds them until its owner takes them.
@@ -840,8 +849,9 @@ def _tensors_in(items) -> int:
     return sum(_tensors_in(x) if isinstance(x, (tuple, list)) else isinstance(x, torch.Tensor) for x in items)
 
 
+@pytest.mark.parametrize("shim", [False, True], ids=["split", "shim"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "dropped"])
-def test_members_apart_leave_no_piece_per_gap_for_the_hand_out(keep):
+def test_members_apart_leave_no_piece_per_gap_for_the_hand_out(keep, shim):
     """Members of one dtype and trailing shape whose lengths are not multiples of the alignment
     lie apart, with padding rows between them. Cutting their segment with one split makes a
     tensor of every gap too: on a thread that keeps its temporaries for the caller (the prefetch
@@ -855,12 +865,21 @@ def test_members_apart_leave_no_piece_per_gap_for_the_hand_out(keep):
     data = [[(torch.arange(1 + k % 3) % 2).to(dt) for k in range(40)] for dt in (torch.int64, torch.float32, torch.bool)]
     data.append([torch.randn(1 + k % 3, 3) for k in range(40)])
     pc = mtc_loader.PackedCollate(list, min_packed_alignment_bytes=16)
-    h, out = _unpack_on_cpu(pc, data, keep)
+    if shim and not mtc_loader._engine._shim_info()[0]:
+        pytest.skip("this torch has no AOTInductor C shim")
+    prev = mtc_loader._engine._use_shim(shim)
+    try:
+        h, out = _unpack_on_cpu(pc, data, keep)
+    finally:
+        mtc_loader._engine._use_shim(prev)
     temps = h._h.temporaries()
     assert_tree_bitwise(out, data)
     leaves = [t for group in out for t in group]
     assert len(leaves) == 160
-    if keep:
+    if shim:
+        # torch's C shim makes every member in place, with no temporary tensor
+        assert temps == []
+    elif keep:
         # a few views per segment and dtype (the typed chunk, the segment's view), not one per gap
         assert 0 < _tensors_in(temps) <= 12, _tensors_in(temps)
     else:
