@@ -489,6 +489,9 @@ def test_train_command_config_errors(tmp_path, monkeypatch, capsys, case):
     from mtc_loader.mmengine.__main__ import main
 
     monkeypatch.chdir(tmp_path)
+    # the command sets LOCAL_RANK, as mmengine's tools/train.py does; here it runs in the test's
+    # process, whose later tests (accelerate's) would read it as a distributed launch
+    monkeypatch.setenv("LOCAL_RANK", "0")
     (tmp_path / "base.py").write_text("a = 1\nb = (\n")
     if case == "missing":
         path, expected = "missing.py", r"no config file missing\.py\n"
