@@ -53,8 +53,10 @@ void mtc_shim_release(const mtc_state *st, void *handle);
 
 /* Python tensors of a list of handles (PyCapsules without a destructor, one
  * handle each), which they take over, in order: a new list of len(capsules),
- * or NULL with an exception set (the handles are then taken over or released
- * all the same: the caller never releases them). */
+ * or NULL with an exception set. Either way the caller releases none of the
+ * handles again: torch takes them over once it has read the list (a list it
+ * cannot read, which only a capsule that is not a handle makes, leaves them
+ * unreleased rather than risk releasing one twice). */
 PyObject *mtc_shim_tensors(mtc_state *st, PyObject *capsules);
 
 #endif /* MTC_SHIM_H */
