@@ -31,6 +31,22 @@ def subprocess_env() -> dict:
     return dict(os.environ, PYTHONPATH=package_parent() + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def run_child(code: str, **env: str) -> dict:
+    """Runs ``code`` in a fresh interpreter that sees none of this process's MTC_* variables but
+    ``env``, and returns the JSON object its last line of output prints."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    e = {k: v for k, v in subprocess_env().items() if not k.startswith("MTC_") or k == "MTC_TEST_INSTALLED"}
+    e.update(env)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=package_parent(), env=e,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _pread_fallback_warning(tmp_path_factory):
     """Where FileTensor reads fall back to pread without being asked to (a build without

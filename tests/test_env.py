@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import package_parent, subprocess_env
+from conftest import package_parent, run_child, subprocess_env
 
 # every run-time variable the engine reads: a value of the right kind, and one it refuses
 VARIABLES = {
@@ -50,12 +50,7 @@ print(json.dumps({"cap": cap, "warnings": [(x.category.__name__, str(x.message))
 
 
 def _run(**env: str) -> dict:
-    e = {k: v for k, v in subprocess_env().items() if not k.startswith("MTC_") or k == "MTC_TEST_INSTALLED"}
-    e.update(env)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD)], cwd=package_parent(), env=e,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, **env)
 
 
 def test_every_variable_refused_value_warns_once_naming_it():

@@ -12,18 +12,13 @@ channels-last and offset leaves, at every alignment), through the DataLoader pat
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mtc_loader
-from conftest import package_parent, requires_cuda, seed_batch, subprocess_env
+from conftest import requires_cuda, run_child, seed_batch
 from mtc_loader import _engine
 from test_fuzz import ALIGNMENTS, FUZZ_SETTINGS, as_bytes, check_tree, packed_collate, trees
 
@@ -178,15 +173,6 @@ def test_requires_grad_and_version_counters_are_the_outputs_own():
     assert torch.equal(a.grad, torch.full((5,), 2.0)) and not b.requires_grad
 
 
-def _child(code: str, **env: str) -> dict:
-    e = {k: v for k, v in subprocess_env().items() if not k.startswith("MTC_") or k == "MTC_TEST_INSTALLED"}
-    e.update(env)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=package_parent(), env=e,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 _INFO = """
 import json, torch, mtc_loader
 from mtc_loader import _engine
@@ -199,9 +185,9 @@ print(json.dumps({"info": _engine._shim_info(), "shim_views": mtc_loader.stats()
 
 @needs_shim
 def test_switch_off_makes_outputs_with_split_operators():
-    on = _child(_INFO)
+    on = run_child(_INFO)
     assert on["info"] == [True, True] and on["shim_views"] == 2 and on["ok"]
     assert on["maker"] == {"maker": "shim", "reason": None}
-    off = _child(_INFO, MTC_TORCH_SHIM="0")
+    off = run_child(_INFO, MTC_TORCH_SHIM="0")
     assert off["info"] == [True, False] and off["shim_views"] == 0 and off["ok"]
     assert off["maker"]["maker"] == "split" and "MTC_TORCH_SHIM=0" in off["maker"]["reason"]
