@@ -110,8 +110,9 @@ def output_maker() -> dict[str, Any]:
     """How this process makes the output tensors of packed batches: ``{"maker": "shim" |
     "split", "reason": str | None}``.
 
-    ``"shim"``: through torch's AOTInductor C shim (torch 2.3 and newer), one C call per output
-    and one Python call per batch, a fraction of a microsecond of the GIL per tensor. ``"split"``:
+    ``"shim"``: through torch's AOTInductor C shim (where this torch has it: 2.11 and 2.13 do),
+    one C call per output and one Python call per batch, a fraction of a microsecond of the GIL
+    per tensor. ``"split"``:
     with torch's split operators, one or two operator calls per group of tensors, plus a piece
     for every alignment gap between tensors (about twice the GIL time per tensor); ``reason``
     says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. Both give the same tensors:
@@ -120,7 +121,7 @@ def output_maker() -> dict[str, Any]:
     if on:
         return {"maker": "shim", "reason": None}
     why = ("MTC_TORCH_SHIM=0 (or mtc_loader._engine._use_shim(False)) turned it off" if offered
-           else f"torch {torch.__version__} has no AOTInductor C shim (torch 2.3 and newer have it)")
+           else f"torch {torch.__version__} has no AOTInductor C shim (torch 2.11 and 2.13 have it)")
     return {"maker": "split", "reason": why}
 
 

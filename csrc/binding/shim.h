@@ -1,7 +1,7 @@
 /*
  * shim.h - torch's AOTInductor C shim, found at run time: the fast maker of
- * output tensors. Where the process's libtorch offers it (torch 2.3 and
- * newer: aoti_torch__reinterpret_tensor and aoti_torch_delete_tensor_object
+ * output tensors. Where the process's libtorch offers it (2.11 and 2.13
+ * do: aoti_torch__reinterpret_tensor and aoti_torch_delete_tensor_object
  * in libtorch_cpu, torch._C._aoti's handle converters), an output view is one
  * C call (a new tensor over the chunk's storage with its sizes, strides and
  * offset: no operator dispatch, no autograd view record, no padding piece
