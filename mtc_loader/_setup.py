@@ -58,6 +58,10 @@ _engine._setup({
     # and of the dtypes it does not copy, whose DLPack form may be one of its own (int4 as int8)
     "dlpack_others": _dtypes.other_samples(),
     "shim": _shim(),
+    # what the leaf reader through the shim is checked against before it is used: a strided view
+    # with an offset, and a plain, a negative and a conjugate view (the lazy bits)
+    "reader_sample": torch.zeros(4, 6)[1:, 2:5],
+    "bit_samples": (torch.zeros(2), torch._neg_view(torch.zeros(2)), torch.zeros(2, dtype=torch.complex64).conj()),
     "leaf_slot": _tree.LEAF,
     "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors

@@ -278,6 +278,10 @@ static int _read_place(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, 
  * conjugate bit on complex tensors only (TensorImpl asserts it). */
 static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl)
 {
+    if (exact && st->sr.on && st->sr.is_neg) {
+        const void *h = (char *)obj + st->sr.cdata;
+        return ((fl & MTC_DT_COMPLEX) && st->sr.is_conj(h)) || st->sr.is_neg(h);
+    }
     PyObject *v;
     if (fl & MTC_DT_COMPLEX) {
         if (!(v = _tcall(obj, exact, st->m_is_conj, st->s_is_conj))) return 1;
@@ -385,6 +389,66 @@ static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj,
     return 0;
 }
 
+/* The dims, data pointer and device of an exact torch.Tensor read through
+ * torch's C shim (state.h's mtc_shim_reader) from the at::Tensor inside its
+ * Python object: a few plain C calls, no Python. The layout and device are
+ * checked before anything that could fail on a tensor without storage. 0; 1
+ * when the tensor is to be read another way (not strided, a device other
+ * than the CPU or CUDA, a dtype the engine does not copy, or torch
+ * declined); -1 with an exception. */
+static int _read_shim(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, mtc_leaf *l, int *code,
+                      int *contiguous)
+{
+    const mtc_shim_reader *r = &st->sr;
+    void *h = (char *)obj + r->cdata;
+    int32_t layout, devtype, dtype, index = -1;
+    int64_t ndim, *sizes, *strides;
+    void *data;
+    if (r->layout(h, &layout) || layout != r->strided || r->device_type(h, &devtype)) return 1;
+    if (devtype == r->dev_cuda) {
+        if (r->device_index(h, &index) || index < 0) return 1;
+        if (index >= MTC_MAX_DEVICES) return 1; /* the attribute path names the device in its error */
+    } else if (devtype != r->dev_cpu) {
+        return 1;
+    }
+    if (r->dtype(h, &dtype) || dtype < 0 || dtype > 255 || r->to_code[dtype] < 0) return 1;
+    if (r->dim(h, &ndim) || ndim < 0) return 1;
+    if (ndim > MTC_MAX_NDIM) return _too_many_dims(t, node, ndim);
+    if (r->sizes(h, &sizes) || r->strides(h, &strides) || r->data_ptr(h, &data)) return 1;
+    if (mtc_leaves_reserve(t, (int)ndim)) return -1;
+    int c = r->to_code[dtype];
+    l->dtype = (uint16_t)c;
+    l->elsize = (uint16_t)st->elsize[c];
+    l->ndim = (int32_t)ndim;
+    l->dims = t->ndims;
+    l->data = (uintptr_t)data;
+    l->dev = index;
+    int64_t *sh = &t->shape[t->ndims], *sd = &t->strides[t->ndims], *os = &t->ostrides[t->ndims];
+    int small = 0;
+    for (int d = 0; d < l->ndim; d++) {
+        if (strides[d] < 0) return 1; /* torch makes none; let the attribute path judge */
+        sh[d] = sizes[d];
+        os[d] = strides[d];
+        if (sh[d] <= 1) small = 1;
+    }
+    /* byte strides; wraps only on a dim of size <= 1 (torch checks the
+     * storage holds every element), where the stride addresses nothing */
+    for (int d = 0; d < l->ndim; d++) (void)__builtin_mul_overflow(os[d], (int64_t)l->elsize, &sd[d]);
+    *contiguous = _is_contiguous(sh, sd, l->ndim, l->elsize);
+    if (!*contiguous || small) {
+        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
+    } else {
+        /* what the attribute path stores for a contiguous tensor of dims > 1 */
+        int64_t acc = l->elsize;
+        for (int d = l->ndim - 1; d >= 0; d--) {
+            sd[d] = acc;
+            (void)__builtin_mul_overflow(acc, sh[d], &acc);
+        }
+    }
+    *code = c;
+    return 0;
+}
+
 /* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
  * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
  * strides only when not contiguous; is_neg() always, is_conj() of complex
@@ -395,7 +459,13 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
     mtc_leaf l;
     memset(&l, 0, sizeof l);
     int contiguous = 0, c = -1, rc = 1;
-    if (exact && st->dl_view) {
+    if (exact && st->sr.on) {
+        rc = _read_shim(st, t, node, obj, &l, &c, &contiguous);
+        if (rc < 0) return -1;
+        if (rc) memset(&l, 0, sizeof l);
+        else mtc_cnt.leaves_shim++;
+    }
+    if (rc && exact && st->dl_view) {
         rc = _read_dlpack(st, t, node, obj, &l, &c, &contiguous);
         if (rc < 0) return -1;
         if (rc) memset(&l, 0, sizeof l);

@@ -108,6 +108,29 @@ static PyObject *engine_use_dlpack(PyObject *module, PyObject *flag)
     return prev;
 }
 
+/* _use_shim_reader(flag) -> bool: whether exact tensors' metadata is read
+ * through torch's C shim (when this torch passed the reader's checks);
+ * returns the previous setting. For tests and benchmarks, which compare the
+ * readers; MTC_TORCH_SHIM=0 sets it off at start. */
+static PyObject *engine_use_shim_reader(PyObject *module, PyObject *flag)
+{
+    mtc_state *st = mtc_get_state(module);
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *prev = PyBool_FromLong(st->sr.on);
+    st->sr.on = on && st->sr.offered;
+    return prev;
+}
+
+/* _shim_reader_info() -> (offered, on, native_bits): the leaf reader through
+ * the shim, and whether it reads the lazy bits in C too. */
+static PyObject *engine_shim_reader_info(PyObject *module, PyObject *unused)
+{
+    mtc_state *st = mtc_get_state(module);
+    return Py_BuildValue("(OOO)", st->sr.offered ? Py_True : Py_False, st->sr.on ? Py_True : Py_False,
+                         st->sr.is_neg ? Py_True : Py_False);
+}
+
 /* _use_shim(flag) -> bool: whether output views are made through torch's C
  * shim (when torch offers it); returns the previous setting. For tests and
  * benchmarks, which compare the two makers; MTC_TORCH_SHIM=0 sets it off at
@@ -236,7 +259,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     if (!d) return NULL;
 #define P(name, v) if (_put(d, name, (unsigned long long)(v))) goto error
     P("calls", mtc_cnt.calls); P("leaves", mtc_cnt.leaves);
-    P("leaves_read_dlpack", mtc_cnt.leaves_dlpack); P("tensors_packed", mtc_cnt.packed);
+    P("leaves_read_dlpack", mtc_cnt.leaves_dlpack); P("leaves_read_shim", mtc_cnt.leaves_shim); P("tensors_packed", mtc_cnt.packed);
     P("tensors_reused", mtc_cnt.reused); P("numpy_zero_copy", mtc_cnt.from_numpy);
     P("host_copies", mtc_cnt.host_copies); P("tensors_staged", mtc_cnt.staged);
     P("tensors_direct", mtc_cnt.direct); P("tensors_d2h", mtc_cnt.d2h); P("tensors_d2d", mtc_cnt.d2d);
@@ -505,6 +528,10 @@ static PyMethodDef engine_methods[] = {
     {"_use_shim", engine_use_shim, METH_O,
      "_use_shim(flag) -> previous: make output views through torch's C shim (tests compare the makers)."},
     {"_shim_info", engine_shim_info, METH_NOARGS, "_shim_info() -> (offered, on): torch's C shim for the outputs."},
+    {"_use_shim_reader", engine_use_shim_reader, METH_O,
+     "_use_shim_reader(flag) -> previous: read exact tensors through torch's C shim (tests compare the readers)."},
+    {"_shim_reader_info", engine_shim_reader_info, METH_NOARGS,
+     "_shim_reader_info() -> (offered, on, native_bits): the leaf reader through torch's C shim."},
     {"_use_dlpack", engine_use_dlpack, METH_O,
      "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
     {"_early_gc", mtc_collector_set, METH_O,

@@ -4,8 +4,124 @@
 #include "shim.h"
 
 #include <dlfcn.h>
+#include <string.h>
 
 #include "env.h"
+
+/* The leaf reader (state.h's mtc_shim_reader): offered only where this torch
+ * passes every check below on sample tensors, so that a torch whose layout
+ * differs reads its leaves the DLPack or attribute way instead.
+ * - torch.Tensor's Python object holds its at::Tensor (one TensorImpl
+ *   pointer) right after the object header (torch 2.10 and later; before, a
+ *   MaybeOwned): the word there must be the TensorImpl the shim's own handle
+ *   of the same tensor points to, for every sample;
+ * - the getters must read each sample's dtype, layout, device, sizes,
+ *   strides and data pointer as Python reads them (cfg["reader_sample"]: a
+ *   strided view with an offset);
+ * - at::native::is_neg / is_conj (bool of a const at::Tensor &), where
+ *   exported, must tell cfg["bit_samples"] (plain, negative view, conjugate
+ *   view) apart; without them the bits are read through the Python methods.
+ * samples: the empty tensors of each of the engine's dtypes. 0 or -1. */
+static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samples)
+{
+    mtc_shim_reader *r = &st->sr;
+    memset(r, 0, sizeof *r);
+    memset(r->to_code, -1, sizeof r->to_code);
+    PyObject *sample = PyDict_GetItemString(cfg, "reader_sample");
+    PyObject *bits = PyDict_GetItemString(cfg, "bit_samples");
+    if (!sample || !bits || !PyTuple_Check(bits) || PyTuple_GET_SIZE(bits) != 3 ||
+        PyList_GET_SIZE(samples) != st->ndtypes)
+        return 0;
+    if (((PyTypeObject *)st->tensor_type)->tp_basicsize < (Py_ssize_t)(sizeof(PyObject) + sizeof(void *))) return 0;
+#define SYM(field, name, type) r->field = (type)dlsym(lib, name)
+    SYM(layout, "aoti_torch_get_layout", mtc_shim_get_i32_fn);
+    SYM(device_type, "aoti_torch_get_device_type", mtc_shim_get_i32_fn);
+    SYM(device_index, "aoti_torch_get_device_index", mtc_shim_get_i32_fn);
+    SYM(dtype, "aoti_torch_get_dtype", mtc_shim_get_i32_fn);
+    SYM(dim, "aoti_torch_get_dim", mtc_shim_get_i64_fn);
+    SYM(sizes, "aoti_torch_get_sizes", mtc_shim_get_i64p_fn);
+    SYM(strides, "aoti_torch_get_strides", mtc_shim_get_i64p_fn);
+    SYM(data_ptr, "aoti_torch_get_data_ptr", mtc_shim_get_ptr_fn);
+    SYM(is_neg, "_ZN2at6native6is_negERKNS_6TensorE", mtc_native_bit_fn);
+    SYM(is_conj, "_ZN2at6native7is_conjERKNS_6TensorE", mtc_native_bit_fn);
+#undef SYM
+    mtc_shim_code_fn strided = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_layout_strided");
+    mtc_shim_code_fn cpu = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cpu");
+    mtc_shim_code_fn cuda = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cuda");
+    if (!r->layout || !r->device_type || !r->device_index || !r->dtype || !r->dim || !r->sizes || !r->strides ||
+        !r->data_ptr || !strided || !cpu || !cuda) {
+        memset(r, 0, sizeof *r);
+        return 0;
+    }
+    r->strided = strided();
+    r->dev_cpu = cpu();
+    r->dev_cuda = cuda();
+    r->cdata = (Py_ssize_t)sizeof(PyObject);
+    if (!r->is_neg || !r->is_conj) r->is_neg = r->is_conj = NULL;
+    /* every sample: its TensorImpl where the reader looks for it, its dtype code */
+    Py_ssize_t n = PyList_GET_SIZE(samples);
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < n + 4; i++) {
+        PyObject *t = i < n ? PyList_GET_ITEM(samples, i) : i == n ? sample : PyTuple_GET_ITEM(bits, i - n - 1);
+        if ((PyObject *)Py_TYPE(t) != st->tensor_type) {
+            ok = 0;
+            break;
+        }
+        void *h = mtc_shim_handle(st, t);
+        if (!h) return -1;
+        void *inside = (char *)t + r->cdata;
+        ok = *(void **)h == *(void **)inside;
+        mtc_shim_release(st, h);
+        int32_t code, layout, dev;
+        ok = ok && r->dtype(inside, &code) == 0 && r->layout(inside, &layout) == 0 && layout == r->strided &&
+             r->device_type(inside, &dev) == 0 && dev == r->dev_cpu && code >= 0 && code < 256;
+        if (ok && i < n) {
+            if (r->to_code[code] != -1 && r->to_code[code] != (int8_t)i) ok = 0; /* two dtypes, one code */
+            r->to_code[code] = (int8_t)i;
+        }
+    }
+    /* the sample's sizes, strides and data pointer as Python reads them */
+    if (ok) {
+        void *inside = (char *)sample + r->cdata;
+        int64_t dim, *sizes, *strides;
+        void *data;
+        ok = r->dim(inside, &dim) == 0 && r->sizes(inside, &sizes) == 0 && r->strides(inside, &strides) == 0 &&
+             r->data_ptr(inside, &data) == 0;
+        PyObject *shape = ok ? PyObject_GetAttrString(sample, "shape") : NULL;
+        PyObject *stride = shape ? PyObject_CallMethod(sample, "stride", NULL) : NULL;
+        PyObject *ptr = stride ? PyObject_CallMethod(sample, "data_ptr", NULL) : NULL;
+        if (ok && !ptr) {
+            Py_XDECREF(shape);
+            Py_XDECREF(stride);
+            return -1;
+        }
+        ok = ok && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == dim && PyTuple_Check(stride) &&
+             PyTuple_GET_SIZE(stride) == dim && PyLong_AsVoidPtr(ptr) == data;
+        for (int64_t d = 0; ok && d < dim; d++)
+            ok = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == sizes[d] &&
+                 PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d)) == strides[d];
+        Py_XDECREF(shape);
+        Py_XDECREF(stride);
+        Py_XDECREF(ptr);
+        if (PyErr_Occurred()) return -1;
+    }
+    /* the lazy bits: plain, negative view, conjugate view */
+    if (ok && r->is_neg) {
+        const void *plain = (char *)PyTuple_GET_ITEM(bits, 0) + r->cdata;
+        const void *neg = (char *)PyTuple_GET_ITEM(bits, 1) + r->cdata;
+        const void *conj = (char *)PyTuple_GET_ITEM(bits, 2) + r->cdata;
+        if (r->is_neg(plain) || !r->is_neg(neg) || r->is_neg(conj) || r->is_conj(plain) || r->is_conj(neg) ||
+            !r->is_conj(conj))
+            r->is_neg = r->is_conj = NULL;
+    }
+    if (!ok) {
+        memset(r, 0, sizeof *r);
+        memset(r->to_code, -1, sizeof r->to_code);
+        return 0;
+    }
+    r->offered = 1;
+    return 0;
+}
 
 int mtc_shim_setup(mtc_state *st, PyObject *cfg)
 {
@@ -13,6 +129,8 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_reinterpret = NULL;
     st->shim_delete = NULL;
     st->shim_view_dtype = NULL;
+    memset(&st->sr, 0, sizeof st->sr);
+    memset(st->sr.to_code, -1, sizeof st->sr.to_code);
     Py_CLEAR(st->shim_handle_of);
     Py_CLEAR(st->shim_steal);
     PyObject *v = PyDict_GetItemString(cfg, "shim"); /* borrowed */
@@ -53,7 +171,9 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     } else {
         st->shim_view_dtype = NULL;
     }
+    if (samples && PyList_Check(samples) && _setup_reader(st, lib, cfg, samples)) return -1;
     st->shim_on = mtc_env_bool(MTC_ENV_TORCH_SHIM, 1);
+    st->sr.on = st->sr.offered && st->shim_on;
     return 0;
 }
 

@@ -23,6 +23,29 @@ typedef int32_t (*mtc_shim_reinterpret_fn)(void *self, int64_t ndim, const int64
 typedef int32_t (*mtc_shim_delete_fn)(void *handle);
 typedef int32_t (*mtc_shim_view_dtype_fn)(void *self, int32_t dtype, void **ret);
 typedef int32_t (*mtc_shim_get_dtype_fn)(void *self, int32_t *dtype);
+typedef int32_t (*mtc_shim_get_ptr_fn)(void *self, void **ret);
+typedef int32_t (*mtc_shim_get_i64p_fn)(void *self, int64_t **ret);
+typedef int32_t (*mtc_shim_get_i64_fn)(void *self, int64_t *ret);
+typedef int32_t (*mtc_shim_get_i32_fn)(void *self, int32_t *ret);
+typedef int32_t (*mtc_shim_code_fn)(void);
+/* at::native::is_neg / is_conj: bool (const at::Tensor &), a reference passed as a pointer */
+typedef _Bool (*mtc_native_bit_fn)(const void *tensor);
+
+/* The leaf reader through torch's C shim (shim.h, leaves.c): a tensor's
+ * metadata read from the at::Tensor inside its Python object, with the
+ * shim's getters (plain C calls, no Python). */
+typedef struct mtc_shim_reader {
+    int on;                      /* in use now (offered and not turned off: _use_shim_reader) */
+    int offered;                 /* this torch passed the checks of mtc_shim_setup */
+    Py_ssize_t cdata;            /* offset of the at::Tensor in torch.Tensor's Python object */
+    mtc_shim_get_i32_fn layout, device_type, device_index, dtype;
+    mtc_shim_get_i64_fn dim;
+    mtc_shim_get_i64p_fn sizes, strides;
+    mtc_shim_get_ptr_fn data_ptr;
+    mtc_native_bit_fn is_neg, is_conj;
+    int32_t strided, dev_cpu, dev_cuda; /* the shim's codes of the strided layout, CPU and CUDA */
+    int8_t to_code[256];         /* the shim's dtype code -> the engine's, -1 not copied */
+} mtc_shim_reader;
 
 /* dtype flags */
 #define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
@@ -101,6 +124,7 @@ typedef struct mtc_state {
     PyObject *shim_steal;        /* torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs */
     int shim_offered;            /* this torch has the shim */
     int shim_on;                 /* outputs are made through it (MTC_TORCH_SHIM, _use_shim) */
+    mtc_shim_reader sr;          /* leaves read through it (MTC_TORCH_SHIM too) */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 
@@ -109,7 +133,7 @@ static inline mtc_state *mtc_get_state(PyObject *module) { return (mtc_state *)P
 /* Calling-thread counters of start_copy / get() (the GIL serialises their
  * updates); defined in state.c, reported by stats() (module.c). */
 typedef struct mtc_counters {
-    uint64_t calls, leaves, leaves_dlpack, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
+    uint64_t calls, leaves, leaves_dlpack, leaves_shim, packed, reused, from_numpy, host_copies, staged, direct, d2h, d2d,
         made_contiguous, segments, chunks;
     uint64_t ns_traverse, ns_plan, ns_outputs, ns_views, ns_wait;
     /* unpack of a packed batch: calls, and the calling thread's time per stage
