@@ -58,6 +58,8 @@ _engine._setup({
     # and of the dtypes it does not copy, whose DLPack form may be one of its own (int4 as int8)
     "dlpack_others": _dtypes.other_samples(),
     "shim": _shim(),
+    # libtorch_python, whose THPVariable_Wrap turns each output handle into a Python tensor
+    "shim_python": os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_python.so"),
     # what the leaf reader through the shim is checked against before it is used: a strided view
     # with an offset, and a plain, a negative and a conjugate view (the lazy bits)
     "reader_sample": torch.zeros(4, 6)[1:, 2:5],

@@ -22,7 +22,7 @@ from test_layouts import LAYOUTS, check, make
 
 HAS_TABLE = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) is not None
 needs_table = pytest.mark.skipif(not HAS_TABLE, reason="this torch has no DLPack C exchange table")
-HAS_READER = _engine._shim_reader_info()[0]
+HAS_READER = _engine._shim_parts()["reader"]
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.cuda, requires_cuda], id="cuda")
 READERS = ["shim", "dlpack", "attributes"]
 
@@ -244,7 +244,8 @@ def test_mtc_torch_shim_0_turns_the_reader_off():
     from conftest import run_child
     code = """
         import json, mtc_loader
-        print(json.dumps(list(mtc_loader._engine._shim_reader_info())))
+        p = mtc_loader._engine._shim_parts()
+        print(json.dumps([p["reader"], p["reader_on"]]))
     """
     off = run_child(code, MTC_TORCH_SHIM="0")
     assert off[1] is False

@@ -1,6 +1,8 @@
-"""The two makers of output views: torch's AOTInductor C shim (one C call per output, one Python
-call per batch; where torch has it) and torch's split operators (the fallback, and what
-``MTC_TORCH_SHIM=0`` selects). Every layout rule holds for both, and they agree tensor by tensor:
+"""The two makers of output views: torch's AOTInductor C shim (one C call per output; where torch
+has it) and torch's split operators (the fallback, and what ``MTC_TORCH_SHIM=0`` selects). The
+shim's handles become Python tensors through torch's own wrapper, one C call each, where this
+torch passes its check, else through ``torch._C._aoti`` in one Python call per batch: both
+routes are compared too. Every layout rule holds for each, and they agree tensor by tensor:
 dtype, shape, strides, storage offset, the storage each output shares with the others of its
 chunk, the bytes, ``requires_grad`` (False), and neither makes autograd views of the private
 chunk through the shim (``_base`` is None, as for ``tensor.to()``'s outputs; the split maker
@@ -23,6 +25,7 @@ from mtc_loader import _engine
 from test_fuzz import ALIGNMENTS, FUZZ_SETTINGS, as_bytes, check_tree, packed_collate, trees
 
 OFFERED, _ = _engine._shim_info()
+WRAP = _engine._shim_parts()["wrap"]
 needs_shim = pytest.mark.skipif(not OFFERED, reason="this torch has no AOTInductor C shim")
 CUDA = [pytest.mark.cuda, requires_cuda]
 
@@ -31,17 +34,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:mypy_extensions.TypedDict is dep
 
 
 class maker:
-    """Selects the output maker for a block: ``with maker(shim=True): ...``."""
+    """Selects the output maker for a block: ``with maker(shim=True): ...``; ``wrap=False`` turns
+    the shim's handles into tensors through torch._C._aoti (one call per batch)."""
 
-    def __init__(self, shim: bool):
-        self.shim = shim
+    def __init__(self, shim: bool, wrap: bool = True):
+        self.shim, self.wrap = shim, wrap
 
     def __enter__(self) -> None:
-        self.prev = _engine._use_shim(self.shim)
+        self.prev = _engine._use_shim(self.shim), _engine._use_shim_wrap(self.wrap)
         assert _engine._shim_info()[1] == (self.shim and OFFERED)
+        assert _engine._shim_parts()["wrap_on"] == (self.wrap and WRAP)
 
     def __exit__(self, *exc) -> None:
-        _engine._use_shim(self.prev)
+        _engine._use_shim(self.prev[0])
+        _engine._use_shim_wrap(self.prev[1])
+
+
+# (shim, wrap): the shim with torch's wrapper, the shim with one call per batch, split operators
+MAKERS = [(True, True), (True, False), (False, False)]
 
 
 def tensors(out) -> list[torch.Tensor]:
@@ -89,8 +99,8 @@ def assert_same_layout(a_out, b_out) -> None:
 def _unpack_both(samples, align, device):
     pc = packed_collate(align)
     outs = []
-    for shim in (True, False):
-        with maker(shim):
+    for shim, wrap in MAKERS:
+        with maker(shim, wrap):
             outs.append(pc(samples).unpack(device))
     if device.startswith("cuda"):
         torch.cuda.current_stream().synchronize()
@@ -105,9 +115,10 @@ UNPACK_CASES = [pytest.param("cpu", id="cpu"), pytest.param("cuda:0", id="cuda:0
 @settings(max_examples=150, **FUZZ_SETTINGS)
 @given(samples=st.lists(trees(max_leaves=16), min_size=1, max_size=4), align=st.sampled_from(ALIGNMENTS))
 def test_unpack_makers_agree(device, samples, align):
-    shim_out, split_out = _unpack_both(samples, align, device)
-    check_tree(shim_out, samples, device, reuse=False)
-    assert_same_layout(shim_out, split_out)
+    wrapped, stolen, split_out = _unpack_both(samples, align, device)
+    check_tree(wrapped, samples, device, reuse=False)
+    assert_same_layout(wrapped, split_out)
+    assert_same_layout(stolen, split_out)
 
 
 @needs_shim
@@ -118,23 +129,25 @@ def test_unpack_makers_agree(device, samples, align):
 def test_start_copy_makers_agree(data, align):
     tree = data.draw(trees(("cpu",)), label="tree")
     outs = []
-    for shim in (True, False):
-        with maker(shim):
+    for shim, wrap in MAKERS:
+        with maker(shim, wrap):
             outs.append(mtc_loader.start_copy(tree, "cuda:0", min_packed_alignment_bytes=align).get())
     torch.cuda.current_stream().synchronize()
     check_tree(outs[0], tree, "cuda:0", reuse=True)
-    assert_same_layout(*outs)
+    assert_same_layout(outs[0], outs[2])
+    assert_same_layout(outs[1], outs[2])
 
 
 @needs_shim
+@pytest.mark.parametrize("wrap", [True, False], ids=["wrap", "batch-call"])
 @pytest.mark.parametrize("device", UNPACK_CASES)
-def test_seed_batch_through_the_shim_one_storage_no_gap_pieces(device):
+def test_seed_batch_through_the_shim_one_storage_no_gap_pieces(device, wrap):
     """The reference batch (528 small tensors, most of them leaving alignment gaps): every output
     made through the shim (counted), all on one storage at 16-byte aligned offsets, equal to the
     input, and no temporary beyond the chunk's typed views kept for the prefetch service."""
     batch = seed_batch(16)
     pc = mtc_loader.PackedCollate(list, arena_bytes=16 << 20)
-    with maker(True):
+    with maker(True, wrap):
         before = mtc_loader.stats()["shim_views"]
         prev = _engine.keep_temporaries(True)
         try:

@@ -122,13 +122,32 @@ static PyObject *engine_use_shim_reader(PyObject *module, PyObject *flag)
     return prev;
 }
 
-/* _shim_reader_info() -> (offered, on, native_bits): the leaf reader through
- * the shim, and whether it reads the lazy bits in C too. */
-static PyObject *engine_shim_reader_info(PyObject *module, PyObject *unused)
+/* _use_shim_wrap(flag) -> bool: whether each output handle becomes a Python
+ * tensor through torch's own wrapper (where this torch passed its check at
+ * setup) rather than a batch's handles through torch._C._aoti in one call;
+ * returns the previous setting. For tests and benchmarks. */
+static PyObject *engine_use_shim_wrap(PyObject *module, PyObject *flag)
 {
     mtc_state *st = mtc_get_state(module);
-    return Py_BuildValue("(OOO)", st->sr.offered ? Py_True : Py_False, st->sr.on ? Py_True : Py_False,
-                         st->sr.is_neg ? Py_True : Py_False);
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *prev = PyBool_FromLong(st->shim_wrap_on);
+    st->shim_wrap_on = on && st->shim_wrap != NULL;
+    return prev;
+}
+
+/* _shim_parts() -> dict: what of torch's C shim this process uses beside
+ * the output views: the leaf reader ("reader": offered, "reader_on"), the
+ * lazy bits read in C ("native_bits"), torch's own wrapper of each output
+ * ("wrap": offered, "wrap_on"). */
+static PyObject *engine_shim_parts(PyObject *module, PyObject *unused)
+{
+    mtc_state *st = mtc_get_state(module);
+    return Py_BuildValue("{sOsOsOsOsO}", "reader", st->sr.offered ? Py_True : Py_False,
+                         "reader_on", st->sr.on ? Py_True : Py_False,
+                         "native_bits", st->sr.is_neg ? Py_True : Py_False,
+                         "wrap", st->shim_wrap ? Py_True : Py_False,
+                         "wrap_on", st->shim_wrap_on ? Py_True : Py_False);
 }
 
 /* _use_shim(flag) -> bool: whether output views are made through torch's C
@@ -530,8 +549,10 @@ static PyMethodDef engine_methods[] = {
     {"_shim_info", engine_shim_info, METH_NOARGS, "_shim_info() -> (offered, on): torch's C shim for the outputs."},
     {"_use_shim_reader", engine_use_shim_reader, METH_O,
      "_use_shim_reader(flag) -> previous: read exact tensors through torch's C shim (tests compare the readers)."},
-    {"_shim_reader_info", engine_shim_reader_info, METH_NOARGS,
-     "_shim_reader_info() -> (offered, on, native_bits): the leaf reader through torch's C shim."},
+    {"_use_shim_wrap", engine_use_shim_wrap, METH_O,
+     "_use_shim_wrap(flag) -> previous: wrap each output with torch's own C++ wrapper (tests compare the routes)."},
+    {"_shim_parts", engine_shim_parts, METH_NOARGS,
+     "_shim_parts() -> dict: the leaf reader, the lazy bits and the output wrapper through torch's C shim."},
     {"_use_dlpack", engine_use_dlpack, METH_O,
      "_use_dlpack(flag) -> previous: read tensors through torch's DLPack table (tests compare the readers)."},
     {"_early_gc", mtc_collector_set, METH_O,

@@ -442,8 +442,9 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
     _bases_clear(&b, -1, 0);
     void *handles[MTC_MAX_DTYPES] = {0}, *chunk_h = NULL;
     int64_t *geo = PyMem_Malloc(2 * (size_t)maxdim * sizeof(int64_t));
-    PyObject *caps = PyList_New(n), *made = NULL;
-    if (!geo || !caps) {
+    int wrap = mtc_shim_wrap_on(st);
+    PyObject *caps = wrap ? NULL : PyList_New(n), *made = NULL;
+    if (!geo || (!wrap && !caps)) {
         if (!geo) PyErr_NoMemory();
         goto out;
     }
@@ -485,6 +486,12 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
                              "(MTC_TORCH_SHIM=0 makes them with torch's split operators)");
                 goto out;
             }
+            if (wrap) {
+                PyObject *o = mtc_shim_wrap(st, v);
+                if (!o) goto out;
+                Py_XSETREF(outputs[l - t->leaves], o);
+                continue;
+            }
             PyObject *cap = PyCapsule_New(v, NULL, NULL);
             if (!cap) {
                 mtc_shim_release(st, v);
@@ -492,6 +499,11 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
             }
             PyList_SET_ITEM(caps, i, cap);
         }
+    }
+    if (wrap) {
+        mtc_cnt.shim_views += n;
+        rc = 0;
+        goto out;
     }
     made = mtc_shim_tensors(st, caps);
     Py_CLEAR(caps); /* torch took the handles, whatever the outcome */

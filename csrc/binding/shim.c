@@ -123,6 +123,54 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     return 0;
 }
 
+/* torch's wrapper of an at::Tensor as a Python tensor (libtorch_python's
+ * THPVariable_Wrap(at::TensorBase &&), cfg["shim_python"]: that library's
+ * path), offered where it turns a view of cfg["reader_sample"] into a
+ * torch.Tensor over the sample's memory. The handle it is given is moved
+ * from and then released (mtc_shim_wrap). 0 or -1. */
+static int _setup_wrap(mtc_state *st, PyObject *cfg)
+{
+    st->shim_wrap = NULL;
+    st->shim_wrap_on = 0;
+    PyObject *path = PyDict_GetItemString(cfg, "shim_python");
+    PyObject *sample = PyDict_GetItemString(cfg, "reader_sample");
+    if (!path || !PyUnicode_Check(path) || !sample || (PyObject *)Py_TYPE(sample) != st->tensor_type) return 0;
+    const char *p = PyUnicode_AsUTF8(path);
+    if (!p) return -1;
+    void *lib = dlopen(p, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
+    if (!lib) return 0;
+    mtc_shim_wrap_fn wrap = (mtc_shim_wrap_fn)dlsym(lib, "_Z16THPVariable_WrapON2at10TensorBaseE");
+    if (!wrap) return 0;
+    void *h = mtc_shim_handle(st, sample), *v = NULL;
+    if (!h) return -1;
+    int64_t size = 2, stride = 1;
+    int rc = mtc_shim_view(st, h, 1, &size, &stride, 0, &v);
+    mtc_shim_release(st, h);
+    if (rc) return 0;
+    PyObject *o = wrap(v);
+    mtc_shim_release(st, v);
+    if (!o) return -1;
+    PyObject *mine = PyObject_CallMethod(o, "data_ptr", NULL), *theirs = PyObject_CallMethod(sample, "data_ptr", NULL);
+    PyObject *shape = PyObject_GetAttrString(o, "shape");
+    int ok = mine && theirs && shape && (PyObject *)Py_TYPE(o) == st->tensor_type &&
+             PyObject_RichCompareBool(mine, theirs, Py_EQ) == 1 && PyTuple_Check(shape) &&
+             PyTuple_GET_SIZE(shape) == 1 && PyLong_AsLong(PyTuple_GET_ITEM(shape, 0)) == 2;
+    Py_XDECREF(mine);
+    Py_XDECREF(theirs);
+    Py_XDECREF(shape);
+    Py_DECREF(o);
+    if (PyErr_Occurred()) return -1;
+    if (ok) st->shim_wrap = wrap;
+    return 0;
+}
+
+PyObject *mtc_shim_wrap(const mtc_state *st, void *handle)
+{
+    PyObject *o = st->shim_wrap(handle);
+    mtc_shim_release(st, handle);
+    return o;
+}
+
 int mtc_shim_setup(mtc_state *st, PyObject *cfg)
 {
     st->shim_offered = st->shim_on = 0;
@@ -172,8 +220,10 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
         st->shim_view_dtype = NULL;
     }
     if (samples && PyList_Check(samples) && _setup_reader(st, lib, cfg, samples)) return -1;
+    if (_setup_wrap(st, cfg)) return -1;
     st->shim_on = mtc_env_bool(MTC_ENV_TORCH_SHIM, 1);
     st->sr.on = st->sr.offered && st->shim_on;
+    st->shim_wrap_on = st->shim_wrap != NULL;
     return 0;
 }
 

@@ -51,6 +51,15 @@ void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code);
 /* Releases a handle. */
 void mtc_shim_release(const mtc_state *st, void *handle);
 
+/* 1 when a handle becomes a Python tensor with torch's own C++ wrapper
+ * (libtorch_python's THPVariable_Wrap, looked up and checked at setup), one
+ * C call per tensor; else a batch's handles go through mtc_shim_tensors. */
+static inline int mtc_shim_wrap_on(const mtc_state *st) { return st->shim_wrap_on; }
+
+/* The Python tensor of a handle, which it takes over (the handle is released
+ * whatever the outcome): a new reference, or NULL with an exception set. */
+PyObject *mtc_shim_wrap(const mtc_state *st, void *handle);
+
 /* Python tensors of a list of handles (PyCapsules without a destructor, one
  * handle each), which they take over, in order: a new list of len(capsules),
  * or NULL with an exception set. Either way the caller releases none of the

@@ -28,6 +28,9 @@ typedef int32_t (*mtc_shim_get_i64p_fn)(void *self, int64_t **ret);
 typedef int32_t (*mtc_shim_get_i64_fn)(void *self, int64_t *ret);
 typedef int32_t (*mtc_shim_get_i32_fn)(void *self, int32_t *ret);
 typedef int32_t (*mtc_shim_code_fn)(void);
+/* THPVariable_Wrap(at::TensorBase &&): a Python tensor of an at::Tensor, moved from (an rvalue
+ * reference passed as a pointer) */
+typedef PyObject *(*mtc_shim_wrap_fn)(void *tensor);
 /* at::native::is_neg / is_conj: bool (const at::Tensor &), a reference passed as a pointer */
 typedef _Bool (*mtc_native_bit_fn)(const void *tensor);
 
@@ -125,6 +128,9 @@ typedef struct mtc_state {
     int shim_offered;            /* this torch has the shim */
     int shim_on;                 /* outputs are made through it (MTC_TORCH_SHIM, _use_shim) */
     mtc_shim_reader sr;          /* leaves read through it (MTC_TORCH_SHIM too) */
+    mtc_shim_wrap_fn shim_wrap;  /* torch's own wrapper of a handle, or NULL (the batch's handles go
+                                  * through torch._C._aoti in one Python call) */
+    int shim_wrap_on;            /* in use now (_use_shim_wrap) */
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 
