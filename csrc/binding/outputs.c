@@ -418,10 +418,43 @@ static int64_t _member_geometry(const mtc_tree *t, const mtc_plan *p, const mtc_
     return offset + (int64_t)k * (s->row_bytes / proto->elsize);
 }
 
+/* The outputs of segment sg's members (output index i onwards), each one C
+ * call over the typed view h, whose elements start `start` elements into the
+ * chunk: with torch's wrapper (mtc_shim_wrap_on) straight into outputs[],
+ * else as capsules into caps[i..]. geo: room for 2 * maxdim dims. 0 or -1. */
+static int _shim_members(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *sg, void *h,
+                         int64_t start, int64_t *geo, int maxdim, PyObject **outputs, PyObject *caps, uint32_t i)
+{
+    for (uint32_t k = 0; k < sg->count; k++, i++) {
+        uint32_t m = p->members[sg->first + k];
+        int64_t off = _member_geometry(t, p, sg, k, start, geo, geo + maxdim);
+        void *v;
+        if (mtc_shim_view(st, h, t->leaves[m].ndim, geo, geo + maxdim, off, &v)) {
+            PyErr_Format(PyExc_SystemError, "mtc_loader: torch's C shim refused an output view "
+                         "(MTC_TORCH_SHIM=0 makes them with torch's split operators)");
+            return -1;
+        }
+        if (!caps) {
+            PyObject *o = mtc_shim_wrap(st, v);
+            if (!o) return -1;
+            Py_XSETREF(outputs[m], o);
+            continue;
+        }
+        PyObject *cap = PyCapsule_New(v, NULL, NULL);
+        if (!cap) {
+            mtc_shim_release(st, v);
+            return -1;
+        }
+        PyList_SET_ITEM(caps, i, cap);
+    }
+    return 0;
+}
+
 /* mtc_out_views through torch's C shim: per chunk its handle and one typed
  * view per dtype (in C where the shim has view_dtype: no torch call from
  * Python, so no release of the GIL; else as below, from Python), per member
- * one C call, and one Python call for the whole plan's tensors. No piece of
+ * one C call (_shim_members), and each output wrapped by torch's wrapper in C
+ * or, without it, one Python call for the whole plan's tensors. No piece of
  * any gap, no segment view. 0 or -1. */
 static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
                        const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
@@ -448,8 +481,7 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
         if (!geo) PyErr_NoMemory();
         goto out;
     }
-    uint32_t i = 0;
-    for (uint32_t s = 0; s < p->nsegs; s++) {
+    for (uint32_t s = 0, i = 0; s < p->nsegs; i += p->segs[s].count, s++) {
         const mtc_seg *sg = &p->segs[s];
         const mtc_leaf *proto = &t->leaves[sg->proto];
         if (sg->chunk != b.chunk) {
@@ -477,41 +509,17 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
                          "its element size %d", (long long)start, (int)proto->elsize);
             goto out;
         }
-        for (uint32_t k = 0; k < sg->count; k++, i++) {
-            const mtc_leaf *l = &t->leaves[p->members[sg->first + k]];
-            int64_t off = _member_geometry(t, p, sg, k, start / proto->elsize, geo, geo + maxdim);
-            void *v;
-            if (mtc_shim_view(st, *h, l->ndim, geo, geo + maxdim, off, &v)) {
-                PyErr_Format(PyExc_SystemError, "mtc_loader: torch's C shim refused an output view "
-                             "(MTC_TORCH_SHIM=0 makes them with torch's split operators)");
-                goto out;
-            }
-            if (wrap) {
-                PyObject *o = mtc_shim_wrap(st, v);
-                if (!o) goto out;
-                Py_XSETREF(outputs[l - t->leaves], o);
-                continue;
-            }
-            PyObject *cap = PyCapsule_New(v, NULL, NULL);
-            if (!cap) {
-                mtc_shim_release(st, v);
-                goto out;
-            }
-            PyList_SET_ITEM(caps, i, cap);
-        }
+        if (_shim_members(st, t, p, sg, *h, start / proto->elsize, geo, maxdim, outputs, caps, i)) goto out;
     }
-    if (wrap) {
-        mtc_cnt.shim_views += n;
-        rc = 0;
-        goto out;
+    if (caps) {
+        made = mtc_shim_tensors(st, caps);
+        Py_CLEAR(caps); /* torch took the handles, whatever the outcome */
+        if (!made) goto out;
+        uint32_t i = 0;
+        for (uint32_t s = 0; s < p->nsegs; s++)
+            for (uint32_t k = 0; k < p->segs[s].count; k++, i++)
+                outputs[p->members[p->segs[s].first + k]] = Py_NewRef(PyList_GET_ITEM(made, i));
     }
-    made = mtc_shim_tensors(st, caps);
-    Py_CLEAR(caps); /* torch took the handles, whatever the outcome */
-    if (!made) goto out;
-    i = 0;
-    for (uint32_t s = 0; s < p->nsegs; s++)
-        for (uint32_t k = 0; k < p->segs[s].count; k++, i++)
-            outputs[p->members[p->segs[s].first + k]] = Py_NewRef(PyList_GET_ITEM(made, i));
     mtc_cnt.shim_views += n;
     rc = 0;
 out:
