@@ -108,21 +108,22 @@ def stats() -> dict[str, int]:
 
 def output_maker() -> dict[str, Any]:
     """How this process makes the output tensors of packed batches: ``{"maker": "shim" |
-    "split", "reason": str | None}``.
+    "split", "reason": str | None, "wrap": bool}``.
 
     ``"shim"``: through torch's AOTInductor C shim (where this torch has it: 2.11 and 2.13 do),
-    one C call per output and one Python call per batch, a fraction of a microsecond of the GIL
-    per tensor. ``"split"``:
-    with torch's split operators, one or two operator calls per group of tensors, plus a piece
-    for every alignment gap between tensors (about twice the GIL time per tensor); ``reason``
-    says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. Both give the same tensors:
-    dtype, shape, strides, storage offsets and storage sharing."""
+    one C call per output, a fraction of a microsecond of the GIL per tensor; ``wrap`` True: each
+    output becomes a Python tensor through torch's own wrapper, one more C call (where this
+    torch passed the check at import), else a batch's outputs go through one Python call.
+    ``"split"``: with torch's split operators, one or two operator calls per group of tensors,
+    plus a piece for every alignment gap between tensors (about four times the GIL time per
+    tensor); ``reason`` says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. All give
+    the same tensors: dtype, shape, strides, storage offsets and storage sharing."""
     offered, on = _engine._shim_info()
     if on:
-        return {"maker": "shim", "reason": None}
+        return {"maker": "shim", "reason": None, "wrap": bool(_engine._shim_parts()["wrap_on"])}
     why = ("MTC_TORCH_SHIM=0 (or mtc_loader._engine._use_shim(False)) turned it off" if offered
            else f"torch {torch.__version__} has no AOTInductor C shim (torch 2.11 and 2.13 have it)")
-    return {"maker": "split", "reason": why}
+    return {"maker": "split", "reason": why, "wrap": False}
 
 
 def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:
