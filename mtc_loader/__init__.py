@@ -115,8 +115,8 @@ def output_maker() -> dict[str, Any]:
     output becomes a Python tensor through torch's own wrapper, one more C call (where this
     torch passed the check at import), else a batch's outputs go through one Python call.
     ``"split"``: with torch's split operators, one or two operator calls per group of tensors,
-    plus a piece for every alignment gap between tensors (about four times the GIL time per
-    tensor); ``reason`` says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. All give
+    plus a piece for every alignment gap between tensors (three to four times the GIL time
+    per tensor); ``reason`` says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. All give
     the same tensors: dtype, shape, strides, storage offsets and storage sharing."""
     offered, on = _engine._shim_info()
     if on:

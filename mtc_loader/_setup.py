@@ -21,8 +21,9 @@ def _cuda_device(index: int) -> torch.device:
 def _shim() -> "tuple[str, object, object] | None":
     """torch's AOTInductor C shim, where this torch has it: the library that exports it (already
     loaded by torch; the engine only looks it up) and the handle converters of torch._C._aoti. The
-    engine then makes each output view with one C call and a batch's tensors with one Python call;
-    without it, with torch's split operators."""
+    engine then reads each tensor's metadata with the shim's getters, makes each output view with
+    one C call and turns it into a Python tensor with torch's own wrapper (``shim_python``), or a
+    batch's tensors with one Python call; without the shim, with torch's split operators."""
     aoti = getattr(torch._C, "_aoti", None)
     handle_of = getattr(aoti, "unsafe_alloc_void_ptr_from_tensor", None)
     steal = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
