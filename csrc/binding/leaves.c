@@ -295,6 +295,29 @@ static int _lazy_bits(mtc_state *st, PyObject *obj, int exact, int fl)
     return bit;
 }
 
+/* The end of a one-call read (_read_dlpack, _read_shim): from the element
+ * strides os[] of the leaf's dims sh[], its byte strides sd[] and layout
+ * flags as the attribute path leaves them. small: a dim has 0 or 1 elements
+ * (its stride is free in torch, and kept). Returns whether it is contiguous. */
+static int _finish_strides(mtc_leaf *l, int64_t *sh, int64_t *sd, int64_t *os, int small)
+{
+    /* byte strides; wraps only on a dim of size <= 1 (torch checks the
+     * storage holds every element), where the stride addresses nothing */
+    for (int d = 0; d < l->ndim; d++) (void)__builtin_mul_overflow(os[d], (int64_t)l->elsize, &sd[d]);
+    int contiguous = _is_contiguous(sh, sd, l->ndim, l->elsize);
+    if (!contiguous || small) {
+        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
+    } else {
+        /* what the attribute path stores for a contiguous tensor of dims > 1 */
+        int64_t acc = l->elsize;
+        for (int d = l->ndim - 1; d >= 0; d--) {
+            sd[d] = acc;
+            (void)__builtin_mul_overflow(acc, sh[d], &acc);
+        }
+    }
+    return contiguous;
+}
+
 /* The dims, data pointer and device of an exact torch.Tensor read from the
  * DLTensor torch fills for it (dlpack.h), with *code its dtype code: one C
  * call where the attribute path makes five Python calls. Strides are taken
@@ -371,20 +394,7 @@ static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj,
             (void)__builtin_mul_overflow(acc, sh[d], &acc);
         }
     }
-    /* byte strides; wraps only on a dim of size <= 1 (torch checks the
-     * storage holds every element), where the stride addresses nothing */
-    for (int d = 0; d < l->ndim; d++) (void)__builtin_mul_overflow(os[d], (int64_t)l->elsize, &sd[d]);
-    *contiguous = _is_contiguous(sh, sd, l->ndim, l->elsize);
-    if (!*contiguous || small) {
-        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
-    } else {
-        /* what the attribute path stores for a contiguous tensor of dims > 1 */
-        int64_t acc = l->elsize;
-        for (int d = l->ndim - 1; d >= 0; d--) {
-            sd[d] = acc;
-            (void)__builtin_mul_overflow(acc, sh[d], &acc);
-        }
-    }
+    *contiguous = _finish_strides(l, sh, sd, os, small);
     *code = c;
     return 0;
 }
@@ -431,20 +441,7 @@ static int _read_shim(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, m
         os[d] = strides[d];
         if (sh[d] <= 1) small = 1;
     }
-    /* byte strides; wraps only on a dim of size <= 1 (torch checks the
-     * storage holds every element), where the stride addresses nothing */
-    for (int d = 0; d < l->ndim; d++) (void)__builtin_mul_overflow(os[d], (int64_t)l->elsize, &sd[d]);
-    *contiguous = _is_contiguous(sh, sd, l->ndim, l->elsize);
-    if (!*contiguous || small) {
-        l->flags |= mtc_strides_leaf(sh, os, l->ndim);
-    } else {
-        /* what the attribute path stores for a contiguous tensor of dims > 1 */
-        int64_t acc = l->elsize;
-        for (int d = l->ndim - 1; d >= 0; d--) {
-            sd[d] = acc;
-            (void)__builtin_mul_overflow(acc, sh[d], &acc);
-        }
-    }
+    *contiguous = _finish_strides(l, sh, sd, os, small);
     *code = c;
     return 0;
 }
