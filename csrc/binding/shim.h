@@ -57,7 +57,11 @@ void mtc_shim_release(const mtc_state *st, void *handle);
 static inline int mtc_shim_wrap_on(const mtc_state *st) { return st->shim_wrap_on; }
 
 /* The Python tensor of a handle, which it takes over (the handle is released
- * whatever the outcome): a new reference, or NULL with an exception set. */
+ * whatever the outcome): a new reference, or NULL with an exception set.
+ * torch's wrapper reports a failure to allocate the Python object with a C++
+ * exception, which cannot cross the engine's C frames: a process out of host
+ * memory at that point aborts instead of raising MemoryError
+ * (MTC_TORCH_SHIM=0 avoids the wrapper). */
 PyObject *mtc_shim_wrap(const mtc_state *st, void *handle);
 
 /* Python tensors of a list of handles (PyCapsules without a destructor, one
