@@ -33,6 +33,16 @@ def _shim() -> "tuple[str, object, object] | None":
     return (lib, handle_of, steal)
 
 
+def _bit_samples() -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None":
+    """A plain tensor, a negative view and a conjugate view: what the leaf reader's C functions
+    for the lazy bits are checked against at setup (None where this torch cannot make them: the
+    reader is then not used)."""
+    neg_view = getattr(torch, "_neg_view", None)
+    if neg_view is None:
+        return None
+    return (torch.zeros(2), neg_view(torch.zeros(2)), torch.zeros(2, dtype=torch.complex64).conj())
+
+
 def _raw_stream_unavailable(index: int) -> int:
     raise RuntimeError("mtc_loader: this torch build has no CUDA support")
 
@@ -64,7 +74,7 @@ _engine._setup({
     # what the leaf reader through the shim is checked against before it is used: a strided view
     # with an offset, and a plain, a negative and a conjugate view (the lazy bits)
     "reader_sample": torch.zeros(4, 6)[1:, 2:5],
-    "bit_samples": (torch.zeros(2), torch._neg_view(torch.zeros(2)), torch.zeros(2, dtype=torch.complex64).conj()),
+    "bit_samples": _bit_samples(),
     "leaf_slot": _tree.LEAF,
     "atom_slot": _tree.ATOM,
     # torch.Tensor's own descriptors: the engine calls them directly for exact tensors
