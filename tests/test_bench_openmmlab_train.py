@@ -118,23 +118,30 @@ def test_coco_set_is_read_by_cocodataset_in_full_batches(tmp_path):
         assert len(batches) == n // 2 and all(len(b) == 2 for b in batches)
 
 
-def test_nuscenes_set_gives_cbgs_ten_entries_per_info_and_the_pipeline_its_sweeps(tmp_path):
+def _mmdet3d_dataset(tmp_path, name: str, iters: int):
+    """The training dataset of model ``name``'s plain child config over its synthetic set (written
+    for ``iters`` iterations of 2, 2 unique entries), built as the Runner builds it, and the set's
+    summary."""
     _mmdet3d()
     from mmengine.config import Config
     from mmengine.registry import DATASETS, init_default_scope
 
     from mmdet3d.utils import register_all_modules
 
-    model = MODELS["centerpoint"]
+    model = MODELS[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         register_all_modules(init_default_scope=False)
-        cfg = Config.fromfile(str(pathlib.Path(_write_child(tmp_path, "centerpoint"))))
-    summary = model.write(str(tmp_path / "data"), 10, 2, 2, True)
-    assert summary["boxes_per_sample"] == 10 and min(summary["database"]) == 10
-    cfg.merge_from_dict(model.samples(10, 2))  # 10 iterations of 2: 2 infos, resampled into 20
+        cfg = Config.fromfile(_write_child(tmp_path, name))
+    summary = model.write(str(tmp_path / "data"), iters, 2, 2, True)
+    cfg.merge_from_dict(model.samples(iters, 2))
     init_default_scope("mmdet3d")
-    ds = DATASETS.build(cfg.train_dataloader.dataset)
+    return DATASETS.build(cfg.train_dataloader.dataset), summary
+
+
+def test_nuscenes_set_gives_cbgs_ten_entries_per_info_and_the_pipeline_its_sweeps(tmp_path):
+    ds, summary = _mmdet3d_dataset(tmp_path, "centerpoint", 10)  # 10 iterations of 2: 2 infos, resampled into 20
+    assert summary["boxes_per_sample"] == 10 and min(summary["database"]) == 10
     assert len(ds) == 20
     sample = ds[0]
     points = sample["inputs"]["points"]
@@ -152,21 +159,7 @@ def _write_child(tmp_path, name: str) -> str:
 
 
 def test_waymo_set_is_read_by_waymodataset_with_five_cameras(tmp_path):
-    _mmdet3d()
-    from mmengine.config import Config
-    from mmengine.registry import DATASETS, init_default_scope
-
-    from mmdet3d.utils import register_all_modules
-
-    model = MODELS["mvfcos3d"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        register_all_modules(init_default_scope=False)
-        cfg = Config.fromfile(_write_child(tmp_path, "mvfcos3d"))
-    model.write(str(tmp_path / "data"), 3, 2, 2, True)
-    cfg.merge_from_dict(model.samples(3, 2))
-    init_default_scope("mmdet3d")
-    ds = DATASETS.build(cfg.train_dataloader.dataset)
+    ds, _ = _mmdet3d_dataset(tmp_path, "mvfcos3d", 3)
     assert len(ds) == 6
     sample = ds[1]
     assert tuple(sample["inputs"]["img"].shape) == (5, 3, 72, 108)  # 5 views, cropped as the quick pipeline says

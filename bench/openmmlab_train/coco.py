@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from . import sets
+
 LANDSCAPE = [(640, 480), (800, 600), (960, 540), (1024, 768), (1280, 720)]
 PORTRAIT = [(480, 640)]
 QUICK_LANDSCAPE = [(160, 120), (240, 180), (320, 180)]
@@ -26,11 +28,9 @@ def write(root: str, entries: int, batch_size: int, unique: int, quick: bool) ->
     from mmdet.datasets import CocoDataset
 
     spec = dict(entries=entries, batch_size=batch_size, unique=unique, quick=quick, version=2)
-    stamp = os.path.join(root, "spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == spec:
-                return spec
+    summary = sets.kept(root, spec)
+    if summary is not None:
+        return summary
     os.makedirs(os.path.join(root, "images"), exist_ok=True)
     os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
     landscape, portrait = (QUICK_LANDSCAPE, QUICK_PORTRAIT) if quick else (LANDSCAPE, PORTRAIT)
@@ -74,6 +74,4 @@ def write(root: str, entries: int, batch_size: int, unique: int, quick: bool) ->
                 categories=[dict(id=i + 1, name=n) for i, n in enumerate(classes)])
     with open(os.path.join(root, "annotations", "train.json"), "w") as f:
         json.dump(coco, f)
-    with open(stamp, "w") as f:
-        json.dump(spec, f)
-    return spec
+    return sets.stamp(root, dict(spec=spec))

@@ -17,13 +17,14 @@ the config's ``CBGSDataset`` resample N entries into exactly 10 N.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import multiprocessing
 import os
 import pickle
 from typing import Any
 
 import numpy as np
+
+from . import sets
 
 CLASSES = ["car", "truck", "construction_vehicle", "bus", "trailer", "barrier", "motorcycle",
            "bicycle", "pedestrian", "traffic_cone"]  # the order of create_data's infos
@@ -202,12 +203,9 @@ def write(root: str, entries: int, unique: int, quick: bool) -> dict[str, Any]:
     ``entries`` training infos naming them in turn, each with its own token. Returns a summary
     (points per sweep, boxes per sample, ...); kept when ``root`` already holds the same set."""
     spec = dict(entries=entries, unique=unique, quick=quick, version=2)
-    stamp = os.path.join(root, "spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            kept = json.load(f)
-        if kept.get("spec") == spec:
-            return dict(kept)
+    summary = sets.kept(root, spec)
+    if summary is not None:
+        return summary
     for d in ("samples/LIDAR_TOP", "sweeps/LIDAR_TOP", "nuscenes_gt_database"):
         os.makedirs(os.path.join(root, d), exist_ok=True)
     rng = np.random.default_rng(0)
@@ -273,6 +271,4 @@ def write(root: str, entries: int, unique: int, quick: bool) -> dict[str, Any]:
     summary = dict(spec=spec, points_per_sweep=[min(n_points), int(np.mean(n_points)), max(n_points)],
                    boxes_per_sample=len(scenes[0]["instances"]),
                    database=[len(v) for v in dbinfos.values()])
-    with open(stamp, "w") as f:
-        json.dump(summary, f)
-    return summary
+    return sets.stamp(root, summary)

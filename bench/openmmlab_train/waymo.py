@@ -14,12 +14,13 @@ config's range.
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from typing import Any
 
 import numpy as np
+
+from . import sets
 
 CLASSES = ["Car", "Pedestrian", "Cyclist"]  # WaymoDataset's METAINFO order
 SIZES = {"Car": (4.7, 2.1, 1.8), "Pedestrian": (0.9, 0.8, 1.75), "Cyclist": (1.8, 0.8, 1.8)}
@@ -115,12 +116,9 @@ def write(root: str, frames: int, unique: int, quick: bool) -> dict[str, Any]:
     import cv2
 
     spec = dict(frames=frames, unique=unique, quick=quick, version=2)
-    stamp = os.path.join(root, "spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            kept = json.load(f)
-        if kept.get("spec") == spec:
-            return dict(kept)
+    summary = sets.kept(root, spec)
+    if summary is not None:
+        return summary
     scale = 0.1 if quick else 1.0
     rng = np.random.default_rng(0)
     cams = {name: (folder, camera(yaw, round(w * scale), round(h * scale), scale), round(w * scale), round(h * scale))
@@ -151,6 +149,4 @@ def write(root: str, frames: int, unique: int, quick: bool) -> dict[str, Any]:
         pickle.dump(dict(metainfo=metainfo, data_list=infos), f)
     summary = dict(spec=spec, boxes_per_frame=len(scenes[0]), jpeg_kb_per_frame=round(jpeg_bytes / unique / 1024),
                    image_sizes=[[w, h] for _, _, w, h in cams.values()])
-    with open(stamp, "w") as f:
-        json.dump(summary, f)
-    return summary
+    return sets.stamp(root, summary)
