@@ -127,7 +127,7 @@ class _PrefetchEpochs:
         self.loader, self.device = loader, device
 
     def __iter__(self) -> Any:
-        return mm._Prefetching(self.loader, self.device, 2)
+        return mm._loops._Prefetching(self.loader, self.device, 2)
 
 
 def make_method(name: str, ds: Dataset, workers: int, batch_size: int, device: torch.device) -> tuple[Any, Callable[[Any], Any]]:

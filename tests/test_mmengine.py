@@ -277,13 +277,13 @@ def test_a_prefetched_batch_is_freed_where_the_loop_drops_it():
     import weakref
     batches = [[make_sample(i) for i in range(k, k + 2)] for k in range(0, 6, 2)]
     pre = mm.MTCDataPreprocessor(dict(type="BaseDataPreprocessor"))
-    it = mm._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
+    it = mm._loops._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
     gc.disable()  # only reference counts free the batch here
     try:
         for _ in batches:  # (a for over enumerate() would keep its last item until the next)
             data = next(it)
             out = pre(data, True)
-            assert mm._MOVED.batch is None
+            assert mm._preprocessor._MOVED.batch is None
             leaf = weakref.ref(out["data_samples"][0].gt_instances_3d.labels_3d)
             del data, out
             assert leaf() is None, "the batch outlived the loop's del"
@@ -293,12 +293,12 @@ def test_a_prefetched_batch_is_freed_where_the_loop_drops_it():
         gc.enable()
         it.close()
     # a batch handed out and never given to forward is released by the next hand-out
-    it = mm._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
+    it = mm._loops._Prefetching([mm.packed_collate(b) for b in batches], torch.device("cpu"), 2)
     try:
         first = next(it)
-        assert mm._MOVED.batch is first
+        assert mm._preprocessor._MOVED.batch is first
         next(it)
-        assert mm._MOVED.batch is not first
+        assert mm._preprocessor._MOVED.batch is not first
     finally:
         it.close()
 
@@ -352,9 +352,9 @@ def test_unregistered_box_class_is_refused_by_path():
 
 def test_bad_registrations_of_data_elements():
     with pytest.raises(ValueError, match="BaseDataElement is registered already"):
-        mtc_loader.register_container(BaseDataElement, mm._flatten_element, mm._unflatten_element)
+        mtc_loader.register_container(BaseDataElement, mm._elements._flatten_element, mm._elements._unflatten_element)
     with pytest.raises(TypeError, match=r"register_container\(.*WithExtras\): flatten must be callable"):
-        mtc_loader.register_container(WithExtras, None, mm._unflatten_element)  # type: ignore[arg-type]
+        mtc_loader.register_container(WithExtras, None, mm._elements._unflatten_element)  # type: ignore[arg-type]
 
 
 def test_registered_names():
@@ -425,7 +425,7 @@ def test_what_cast_data_leaves_on_the_host_stays_there(device):
     got = snapshot(pre.cast_data(mm.packed_collate(samples).to(device)))
     assert_same(ref, got)
     batch = pseudo_collate(samples)
-    prefetched = next(iter(mm._Prefetching([batch], torch.device(device), 1)))
+    prefetched = next(iter(mm._loops._Prefetching([batch], torch.device(device), 1)))
     assert_same(ref, snapshot(pre.cast_data(prefetched)))
     assert isinstance(prefetched["inputs"]["calib"][1], np.ndarray)
     assert prefetched["inputs"]["boxes"][0] is batch["inputs"]["boxes"][0]  # start_copy: the same object

@@ -775,6 +775,41 @@ def test_per_class_tables_are_bounded():
             first = weakref.ref(cls)
         del cls, el
     gc.collect()
-    assert mm._moves_lists.cache_info().currsize <= 512
-    assert mm._slots.cache_info().currsize <= 512
+    assert mm._elements._moves_lists.cache_info().currsize <= 512
+    assert mm._elements._slots.cache_info().currsize <= 512
     assert first() is None
+
+
+def test_every_name_is_registered_on_import_and_by_custom_imports(tmp_path):
+    """The module's rooms (data elements, collate, preprocessor, loops, hooks, switch) register
+    everything when ``mtc_loader.mmengine`` is imported, and a config's ``custom_imports`` makes
+    that import: in a fresh interpreter, each name is found in its registry as the object the
+    package exports, the data elements and the structure types are containers of the walk, and
+    the package exports what its ``__all__`` says."""
+    (tmp_path / "cfg.py").write_text('custom_imports = dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)\n')
+    code = f"""
+        import sys, types, warnings
+        warnings.simplefilter("ignore")
+        from mmengine.config import Config
+        from mmengine.registry import FUNCTIONS, LOOPS, MODELS, RUNNERS
+        from mmengine.structures import InstanceData
+        from mtc_loader import _tree
+        assert "mtc_loader.mmengine" not in sys.modules and FUNCTIONS.get("mtc_packed_collate") is None
+        assert _tree.element_kind(InstanceData) == _tree.LEAF_KIND
+        Config.fromfile({str(tmp_path / "cfg.py")!r})
+        mm = sys.modules["mtc_loader.mmengine"]
+        assert FUNCTIONS.get("mtc_packed_collate") is mm.packed_collate
+        assert MODELS.get("MTCDataPreprocessor") is mm.MTCDataPreprocessor
+        for name in ("MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "MTCValLoop", "MTCTestLoop"):
+            assert LOOPS.get(name) is getattr(mm, name), name
+        assert RUNNERS.get("MTCRunner") is mm.MTCRunner
+        assert _tree.element_kind(InstanceData) == _tree.GENERIC
+        public = sorted(n for n, v in vars(mm).items() if not n.startswith("_") and n != "annotations"
+                        and not isinstance(v, types.ModuleType))
+        assert public == sorted(mm.__all__), public
+        print("ok")
+    """
+    env = dict(os.environ, PYTHONPATH=package_parent())
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=package_parent(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -1,0 +1,163 @@
+"""The collate: ``mtc_packed_collate`` in mmengine's ``FUNCTIONS`` (:class:`PackedPseudoCollate`),
+and what ``cast_data`` leaves on the host marked so."""
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from mmengine.dataset import pseudo_collate
+from mmengine.registry import FUNCTIONS
+from mmengine.structures import BaseDataElement
+from torch.utils.data import get_worker_info
+
+from .. import _tree
+from .._tree import OnHost
+from ..collate import Arena, PackedBatch, PackedCollate
+from ._elements import _COPY_METAINFO
+
+__all__ = ["PackedPseudoCollate", "packed_collate"]
+
+
+def _place(data: Any) -> Any:
+    """``data`` with what ``BaseDataPreprocessor.cast_data`` leaves on the host marked so
+    (:class:`~mtc_loader._tree.OnHost`), where it holds tensors the walk would otherwise move
+    (boxes or points outside data samples) or is a numpy array (which ``cast_data`` keeps as
+    one): cast_data's own recursion, through mappings, named tuples and sequences, moving only
+    tensors and data elements (and FileTensors, which it never sees: they become tensors)."""
+    if isinstance(data, Mapping):  # (cast_data makes every mapping a dict)
+        return {k: _place(data[k]) for k in data}
+    if isinstance(data, (str, bytes)) or data is None:
+        return data
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_place(v) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_place(v) for v in data)
+    if isinstance(data, (torch.Tensor, BaseDataElement)):
+        return data
+    kind = _tree.element_kind(type(data))
+    if kind == _tree.FILE:
+        return data
+    if kind in (_tree.NDARRAY, _tree.GENERIC, _tree.TENSOR):
+        return OnHost(data)
+    return data
+
+
+class _PlacedAsCastData:
+    """A collate function whose output's ``inputs`` (and anything else outside data samples) is
+    marked where ``cast_data`` would leave it on the host (:func:`_place`)."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return _place(self.fn(samples))
+
+
+# what an arena too small tells PackedCollate's users, and what mmengine's configure
+_ARENA_HINT = "PackedCollate(arena_bytes=...)"
+_ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...) in the model's config (model=dict(data_preprocessor="
+                  "dict(type='MTCDataPreprocessor', ..., arena_bytes=...)), or switch_config(cfg, arena_bytes=...))")
+
+
+# what a PackedBatch read as its structure (by a hook of mmengine's own loops) tells the user
+_UNPACK_HINT_MM = (
+    "mmengine's own loops (EpochBasedTrainLoop, IterBasedTrainLoop, ValLoop, TestLoop) hand the hooks the "
+    "batch as the loader made it. Set runner_type = \"MTCRunner\" in the config (built with RUNNERS.build(cfg) "
+    "or MTCRunner.from_cfg(cfg)), or name mtc_loader's loops (train_cfg=dict(type=\"MTCEpochBasedTrainLoop\", "
+    "...) or \"MTCIterBasedTrainLoop\", val_cfg=dict(type=\"MTCValLoop\"), test_cfg=dict(type=\"MTCTestLoop\")): "
+    "they unpack each packed batch on the model's device before the hooks run")
+
+
+class PackedPseudoCollate:
+    """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
+    ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
+    region of a shared arena; the DataLoader yields :class:`~mtc_loader.PackedBatch` objects,
+    which :class:`MTCDataPreprocessor` (or :class:`MTCEpochBasedTrainLoop`) moves to the device.
+
+    One instance per process, shared by every DataLoader whose config names it; its arena is
+    created in the process that trains (by :class:`MTCDataPreprocessor` when the model is built,
+    or on first use), before the DataLoader starts its workers, which receive it.
+
+    Config: ``collate_fn=dict(type="mtc_packed_collate")``, or
+    ``dict(type="mtc_packed_collate", collate_fn="default_collate")`` to pack what another
+    function of ``FUNCTIONS`` (a name) or any callable makes.
+    """
+
+    def __init__(self) -> None:
+        self.arena: Optional[Arena] = None
+        self.arena_bytes = 256 << 20
+        self._packers: dict[Any, PackedCollate] = {}
+        self._lock = threading.Lock()
+
+    def arm(self, arena_bytes: Optional[int] = None) -> Arena:
+        """Creates the arena (``arena_bytes``, default 256 MiB) unless it exists; returns it. The
+        first call sizes it. Call it in the process that trains, before the DataLoader starts."""
+        with self._lock:
+            if self.arena is None:
+                if get_worker_info() is not None:
+                    raise RuntimeError(
+                        "mtc_loader: mtc_packed_collate runs in a DataLoader worker that received no arena: "
+                        "its arena must be created in the training process before the DataLoader starts "
+                        "its workers. Use data_preprocessor=dict(type='MTCDataPreprocessor', ...) in the "
+                        "model's config (it creates the arena when the model is built), or call "
+                        "mtc_loader.mmengine.packed_collate.arm() before training")
+                if arena_bytes is not None:
+                    self.arena_bytes = int(arena_bytes)
+                self.arena = Arena(self.arena_bytes)
+                self.arena._unpack_hint = _UNPACK_HINT_MM
+            return self.arena
+
+    def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None], kwargs: dict[str, Any]) -> PackedCollate:
+        key: Any = (collate_fn, tuple(sorted(kwargs.items())))
+        try:
+            p = self._packers.get(key)
+        except TypeError:  # an unhashable argument: keyed by its text
+            key = (collate_fn, repr(sorted(kwargs.items())))
+            p = self._packers.get(key)
+        if p is None:
+            fn = pseudo_collate if collate_fn is None else (
+                FUNCTIONS.get(collate_fn) if isinstance(collate_fn, str) else collate_fn)
+            if not callable(fn):
+                raise ValueError(f"mtc_loader: mtc_packed_collate's collate_fn {collate_fn!r} is not a "
+                                 "function registered in mmengine's FUNCTIONS nor a callable")
+            if kwargs:
+                fn = functools.partial(fn, **kwargs)
+            p = self._packers[key] = PackedCollate(_PlacedAsCastData(fn), arena=self.arm())
+        return p
+
+    def __call__(self, data_batch: Sequence[Any], collate_fn: Union[str, Callable[[list[Any]], Any], None] = None,
+                 **kwargs: Any) -> PackedBatch:
+        """Packs what ``collate_fn`` (``pseudo_collate`` by default; ``kwargs`` are its other
+        arguments, from the loader's ``collate_fn`` config) makes of ``data_batch``."""
+        packer = self._packer(collate_fn, kwargs)
+        in_worker = get_worker_info() is not None
+        # packed in the process that trains (num_workers=0), the batch's metainfo would be the
+        # dataset's own objects: copied here, as BaseDataElement.to deep-copies it (a worker's
+        # travel pickled, which copies them)
+        _COPY_METAINFO.on = not in_worker
+        try:
+            return packer(list(data_batch))
+        except RuntimeError as e:
+            if _ARENA_HINT not in str(e):
+                raise
+            raise RuntimeError(str(e).replace(_ARENA_HINT, _ARENA_HINT_MM).replace(
+                "PrefetchLoader depth", "the train loop's prefetch_depth")) from None
+        finally:
+            _COPY_METAINFO.on = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a worker started by spawn or forkserver receives the arena: created here if need be
+        if get_worker_info() is None:
+            self.arm()
+        return {"arena": self.arena, "arena_bytes": self.arena_bytes, "containers": _tree.CARRIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.arena, self.arena_bytes = state["arena"], state["arena_bytes"]
+
+
+packed_collate = PackedPseudoCollate()
+FUNCTIONS.register_module(name="mtc_packed_collate", module=packed_collate)
