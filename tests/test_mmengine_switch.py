@@ -813,3 +813,145 @@ def test_every_name_is_registered_on_import_and_by_custom_imports(tmp_path):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=package_parent(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+# every argument of the train command checked before anything starts: (arguments, config text or
+# None for CLI_CONFIG, what error: says)
+BAD_ARGUMENTS = {
+    "arena_negative": (["--arena-bytes", "-1"], None, r"argument --arena-bytes: '-1' is not a size"),
+    "arena_zero": (["--arena-bytes", "0"], None, r"argument --arena-bytes: '0' is not from 1 byte"),
+    "arena_words": (["--arena-bytes", "lots"], None, r"argument --arena-bytes: 'lots' is not a size"),
+    "arena_too_large": (["--arena-bytes", "65T"], None, r"argument --arena-bytes: '65T' is not from 1 byte to 64 TiB"),
+    "depth_negative": (["--prefetch-depth", "-1"], None, r"argument --prefetch-depth: '-1' is not an int >= 0"),
+    "depth_word": (["--prefetch-depth", "two"], None, r"argument --prefetch-depth: 'two' is not an int >= 0"),
+    "local_rank": (["--local_rank", "-1"], None, r"argument --local_rank/--local-rank: '-1' is not an int >= 0"),
+    "amp_no_wrapper": (["--amp"], "no_wrapper", r"--amp needs an optim_wrapper in the config .*has none"),
+    "amp_other_wrapper": (["--amp"], "other_wrapper", r"--amp needs the optimizer wrapper type OptimWrapper"),
+    "auto_scale_lr": (["--auto-scale-lr"], None, r"--auto-scale-lr needs \"auto_scale_lr\""),
+    "resume_missing": (["--resume", "nothere.pth"], None, r"--resume nothere\.pth: no checkpoint file nothere\.pth"),
+    "launcher_pytorch": (["--launcher", "pytorch"], None, r"--launcher pytorch reads RANK, WORLD_SIZE, MASTER_ADDR, "
+                         r"MASTER_PORT from the environment, which are not set: start the command as torchrun"),
+    "launcher_slurm": (["--launcher", "slurm"], None, r"--launcher slurm reads SLURM_PROCID"),
+    "launcher_mpi": (["--launcher", "mpi"], None, r"--launcher mpi reads OMPI_COMM_WORLD_LOCAL_RANK"),
+    "sync_bn": (["--sync_bn", "yes"], None, r"argument --sync_bn: invalid choice: 'yes'"),
+    "cfg_options": (["--cfg-options", "train_dataloader.batch_size.x=2"], None, r"--cfg-options "),
+    "work_dir_file": (["--work-dir", "a_file"], None, r"work dir a_file is a file, not a directory"),
+    "work_dir_under_file": (["--work-dir", "a_file/wd"], None, r"work dir a_file/wd cannot be created: \S*a_file is a file"),
+    "config_depth": ([], "bad_depth", r"config file cfg\.py: train_cfg\.prefetch_depth=-2: prefetch_depth must be "
+                     r"an int >= 0"),
+    "config_arena": ([], "bad_arena", r"config file cfg\.py: model\.data_preprocessor\.arena_bytes=0: arena_bytes "
+                     r"must be positive"),
+}
+CONFIG_VARIANTS = {
+    "no_wrapper": CLI_CONFIG.replace('optim_wrapper = dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.01))', ""),
+    "other_wrapper": CLI_CONFIG.replace('type="OptimWrapper"', 'type="mmengine::ZeroRedundancyOptimizer"'),
+    "bad_depth": CLI_CONFIG.replace("max_epochs=3)", "max_epochs=3, prefetch_depth=-2)"),
+    "bad_arena": CLI_CONFIG + 'model = dict(type="MtcCliModel", data_preprocessor=dict(type="MTCDataPreprocessor", '
+                              'arena_bytes=0))\n',
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_train_command_bad_arguments_stop_before_anything_starts(tmp_path, monkeypatch, capsys, case):
+    """Each argument of the command (and what the switch puts in the config) is checked before
+    the runner starts: the usage, ``error: ...`` naming the argument, exit status 2, no traceback,
+    and no work dir, log or config dump left behind."""
+    from mtc_loader.mmengine.__main__ import main
+
+    args, variant, expected = BAD_ARGUMENTS[case]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (see test_train_command_config_errors)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "mtc_cli_toy.py").write_text(CLI_MODULE)
+    (tmp_path / "cfg.py").write_text(CLI_CONFIG if variant is None else CONFIG_VARIANTS[variant])
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with mock.patch.dict(sys.modules), pytest.raises(SystemExit) as e:
+        main(["train", "cfg.py", *args] + ([] if "--work-dir" in args else ["--work-dir", "wd"]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python3 -m mtc_loader.mmengine train"), err
+    assert re.search(r"train: error: " + expected, err), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "cfg.py", "mtc_cli_toy.py"]
+
+
+def test_train_command_takes_sizes_with_units_and_shows_defaults(tmp_path, capsys):
+    """``--arena-bytes`` takes bytes or K, M, G, T (powers of 1024, with or without iB / B);
+    ``train --help`` gives each option's default."""
+    from mtc_loader.mmengine.__main__ import _parser
+
+    sizes = {"536870912": 512 << 20, "512M": 512 << 20, "512MiB": 512 << 20, "512mb": 512 << 20, "64K": 64 << 10,
+             "1G": 1 << 30, "2 GiB": 2 << 30, "1T": 1 << 40, "4096B": 4096}
+    for text, n in sizes.items():
+        args = _parser().parse_args(["train", "cfg.py", "--arena-bytes", text])
+        assert args.arena_bytes == n, text
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--arena-bytes", "(default: the config's, else 256M)"),
+                            ("--prefetch-depth", "(default: the config's, else 2)"),
+                            ("--launcher", "(default: none"), ("--sync_bn", "(default: none)"),
+                            ("--work-dir", "(default: the config's work_dir, else ./work_dirs/<config name>)"),
+                            ("--local-rank", "(default: 0)"), ("--no-pack-eval", "(default: packed)")):
+        assert default in out.split(option, 2)[-1].split(" --", 1)[0], (option, out)
+    assert "mmdet3d::pointpillars/" in out.replace(" ", "")
+
+
+@pytest.mark.parametrize("scoped", [POINTPILLARS, RETINANET])
+def test_configs_of_installed_packages_by_scope(tmp_path, monkeypatch, capsys, scoped):
+    """A config of an installed package named by its scope, as ``_base_`` names one (a pip
+    install keeps mmdet3d's and mmdet's configs inside the package, under .mim/configs): through
+    switch_config and through the train command, which reads it (its work dir named after the
+    file) and stops at a bad argument checked after the config is read."""
+    from mtc_loader.mmengine.__main__ import _parser, build_config, main
+
+    scope = scoped.split("::")[0]
+    pytest.importorskip(scope, reason=f"needs {scope}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = mm.switch_config(scoped)
+        plain = Config.fromfile(os.path.join(os.path.dirname(__import__(scope).__file__), ".mim", "configs",
+                                             scoped.split("::")[1]))
+    assert cfg.model.data_preprocessor == dict(type="MTCDataPreprocessor", preprocessor=plain.model.data_preprocessor)
+    assert cfg.train_cfg.type == "MTCEpochBasedTrainLoop"
+    assert cfg.train_dataloader.collate_fn.type == "mtc_packed_collate"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = build_config(_parser().parse_args(["train", scoped, "--arena-bytes", "512M"]))
+    name = os.path.splitext(os.path.basename(scoped))[0]
+    assert cfg.work_dir == os.path.join("./work_dirs", name)
+    assert cfg.model.data_preprocessor.arena_bytes == 512 << 20
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["train", scoped, "--work-dir", "a_file"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: work dir a_file is a file" in err and "no config file" not in err, err
+
+
+@pytest.mark.parametrize("name, error, says", [
+    ("mmdet3d::nothere/x.py", FileNotFoundError, r"the installed mmdet3d has no config nothere/x\.py \(its configs "
+                                                 r"are in \S*mmdet3d/\.mim/configs\)"),
+    ("mmfoo::a/b.py", ValueError, r"mmengine knows no package of scope 'mmfoo'; the scopes it knows are .*mmdet3d"),
+    ("mmdet3d::x.py", ValueError, r"named 'mmdet3d::<folder>/<file>\.py'"),
+])
+def test_scope_form_errors(tmp_path, monkeypatch, capsys, name, error, says):
+    """A scope-form name that finds no config says why, through both entry points."""
+    from mtc_loader.mmengine.__main__ import main
+
+    pytest.importorskip("mmdet3d", reason="needs mmdet3d")
+    with pytest.raises(error, match=says):
+        mm.switch_config(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        main(["train", name])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"train: error: config '" + re.escape(name) + "': .*" + says, err), err
+    assert list(tmp_path.iterdir()) == []

@@ -9,11 +9,48 @@ import datetime
 import functools
 import logging
 import os
+import re
 import sys
 import sysconfig
 import traceback
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+
+# what --arena-bytes takes: a number of bytes, or one with a binary unit
+_SIZE = re.compile(r"\s*(\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", re.IGNORECASE)
+_UNITS = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_ARENA_BYTES = 1 << 46  # the engine's limit (mtc_loader.Arena's)
+
+
+def _size(text: str) -> int:
+    """``--arena-bytes``: bytes, as a number (``536870912``) or with a unit, K, M, G or T, powers
+    of 1024 (``512M``, ``512MiB``, ``512MB`` all mean 512 MiB)."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give a number of bytes (536870912) or one with a unit, K, M, G or T, "
+            "powers of 1024 (512M, 512MiB)")
+    n = int(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
+    if not 1 <= n <= _MAX_ARENA_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not from 1 byte to 64 TiB (the arena's size)")
+    return n
+
+
+def _count(what: str) -> Callable[[str], int]:
+    """An argument that takes an int >= 0 (``what`` says what it counts)."""
+
+    def count(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 0 ({what})")
+        return n
+
+    count.__name__ = "int"  # argparse's own word for it
+    return count
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,31 +61,107 @@ def _parser() -> argparse.ArgumentParser:
         description="Train an OpenMMLab config with mtc_loader's switch (packed batches, one DMA each, "
                     "prefetched), the config file left as it is.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a config file (the arguments of tools/train.py)")
+    train = sub.add_parser(
+        "train", help="train a config file (the arguments of tools/train.py)",
+        description="Train a config file with mtc_loader's switch applied (mtc_loader.mmengine.switch_config). "
+                    "Every argument is checked before anything starts: a bad one stops the command with "
+                    "'error: ...' and exit status 2, nothing created.")
     train.set_defaults(error=train.error)  # what build_config reports a bad argument or config with
-    train.add_argument("config", help="train config file path")
-    train.add_argument("--work-dir", help="the dir to save logs and models")
+    train.add_argument("config", help="train config file path, or a config of an installed package by its scope, "
+                                      "as _base_ names one: mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_"
+                                      "kitti-3d-3class.py (a pip install keeps the configs inside the package)")
+    train.add_argument("--work-dir", help="the dir to save logs and models (default: the config's work_dir, "
+                                          "else ./work_dirs/<config name>)")
     train.add_argument("--amp", action="store_true", default=False,
-                       help="enable automatic-mixed-precision training")
+                       help="enable automatic-mixed-precision training (the config's optim_wrapper becomes "
+                            "AmpOptimWrapper; default: off)")
     train.add_argument("--sync_bn", choices=["none", "torch", "mmcv"], default="none",
-                       help="convert all BatchNorm layers in the model to SyncBatchNorm")
-    train.add_argument("--auto-scale-lr", action="store_true", help="enable automatically scaling LR")
+                       help="convert all BatchNorm layers in the model to SyncBatchNorm (default: none)")
+    train.add_argument("--auto-scale-lr", action="store_true",
+                       help="enable automatically scaling LR (the config's auto_scale_lr; default: off)")
     train.add_argument("--resume", nargs="?", type=str, const="auto",
                        help="resume from this checkpoint, or (no value) from the latest in the work dir; "
                             "the checkpoint is loaded with torch.load(weights_only=False), as mmengine "
-                            "expects: resume only from checkpoints you trust")
+                            "expects: resume only from checkpoints you trust (default: no resume)")
     train.add_argument("--cfg-options", nargs="+", action=DictAction,
                        help="override settings of the config, key=value (merged into it before the switch)")
     train.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
-                       help="job launcher")
-    train.add_argument("--local_rank", "--local-rank", type=int, default=0)
-    train.add_argument("--arena-bytes", type=int, default=None,
-                       help="size of the shared arena (MTCDataPreprocessor's arena_bytes)")
-    train.add_argument("--prefetch-depth", type=int, default=None,
-                       help="batches prefetched by the train loop (0: none)")
+                       help="job launcher (default: none; pytorch: under torchrun)")
+    train.add_argument("--local_rank", "--local-rank", type=_count("the process's rank on its machine"), default=0,
+                       help="the process's rank on its machine, where LOCAL_RANK is not set (default: 0)")
+    train.add_argument("--arena-bytes", type=_size, default=None, metavar="SIZE",
+                       help="size of the shared arena (MTCDataPreprocessor's arena_bytes): bytes, or with a unit "
+                            "K, M, G, T, powers of 1024 (512M, 1GiB); it should hold num_workers * "
+                            "prefetch_factor + 1 + the prefetch depth batches (default: the config's, else 256M)")
+    train.add_argument("--prefetch-depth", type=_count("batches prefetched; 0: none"), default=None, metavar="N",
+                       help="batches prefetched by the train loop, 0: none (default: the config's, else 2)")
     train.add_argument("--no-pack-eval", action="store_true",
-                       help="leave the validation and test loaders unpacked")
+                       help="leave the validation and test loaders unpacked (default: packed)")
     return parser
+
+
+# what each launcher reads from the environment, which its launch (torchrun, srun, mpirun) sets
+_LAUNCH_ENV = {
+    "pytorch": (("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), "torchrun --nproc_per_node=N -m "
+                "mtc_loader.mmengine train CONFIG --launcher pytorch"),
+    "slurm": (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODELIST"), "srun ... python3 -m mtc_loader.mmengine "
+              "train CONFIG --launcher slurm"),
+    "mpi": (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "MASTER_ADDR"),
+            "mpirun ... python3 -m mtc_loader.mmengine train CONFIG --launcher mpi (with MASTER_ADDR set)"),
+}
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The arguments that need no config, checked before anything starts (argparse's way: the
+    usage, ``error: ...``, exit status 2)."""
+    error = args.error
+    if args.launcher in _LAUNCH_ENV:
+        names, how = _LAUNCH_ENV[args.launcher]
+        missing = [n for n in names if not os.environ.get(n)]
+        if missing:
+            error(f"--launcher {args.launcher} reads {', '.join(missing)} from the environment, which "
+                  f"{'is' if len(missing) == 1 else 'are'} not set: start the command as {how}")
+    if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.isfile(args.resume):
+        error(f"--resume {args.resume}: no checkpoint file {args.resume} (no value: the latest checkpoint "
+              "of the work dir)")
+
+
+def _check_work_dir(work_dir: Any, error: Callable[[str], Any]) -> None:
+    """A work dir the runner can create (or that is a directory already)."""
+    path = os.path.abspath(os.fspath(work_dir))
+    if os.path.exists(path) and not os.path.isdir(path):
+        error(f"work dir {work_dir} is a file, not a directory: give another --work-dir")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        error(f"work dir {work_dir} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        error(f"work dir {work_dir} cannot be {'written' if parent == path else 'created'}: "
+              f"{parent} is not writable")
+
+
+def _check_switched(path: str, cfg: Any, error: Callable[[str], Any]) -> None:
+    """What the switch put in the config (the command's options, or the config's own values of
+    them), checked as the runner would check it once it has started."""
+    from .._options import positive_int
+    from ._loops import _check_depth
+
+    model = cfg.get("model")
+    pre = model.get("data_preprocessor") if isinstance(model, dict) else None
+    if isinstance(pre, dict) and "arena_bytes" in pre:
+        try:
+            positive_int("arena_bytes", pre["arena_bytes"], _MAX_ARENA_BYTES)
+        except (TypeError, ValueError) as e:
+            error(f"config file {path}: model.data_preprocessor.arena_bytes={pre['arena_bytes']!r}: "
+                  f"{str(e).removeprefix('mtc_loader: ')} (or give --arena-bytes)")
+    train = cfg.get("train_cfg")
+    if isinstance(train, dict) and "prefetch_depth" in train:
+        try:
+            _check_depth(train["prefetch_depth"])
+        except ValueError as e:
+            error(f"config file {path}: train_cfg.prefetch_depth={train['prefetch_depth']!r}: "
+                  f"{str(e).removeprefix('mtc_loader: ')} (or give --prefetch-depth)")
 
 
 def _library(filename: str) -> bool:
@@ -90,40 +203,49 @@ def _syntax_error(path: str, seen: Optional[set[str]] = None) -> Optional[Syntax
     return None
 
 
-def _config_error(path: str, e: BaseException) -> str:
-    """What ``error: config file ...`` says of an exception raised while reading a config file:
-    where (the config's line, or the file and line of a base or a module it imports) and what."""
+def _config_error(path: str, e: BaseException, name: Optional[str] = None) -> str:
+    """What ``error: config file ...`` says of an exception raised while reading the config file
+    at ``path`` (``name``: as the user gave it): where (the config's line, or the file and line of
+    a base or a module it imports) and what."""
+    name = path if name is None else name
     where: Optional[tuple[str, Optional[int]]] = None
     if isinstance(e, SyntaxError):
         found = _syntax_error(path) or e
         where = (found.filename, found.lineno) if found.filename and found.lineno else None
         what = f"SyntaxError: {found.msg}"
     elif isinstance(e, FileNotFoundError) and e.filename is not None:
-        return f"config file {path}: no file {e.filename}"
+        return f"config file {name}: no file {e.filename}"
     else:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library(f.filename)]
         if frames:
             where = (frames[-1].filename, frames[-1].lineno)
         what = f"{type(e).__name__}: {e}"
     if where is None or where[1] is None or where[0] in ("<unknown>", "<string>"):
-        return f"config file {path}: {what}"
+        return f"config file {name}: {what}"
     if os.path.abspath(where[0]) == os.path.abspath(path):
-        return f"config file {path}, line {where[1]}: {what}"
-    return f"config file {path}: {where[0]}, line {where[1]}: {what}"
+        return f"config file {name}, line {where[1]}: {what}"
+    return f"config file {name}: {where[0]}, line {where[1]}: {what}"
 
 
 def _read_config(args: argparse.Namespace) -> Any:
-    """The config file, read; a file that is not there, does not parse or fails to run is
-    reported as argparse reports a bad argument (usage, ``error: ...``, exit status 2)."""
+    """The config file (a path, or ``<scope>::<path>`` for a config of an installed package),
+    read; a config that is not there, does not parse or fails to run is reported as argparse
+    reports a bad argument (usage, ``error: ...``, exit status 2)."""
     from mmengine.config import Config
 
+    from ._switch import config_file
+
     error = args.error
-    if not os.path.isfile(args.config):
+    try:
+        path = config_file(args.config)
+    except (OSError, ImportError, ValueError) as e:
+        error(str(e).removeprefix("mtc_loader: "))
+    if not os.path.isfile(path):
         error(f"no config file {args.config}")
     try:
-        return Config.fromfile(args.config)
+        return Config.fromfile(path)
     except Exception as e:
-        error(_config_error(args.config, e))
+        error(_config_error(path, e, args.config))
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -136,13 +258,21 @@ def build_config(args: argparse.Namespace) -> Any:
     cfg = _read_config(args)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
+        try:
+            cfg.merge_from_dict(args.cfg_options)
+        except Exception as e:
+            error(f"--cfg-options {' '.join(f'{k}={v!r}' for k, v in args.cfg_options.items())}: "
+                  f"{type(e).__name__}: {e}")
     if args.work_dir is not None:
         cfg.work_dir = args.work_dir
     elif cfg.get("work_dir", None) is None:
         cfg.work_dir = os.path.join("./work_dirs", os.path.splitext(os.path.basename(args.config))[0])
     if args.amp:
-        wrapper = cfg.optim_wrapper.type
+        wrapper_cfg = cfg.get("optim_wrapper")
+        if not isinstance(wrapper_cfg, dict):
+            error(f"--amp needs an optim_wrapper in the config (optim_wrapper=dict(type='OptimWrapper', "
+                  f"optimizer=...)); {args.config} has {'none' if wrapper_cfg is None else repr(wrapper_cfg)}")
+        wrapper = _type_name(wrapper_cfg.get("type", "OptimWrapper"))  # mmengine's default type
         if wrapper == "AmpOptimWrapper":
             print_log("AMP training is already enabled in your config.", logger="current", level=logging.WARNING)
         elif wrapper != "OptimWrapper":
@@ -163,8 +293,18 @@ def build_config(args: argparse.Namespace) -> Any:
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
-    return switch_config(cfg, arena_bytes=args.arena_bytes, prefetch_depth=args.prefetch_depth,
-                         pack_eval=not args.no_pack_eval)
+    switched = switch_config(cfg, arena_bytes=args.arena_bytes, prefetch_depth=args.prefetch_depth,
+                             pack_eval=not args.no_pack_eval)
+    _check_switched(args.config, switched, error)
+    _check_work_dir(switched.work_dir, error)
+    return switched
+
+
+def _type_name(tp: Any) -> Any:
+    """A config's ``type`` by its name (``"mmengine::OptimWrapper"`` scoped or not, or a class)."""
+    from ._switch import _name
+
+    return _name(tp)
 
 
 @contextlib.contextmanager
@@ -255,12 +395,13 @@ def _cpu_process_group(cfg: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    _check_arguments(args)
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
 
-    cfg = build_config(args)
+    cfg = build_config(args)  # (checks the config and what depends on it: nothing has started yet)
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
     if args.launcher == "pytorch":
         _cpu_process_group(cfg)
     runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)

@@ -110,10 +110,49 @@ def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
             loader["collate_fn"] = _packed(loader.get("collate_fn"))
 
 
+def config_file(path: Union[str, "os.PathLike[str]"]) -> str:
+    """The file of a config named as mmengine's ``_base_`` names one: a path, or a config of an
+    installed package by its scope, ``"mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_kitti-3d-3class.py"``,
+    found where mmengine finds it (the package's model index, then its ``.mim/configs``: a pip
+    install keeps the configs inside the package).
+
+    Raises FileNotFoundError for a config that is not there, ModuleNotFoundError for a scope
+    whose package is not installed, ValueError for a scope mmengine does not know."""
+    name = os.fspath(path)
+    if "::" not in name or os.path.exists(name):
+        return name
+    scope, _, rel = name.partition("::")
+    from mmengine.config.utils import MODULE2PACKAGE
+
+    if scope not in MODULE2PACKAGE:
+        raise ValueError(f"mtc_loader: config {name!r}: mmengine knows no package of scope {scope!r}; the scopes it "
+                         f"knows are {', '.join(sorted(MODULE2PACKAGE))} (or give the config file's path)")
+    if "/" not in rel or "::" in rel:
+        raise ValueError(f"mtc_loader: config {name!r}: a config of an installed package is named "
+                         f"'{scope}::<folder>/<file>.py', its path under the package's configs "
+                         f"(e.g. 'mmdet3d::pointpillars/pointpillars_hv_secfpn_8xb6-160e_kitti-3d-3class.py')")
+    try:
+        found, _ = Config._get_cfg_path(name, "")
+    except ModuleNotFoundError:
+        package = MODULE2PACKAGE[scope]
+        raise ModuleNotFoundError(f"mtc_loader: config {name!r}: its scope {scope!r} is the package {package}, "
+                                  f"which is not installed here (pip install {package})", name=package) from None
+    except FileNotFoundError:
+        from mmengine.utils import get_installed_path
+
+        configs = os.path.join(get_installed_path(MODULE2PACKAGE[scope]), ".mim", "configs")
+        raise FileNotFoundError(f"mtc_loader: config {name!r}: the installed {scope} has no config {rel} "
+                                f"(its configs are in {configs})") from None
+    except (AssertionError, ValueError) as e:  # mmengine's own checks of the name
+        raise ValueError(f"mtc_loader: config {name!r}: {e}") from None
+    return str(found)
+
+
 def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: Optional[int] = None,
                   prefetch_depth: Optional[int] = None, pack_eval: bool = True) -> Config:
-    """The config ``cfg`` (a :class:`mmengine.config.Config` or a config file's path) with
-    mtc_loader's switch applied, as a new Config (``cfg`` is not changed):
+    """The config ``cfg`` (a :class:`mmengine.config.Config`, a config file's path, or a config of
+    an installed package by its scope, ``"mmdet3d::pointpillars/....py"``, as ``_base_`` names
+    one) with mtc_loader's switch applied, as a new Config (``cfg`` is not changed):
 
     - ``custom_imports`` imports ``mtc_loader.mmengine`` (in every process the config starts);
     - the model's ``data_preprocessor`` is wrapped by ``MTCDataPreprocessor``;
@@ -128,7 +167,8 @@ def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: O
     Parts already switched are kept as they are, so switching twice changes nothing.
 
     Args:
-        cfg: The config, or the path of its file.
+        cfg: The config, the path of its file, or ``"<scope>::<path under the package's configs>"``
+            found where mmengine finds a ``_base_`` of that form.
         arena_bytes: The shared arena's size (``MTCDataPreprocessor``'s ``arena_bytes``).
         prefetch_depth: The train loop's ``prefetch_depth`` (0: no prefetching).
         pack_eval: Whether validation and test loaders are packed as well.
@@ -139,7 +179,7 @@ def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: O
     if isinstance(cfg, Config):
         out = copy.deepcopy(cfg)
     else:
-        out = Config.fromfile(os.fspath(cfg))
+        out = Config.fromfile(config_file(cfg))
     imports = out.get("custom_imports")
     if imports is None:
         out["custom_imports"] = dict(imports=[_MODULE], allow_failed_imports=False)
