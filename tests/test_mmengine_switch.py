@@ -955,3 +955,96 @@ def test_scope_form_errors(tmp_path, monkeypatch, capsys, name, error, says):
     err = capsys.readouterr().err
     assert re.search(r"train: error: config '" + re.escape(name) + "': .*" + says, err), err
     assert list(tmp_path.iterdir()) == []
+
+
+MISSING_DEP = '''
+import mtc_not_installed_dep  # a dependency of this package's, not installed
+'''
+MISSING_DEP_MODEL = '''
+from mmengine.model import BaseModel
+from mmengine.registry import MODELS
+
+
+@MODELS.register_module()
+class MtcNeedsADep(BaseModel):
+    def __init__(self, data_preprocessor=None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        import mtc_not_installed_dep  # noqa: F401  (imported when the model is built, as mmdet3d's devkits are)
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        return {}
+'''
+
+
+def _notes(e: BaseException) -> str:
+    return "\n".join(getattr(e, "__notes__", [])) + str(e)
+
+
+def test_missing_dependency_of_a_custom_import_is_named_as_its_own(tmp_path, monkeypatch):
+    """A config whose custom_imports (or a module they import) needs a module that is not
+    installed: the ImportError names the module and says whose dependency it is, not the
+    switch's, through switch_config, MTCRunner and the train command."""
+    from mtc_loader.mmengine.__main__ import main
+
+    (tmp_path / "mtc_dep_user.py").write_text(MISSING_DEP)
+    (tmp_path / "mtc_dep_model.py").write_text(MISSING_DEP_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for module, says in (("mtc_dep_user", r"mtc_dep_user imports 'mtc_not_installed_dep', which is not installed: "
+                                          r"a dependency of mtc_dep_user itself, not of mtc_loader"),
+                         ("mtc_nothere_module", r"the module 'mtc_nothere_module' cannot be imported: the config "
+                                                r"\(its custom_imports.*names it")):
+        (tmp_path / "cfg.py").write_text(f"custom_imports = dict(imports=[{module!r}], allow_failed_imports=False)\n")
+        with mock.patch.dict(sys.modules), pytest.raises(ImportError) as e:
+            mm.switch_config(str(tmp_path / "cfg.py"))
+        assert re.search(says, _notes(e.value)), _notes(e.value)
+        with mock.patch.dict(sys.modules), pytest.raises(SystemExit):  # the command: argparse's error
+            main(["train", "cfg.py"])
+    # a model that imports it when it is built, inside MTCRunner's Runner
+    with mock.patch.dict(sys.modules), pytest.raises(ImportError) as e:
+        import mtc_dep_model  # noqa: F401
+        mm.MTCRunner(model=dict(type="MtcNeedsADep"), work_dir=str(tmp_path / "wd"))
+    note = _notes(e.value)
+    assert "mtc_dep_model imports 'mtc_not_installed_dep', which is not installed: a dependency of mtc_dep_model" \
+        in note, note
+    assert note.count("mtc_loader:") == 1  # said once, however many of the package's frames it passed
+
+
+def test_train_command_says_whose_the_missing_module_is(tmp_path, monkeypatch, capsys):
+    from mtc_loader.mmengine.__main__ import main
+
+    (tmp_path / "mtc_dep_user.py").write_text(MISSING_DEP)
+    (tmp_path / "cfg.py").write_text('custom_imports = dict(imports=["mtc_dep_user"], allow_failed_imports=False)\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with mock.patch.dict(sys.modules), pytest.raises(SystemExit) as e:
+        main(["train", "cfg.py"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: config file cfg\.py: \S*mtc_dep_user\.py, line 2: ModuleNotFoundError: No module named "
+                     r"'mtc_not_installed_dep' \(mtc_dep_user imports 'mtc_not_installed_dep', which is not installed: "
+                     r"a dependency of mtc_dep_user itself", err), err
+
+
+def test_mmdet3d_extras_named_where_mmdet3d_imports_them():
+    """What a pip install of mmdet3d leaves out is named, as in docs/mmengine.md and
+    tools/install_openmmlab.sh."""
+    from mtc_loader.mmengine._switch import _MMDET3D_EXTRAS, _explained
+
+    def mmdet3d_import():
+        exec("import mtc_not_installed_dep", {"__name__": "mmdet3d.datasets.convert_utils"})
+
+    with pytest.raises(ImportError) as e:
+        try:
+            mmdet3d_import()
+        except ImportError as err:
+            raise _explained(err) from None
+    note = _notes(e.value)
+    assert "a dependency of mmdet3d itself" in note and _MMDET3D_EXTRAS in note, note
+    script = open(os.path.join(ROOT, "tools", "install_openmmlab.sh")).read()
+    for command in _MMDET3D_EXTRAS.split(" && "):
+        assert command.replace("pip install", "-m pip install -q") in script, command
+    page = " ".join(open(os.path.join(ROOT, "docs", "mmengine.md")).read().split())
+    assert _MMDET3D_EXTRAS in page

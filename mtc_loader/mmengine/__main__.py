@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the process's rank on its machine, where LOCAL_RANK is not set (default: 0)")
     train.add_argument("--arena-bytes", type=_size, default=None, metavar="SIZE",
                        help="size of the shared arena (MTCDataPreprocessor's arena_bytes): bytes, or with a unit "
-                            "K, M, G, T, powers of 1024 (512M, 1GiB); it should hold num_workers * "
-                            "prefetch_factor + 1 + the prefetch depth batches (default: the config's, else 256M)")
+                            "K, M, G, T, powers of 1024 (512M, 1GiB); it should hold num_workers * prefetch_factor + 1 "
+                            "batches, plus depth on a GPU (default: the config's, else 256M)")
     train.add_argument("--prefetch-depth", type=_count("batches prefetched; 0: none"), default=None, metavar="N",
                        help="batches prefetched by the train loop, 0: none (default: the config's, else 2)")
     train.add_argument("--no-pack-eval", action="store_true",
@@ -216,10 +216,19 @@ def _config_error(path: str, e: BaseException, name: Optional[str] = None) -> st
     elif isinstance(e, FileNotFoundError) and e.filename is not None:
         return f"config file {name}: no file {e.filename}"
     else:
+        if isinstance(e, ImportError):  # the one that names the module (mmengine's own wraps it)
+            from ._switch import _first_import_error
+
+            e = _first_import_error(e)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library(f.filename)]
         if frames:
             where = (frames[-1].filename, frames[-1].lineno)
         what = f"{type(e).__name__}: {e}"
+        if isinstance(e, ImportError):
+            from ._switch import _import_note
+
+            note = _import_note(e)
+            what += f" ({note.removeprefix('mtc_loader: ')})" if note else ""
     if where is None or where[1] is None or where[0] in ("<unknown>", "<string>"):
         return f"config file {name}: {what}"
     if os.path.abspath(where[0]) == os.path.abspath(path):
@@ -404,10 +413,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     if args.launcher == "pytorch":
         _cpu_process_group(cfg)
-    runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
-    if cfg.get("resume"):
-        _resume_trusted(runner)
-    runner.train()
+    from ._switch import _explained
+
+    __tracebackhide__ = True  # (pytest's word: an import that fails beneath is not the command's)
+    try:
+        runner = RUNNERS.build(cfg) if "runner_type" in cfg else Runner.from_cfg(cfg)
+        if cfg.get("resume"):
+            _resume_trusted(runner)
+        runner.train()
+    except ImportError as e:  # of the config's packages (mmdet3d's datasets), which the runner builds
+        out = _explained(e)
+        if out is e:
+            raise
+        raise out from e
     return 0
 
 

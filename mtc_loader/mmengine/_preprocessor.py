@@ -90,8 +90,10 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
         preprocessor: The wrapped preprocessor: a config dict, a type name of ``MODELS``, or a
             module (default: mmengine's ``BaseDataPreprocessor``, which only moves the data).
         arena_bytes: Size of ``mtc_packed_collate``'s shared arena, created here (in the process
-            that trains, before the DataLoader starts): about ``num_workers * prefetch_factor +
-            prefetch depth + 2`` batches.
+            that trains, before the DataLoader starts): ``num_workers * prefetch_factor + 1``
+            batches, plus ``depth`` on a GPU (the train loop's ``prefetch_depth``); an
+            ``MTCIterBasedTrainLoop`` that validates inside a pass adds the validation loader's
+            ``num_workers * prefetch_factor + 1``.
         non_blocking: As ``BaseDataPreprocessor``'s, for batches that are not packed (also
             passed on with the inherited arguments, when set).
         **inherited: Arguments of the wrapped preprocessor (those a child config inherits from

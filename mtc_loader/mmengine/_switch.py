@@ -135,8 +135,10 @@ def config_file(path: Union[str, "os.PathLike[str]"]) -> str:
         found, _ = Config._get_cfg_path(name, "")
     except ModuleNotFoundError:
         package = MODULE2PACKAGE[scope]
-        raise ModuleNotFoundError(f"mtc_loader: config {name!r}: its scope {scope!r} is the package {package}, "
-                                  f"which is not installed here (pip install {package})", name=package) from None
+        absent = ModuleNotFoundError(f"mtc_loader: config {name!r}: its scope {scope!r} is the package {package}, "
+                                     f"which is not installed here (pip install {package})", name=package)
+        setattr(absent, _SAID, True)  # (said here)
+        raise absent from None
     except FileNotFoundError:
         from mmengine.utils import get_installed_path
 
@@ -179,7 +181,14 @@ def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: O
     if isinstance(cfg, Config):
         out = copy.deepcopy(cfg)
     else:
-        out = Config.fromfile(config_file(cfg))
+        __tracebackhide__ = True  # (pytest's word: an import of the config's is not the switch's)
+        try:
+            out = Config.fromfile(config_file(cfg))
+        except ImportError as e:
+            out = _explained(e)
+            if out is e:
+                raise
+            raise out from e
     imports = out.get("custom_imports")
     if imports is None:
         out["custom_imports"] = dict(imports=[_MODULE], allow_failed_imports=False)
@@ -189,6 +198,83 @@ def switch_config(cfg: Union[Config, str, "os.PathLike[str]"], *, arena_bytes: O
         if _MODULE not in names:
             imports["imports"] = names + [_MODULE]
     _switch(out, arena_bytes=arena_bytes, prefetch_depth=prefetch_depth, pack_eval=pack_eval)
+    return out
+
+
+# ------------------------------------------------------------------------- imports that fail beneath the switch
+
+# what mmdet3d's datasets and models import at run time that a pip install of mmdet3d does not pull
+# (the two devkits without their own pins, which would move numpy and others: tools/install_openmmlab.sh)
+_MMDET3D_EXTRAS = ("pip install pyquaternion trimesh pandas scikit-learn cachetools && "
+                   "pip install --no-deps lyft_dataset_sdk nuscenes-devkit")
+_SAID = "_mtc_loader_said"  # an exception already explained (it may pass several of the frames below)
+
+
+def _importer(e: ImportError) -> Optional[str]:
+    """The module whose ``import`` statement raised ``e`` (the innermost frame outside importlib),
+    or None where mmengine (or importlib) imported the name itself: a config's ``custom_imports``."""
+    frame = None
+    tb = e.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith("<frozen importlib"):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    name = frame.f_globals.get("__name__") if frame is not None else None
+    if not isinstance(name, str) or name.split(".")[0] in ("mmengine", "importlib", "mtc_loader"):
+        return None
+    return name
+
+
+def _first_import_error(e: ImportError) -> ImportError:
+    """The import error ``e`` was raised for: mmengine raises its own for a ``custom_imports`` that
+    fails ("Failed to import custom modules"), in the handling of the one that names the module."""
+    while e.name is None and isinstance(e.__cause__ or e.__context__, ImportError):
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return e
+
+
+def _import_note(e: ImportError) -> Optional[str]:
+    """What :func:`_explained` says of ``e``: the missing module and whose dependency it is, or None
+    (an import error of mtc_loader's own, or one already explained). mmengine's own error for a
+    ``custom_imports`` that fails ("Failed to import custom modules") is read through the error it
+    was raised in."""
+    if getattr(e, _SAID, False):
+        return None
+    e = _first_import_error(e)
+    if e.name is None or e.name.split(".")[0] == "mtc_loader":
+        return None
+    importer = _importer(e)
+    top = importer.split(".")[0] if importer is not None else None
+    if importer is None:
+        note = (f"mtc_loader: the module {e.name!r} cannot be imported: the config (its custom_imports, or the "
+                "package of a registry scope it uses) names it. mtc_loader's frames in this traceback only pass "
+                "the import on: install the module, or fix the name in the config")
+    else:
+        note = (f"mtc_loader: {importer} imports {e.name!r}, which is not installed: a dependency of {top} "
+                f"itself, not of mtc_loader (whose frames in this traceback only pass the import on)")
+        if top == "mmdet3d":
+            note += (f". A pip install of mmdet3d does not pull what its datasets and models import at run time: "
+                     f"{_MMDET3D_EXTRAS}")
+        else:
+            note += f": install it as {top}'s documentation says"
+    return note
+
+
+def _explained(e: ImportError) -> ImportError:
+    """``e`` with a note (:func:`_import_note`) that names the missing module and whose dependency it
+    is: an import of the user's config, of its ``custom_imports`` or of the packages they use, which
+    mtc_loader's frames only pass on. (Python 3.10, without notes: a new exception of the same
+    class, whose cause is ``e``.)"""
+    note = _import_note(e)
+    if note is None:
+        return e
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+        out = e
+    else:  # Python 3.10
+        out = type(e)(f"{e}\n{note}", name=e.name, path=e.path)
+        out.__cause__ = e
+    setattr(out, _SAID, True)
     return out
 
 
@@ -219,7 +305,14 @@ class MTCRunner(Runner):  # type: ignore[misc]
             if isinstance(arguments.get(key), dict):
                 arguments[key] = copy.deepcopy(arguments[key])
         _switch(arguments)
-        super().__init__(**arguments)
+        __tracebackhide__ = True  # (pytest's word: an import that fails beneath is not the switch's)
+        try:
+            super().__init__(**arguments)
+        except ImportError as e:
+            out = _explained(e)
+            if out is e:
+                raise
+            raise out from e
 
     @classmethod
     def from_cfg(cls, cfg: Config) -> "MTCRunner":
