@@ -232,5 +232,7 @@ def _check_options(options: dict[str, Any]) -> None:
     known = [p.name for p in inspect.signature(start_copy).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(known))
     if unknown:
+        own = [p.name for p in inspect.signature(PrefetchLoader.__init__).parameters.values()
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("self", "iterable", "device")]
         raise TypeError(f"mtc_loader: PrefetchLoader got unexpected keyword argument(s) {', '.join(unknown)}; "
-                        f"besides depth and gil_switch_interval it takes start_copy's: {', '.join(known)}")
+                        f"besides {', '.join(own)} it takes start_copy's: {', '.join(known)}")
