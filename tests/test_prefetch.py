@@ -619,3 +619,21 @@ def test_ctrl_c_in_a_data_bound_loop_reaches_the_caller_at_once(tmp_path):
     for latency, _ in ours:
         assert latency < 0.2, (ours, bare)
     assert min(e for _, e in ours) < max(e for _, e in bare) + 1.0, (ours, bare)
+
+
+def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
+    """tools/diagnostics/gil_held.py (the GIL the service holds per batch, as a spinning training
+    thread loses it) runs on the CPU and reports every figure per round."""
+    import json
+    from conftest import ROOT, package_parent, subprocess_env
+    out = tmp_path / "gil.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diagnostics", "gil_held.py"), "--device", "cpu",
+                        "--batches", "8", "--rounds", "2", "--workers", "1", "--step-ms", "2", "--json", str(out)],
+                       cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert len(got["rounds"]) == 2 and got["cpu_cores"] >= 1
+    for row in got["rounds"]:
+        assert set(row) == {"lost_ms", "gaps_ms", "next_ms", "service_cpu_ms", "data_bound"}
+        assert row["service_cpu_ms"] > 0 and row["next_ms"] >= 0
+    assert "lost_ms" in r.stdout
