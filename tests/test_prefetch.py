@@ -637,3 +637,38 @@ def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
         assert set(row) == {"lost_ms", "gaps_ms", "next_ms", "service_cpu_ms", "data_bound"}
         assert row["service_cpu_ms"] > 0 and row["next_ms"] >= 0
     assert "lost_ms" in r.stdout
+
+
+class _SlowNumbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.2)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_an_interrupted_epoch_leaves_the_next_one_whole(persistent):
+    """A KeyboardInterrupt while the service waits inside the DataLoader's next() wakes that
+    thread (the workers are told to stop at once); the caller who catches it and iterates again
+    gets every batch of the next epoch, in order: with persistent workers the same iterator
+    resumes, and what the wake-up left in its queue is discarded."""
+    dl = DataLoader(_SlowNumbers(), batch_size=2, num_workers=2, persistent_workers=persistent)
+    pl = mtc_loader.PrefetchLoader(dl, "cpu")
+    it = iter(pl)
+    assert torch.equal(next(it), torch.tensor([[0], [1]]))
+    assert torch.equal(next(it), torch.tensor([[2], [3]]))  # the service now waits for the next
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 0.25  # at once, not once the awaited batch came
+    timer.join()
+    got = [b.flatten().tolist() for b in pl]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    del it
+    wait_no_service_threads()

@@ -365,6 +365,11 @@ def _wake(it: Any) -> None:
         return
     try:
         queue.put((None, None))
+        # a worker-result queue (no pin-memory thread) sends it through this process's feeder
+        # thread, which the interpreter's exit must not wait for (the pipe may be full)
+        cancel = getattr(queue, "cancel_join_thread", None)
+        if cancel is not None:
+            cancel()
     except Exception:  # closed meanwhile (the thread is shutting it down): nothing to wake
         pass
 
