@@ -71,6 +71,9 @@ _engine._setup({
     "shim": _shim(),
     # libtorch_python, whose THPVariable_Wrap turns each output handle into a Python tensor
     "shim_python": os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_python.so"),
+    # libtorch_cuda (a torch with CUDA): its shim's current-stream getter, a C call where the
+    # engine captures the streams of a copy (the library is only looked up, never loaded)
+    "shim_cuda": os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so"),
     # what the leaf reader through the shim is checked against before it is used: a strided view
     # with an offset, and a plain, a negative and a conjugate view (the lazy bits)
     "reader_sample": torch.zeros(4, 6)[1:, 2:5],

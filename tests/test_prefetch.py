@@ -4,6 +4,10 @@ produced; order, errors in order, early exit, stats, interpreter exit. The same 
 from __future__ import annotations
 
 import gc
+import inspect
+import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -393,7 +397,7 @@ def test_ctrl_c_while_a_batch_stalls_reaches_the_caller_promptly():
         p.kill()
     lines = dict(line.split(" ", 1) for line in out.splitlines())
     assert "interrupted" in lines, (out, err[-2000:])
-    # at once (the caller waits half a second at most for the service), not after the stall
+    # at once (the caller does not wait for a service inside next()), not after the stall
     assert float(lines["interrupted"]) - sent < 3.0, "the interrupt waited for the stalled batch"
     assert lines["cleaned"].split() == ["0", "0", "0"], (out, err[-2000:])  # threads, workers, regions
     assert p.returncode == 0, err[-2000:]
@@ -453,6 +457,15 @@ def test_misspelled_option_refused_at_construction(packed):
     with pytest.raises(TypeError, match="mtc_loader: PrefetchLoader got unexpected keyword argument.*depht.*"
                                         "use_background_thread"):
         mtc_loader.PrefetchLoader(dl, "cpu", depht=3)
+    # the message names every keyword the loader takes, its own and start_copy's
+    with pytest.raises(TypeError) as e:
+        mtc_loader.PrefetchLoader(dl, "cpu", produce_on_calller=True)
+    own = [p for p in inspect.signature(mtc_loader.PrefetchLoader).parameters if p not in ("iterable", "device",
+                                                                                       "start_copy_options")]
+    takes = own + [p for p, v in inspect.signature(mtc_loader.start_copy).parameters.items() if v.kind is v.KEYWORD_ONLY]
+    assert "produce_on_caller" in own
+    for name in takes:
+        assert re.search(rf"\b{name}\b", str(e.value).split(";", 1)[1]), (name, str(e.value))
     pl = mtc_loader.PrefetchLoader(dl, "cpu", use_background_thread=False, pack_cpu_tensors=True)
     assert len(list(pl)) == 6
     if packed:  # the packed batch's own start_copy takes start_copy's keywords, and no other
@@ -543,3 +556,119 @@ def test_service_takes_dataloader_batches_without_the_profiler_range(monkeypatch
 
     got = list(mtc_loader.PrefetchLoader(MyLoader(Numbers(), batch_size=2), "cpu"))
     assert len(got) == 6 and len(calls) == 7  # 6 batches and the StopIteration
+
+
+_INTERRUPTED_LOOP = """
+import sys, time, torch
+from torch.utils.data import DataLoader, Dataset
+import mtc_loader
+
+class Slow(Dataset):  # a data-bound loop: a batch of 2 takes a worker a second
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        time.sleep(0.5)
+        return {"x": torch.full((4,), i), "y": torch.arange(3)}
+
+if __name__ == "__main__":
+    dl = DataLoader(Slow(), batch_size=2, num_workers=2, collate_fn=mtc_loader.PackedCollate(arena_bytes=8 << 20))
+    loader = mtc_loader.PrefetchLoader(dl, "cpu") if sys.argv[1] == "prefetch" else dl
+    try:
+        for n, batch in enumerate(loader):
+            if n == 0:
+                print("READY", flush=True)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", time.monotonic(), flush=True)
+        raise
+"""
+
+
+def _interrupted(script, mode: str) -> tuple[float, float]:
+    """(seconds from SIGINT to the KeyboardInterrupt in the loop, seconds to the process's exit)."""
+    from conftest import package_parent, subprocess_env
+    with subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=package_parent(), env=subprocess_env()) as p:
+        watchdog = threading.Timer(120, p.kill)  # bounds the readline below too
+        watchdog.start()
+        try:
+            ready = p.stdout.readline().strip()
+            time.sleep(0.7)  # inside the wait for the next batch
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            line = p.stdout.readline().split()
+            p.wait(timeout=60)
+            t1 = time.monotonic()
+            out, err = p.communicate()
+        finally:
+            watchdog.cancel()
+            p.kill()
+    assert ready == "READY" and line and line[0] == "INTERRUPTED", (ready, line, err[-2000:])
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    return float(line[1]) - t0, t1 - t0
+
+
+def test_ctrl_c_in_a_data_bound_loop_reaches_the_caller_at_once(tmp_path):
+    """SIGINT while the loop waits for a slow batch: the KeyboardInterrupt reaches the loop at once
+    (a bare DataLoader's takes milliseconds), and the process exits about as soon as a bare
+    DataLoader's does (its workers are told to stop at once, not after the batch they are on)."""
+    script = tmp_path / "loop.py"
+    script.write_text(_INTERRUPTED_LOOP)
+    bare = [_interrupted(script, "bare") for _ in range(2)]
+    ours = [_interrupted(script, "prefetch") for _ in range(2)]
+    for latency, _ in ours:
+        assert latency < 0.2, (ours, bare)
+    assert min(e for _, e in ours) < max(e for _, e in bare) + 1.0, (ours, bare)
+
+
+def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
+    """tools/diagnostics/gil_held.py (the GIL the service holds per batch, as a spinning training
+    thread loses it) runs on the CPU and reports every figure per round."""
+    import json
+    from conftest import ROOT, package_parent, subprocess_env
+    out = tmp_path / "gil.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diagnostics", "gil_held.py"), "--device", "cpu",
+                        "--batches", "8", "--rounds", "2", "--workers", "1", "--step-ms", "2", "--json", str(out)],
+                       cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert len(got["rounds"]) == 2 and got["cpu_cores"] >= 1
+    for row in got["rounds"]:
+        assert set(row) == {"lost_ms", "gaps_ms", "next_ms", "service_cpu_ms", "data_bound"}
+        assert row["service_cpu_ms"] > 0 and row["next_ms"] >= 0
+    assert "lost_ms" in r.stdout
+
+
+class _SlowNumbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.2)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_an_interrupted_epoch_leaves_the_next_one_whole(persistent):
+    """A KeyboardInterrupt while the service waits inside the DataLoader's next() wakes that
+    thread (the workers are told to stop at once); the caller who catches it and iterates again
+    gets every batch of the next epoch, in order: with persistent workers the same iterator
+    resumes, and what the wake-up left in its queue is discarded."""
+    dl = DataLoader(_SlowNumbers(), batch_size=2, num_workers=2, persistent_workers=persistent)
+    pl = mtc_loader.PrefetchLoader(dl, "cpu")
+    it = iter(pl)
+    assert torch.equal(next(it), torch.tensor([[0], [1]]))
+    assert torch.equal(next(it), torch.tensor([[2], [3]]))  # the service now waits for the next
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 0.25  # at once, not once the awaited batch came
+    timer.join()
+    got = [b.flatten().tolist() for b in pl]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    del it
+    wait_no_service_threads()

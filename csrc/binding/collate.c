@@ -23,6 +23,7 @@
 #include "hostcopy.h"
 #include "layout.h"
 #include "outputs.h"
+#include "shim.h"
 #include "skeleton.h"
 #include "traverse.h"
 
@@ -549,6 +550,37 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     return 0;
 }
 
+/* A new 1-D uint8 tensor of `nbytes` on `target` (-1: the CPU), its data at
+ * *ptr: from torch's allocator through the C shim with the GIL released
+ * (mtc_shim_empty) where it is offered and in use, else torch.empty from
+ * Python (counted in stats: unpack_chunks_python; the first chunk on each
+ * CUDA device takes that way, where torch initialises the device as a
+ * Python caller expects). New reference, or NULL with an exception. */
+static PyObject *_unpack_chunk(mtc_state *st, int target, int64_t nbytes, uintptr_t *ptr)
+{
+    if (mtc_shim_empty_on(st, target)) {
+        void *h = NULL;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = mtc_shim_empty(st, target, nbytes, &h, ptr);
+        Py_END_ALLOW_THREADS
+        if (!rc) {
+            mtc_cnt.unpack_chunks_shim++;
+            return mtc_shim_wrap(st, h);
+        }
+        /* torch refused (out of memory): torch.empty below raises its own error */
+    }
+    PyObject *dev = mtc_out_device(st, target), *shape = dev ? Py_BuildValue("(L)", (long long)nbytes) : NULL;
+    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, dev, 0) : NULL;
+    Py_XDECREF(dev);
+    Py_XDECREF(shape);
+    if (chunk && mtc_out_data_ptr(st, chunk, ptr)) Py_CLEAR(chunk);
+    if (!chunk) return NULL;
+    mtc_cnt.unpack_chunks_python++;
+    if (target >= 0 && target < 64) st->shim_cuda_ready |= 1ull << target;
+    return chunk;
+}
+
 /* For a CUDA target, the host-placed leaves (layout.h): the span of the
  * region from the first host-placed segment (its offset rounded down to the
  * layout's alignment: every member keeps its offset modulo its element size)
@@ -572,13 +604,8 @@ static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *regio
             p->segs[g].offset -= start;
         }
     uintptr_t ptr;
-    PyObject *shape = Py_BuildValue("(L)", (long long)(payload - start));
-    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, st->device_cpu, 0) : NULL;
-    Py_XDECREF(shape);
-    if (!chunk || mtc_out_data_ptr(st, chunk, &ptr)) {
-        Py_XDECREF(chunk);
-        return NULL;
-    }
+    PyObject *chunk = _unpack_chunk(st, -1, payload - start, &ptr);
+    if (!chunk) return NULL;
     Py_BEGIN_ALLOW_THREADS
     mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
     Py_END_ALLOW_THREADS
@@ -599,7 +626,7 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
                         int64_t payload, int target, int background, PyObject **chunks, int *region_owned)
 {
     mtc_arena *a = ao->a;
-    PyObject *dev_obj = NULL, *shape = NULL, **chunk = &chunks[0];
+    PyObject **chunk = &chunks[0];
     if (target >= 0 && L->nhost) {
         if (!(chunks[1] = _unpack_host(st, L, a->base + off, payload))) goto error;
         if (!(payload = L->dev_end)) { /* every leaf is host-placed */
@@ -618,11 +645,8 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
             goto error;
         }
     }
-    if (!(dev_obj = mtc_out_device(st, target))) goto error;
-    if (!(shape = Py_BuildValue("(L)", (long long)payload))) goto error;
-    if (!(*chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0))) goto error;
     uintptr_t ptr;
-    if (mtc_out_data_ptr(st, *chunk, &ptr)) goto error;
+    if (!(*chunk = _unpack_chunk(st, target, payload, &ptr))) goto error;
     *region_owned = 0;
     if (target < 0) {
         Py_BEGIN_ALLOW_THREADS
@@ -632,14 +656,10 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
     } else if (_unpack_dma(st, h, a, off, payload, ptr, target, background)) {
         goto error;
     }
-    Py_DECREF(dev_obj);
-    Py_DECREF(shape);
     return 0;
 error:
     Py_CLEAR(chunks[0]);
     Py_CLEAR(chunks[1]);
-    Py_XDECREF(dev_obj);
-    Py_XDECREF(shape);
     return -1;
 }
 

@@ -290,6 +290,7 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_unpack_copy", mtc_cnt.ns_unpack_copy); P("ns_unpack_views", mtc_cnt.ns_unpack_views);
     P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild); P("gc_early_collections", mtc_cnt.gc_early);
     P("shim_views", mtc_cnt.shim_views);
+    P("unpack_chunks_shim", mtc_cnt.unpack_chunks_shim); P("unpack_chunks_python", mtc_cnt.unpack_chunks_python);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_taken_back", e.jobs_taken_back);

@@ -582,6 +582,11 @@ int mtc_out_capture_streams(mtc_state *st, mtc_job *j)
 {
     for (int d = 0; d < MTC_MAX_DEVICES; d++) {
         if (!(j->dev_mask & (1ull << d))) continue;
+        void *raw;
+        if (!mtc_shim_current_stream(st, d, &raw)) { /* no Python call */
+            j->streams[d] = (CUstream)raw;
+            continue;
+        }
         PyObject *i = PyLong_FromLong(d);
         if (!i) return -1;
         PyObject *s = PyObject_CallOneArg(st->raw_stream, i);

@@ -164,6 +164,58 @@ static int _setup_wrap(mtc_state *st, PyObject *cfg)
     return 0;
 }
 
+/* The chunk allocator (mtc_shim_empty) and the current-stream getter
+ * (mtc_shim_current_stream): plain C calls into torch, found by name in the
+ * libraries torch loaded (cfg["shim_cuda"]: libtorch_cuda's path, or None on
+ * a torch without CUDA). Either missing leaves its NULL. */
+static void _setup_empty(mtc_state *st, void *lib, PyObject *cfg)
+{
+    mtc_shim_code_fn u8 = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_dtype_uint8");
+    mtc_shim_code_fn cpu = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cpu");
+    mtc_shim_code_fn cuda = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cuda");
+    st->shim_empty = (mtc_shim_empty_fn)dlsym(lib, "aoti_torch_empty_strided");
+    st->shim_data_ptr = (mtc_shim_get_ptr_fn)dlsym(lib, "aoti_torch_get_data_ptr");
+    if (!u8 || !cpu || !cuda || !st->shim_empty || !st->shim_data_ptr) {
+        st->shim_empty = NULL;
+        st->shim_data_ptr = NULL;
+    } else {
+        st->shim_uint8 = u8();
+        st->shim_dev_cpu = cpu();
+        st->shim_dev_cuda = cuda();
+    }
+    PyObject *path = PyDict_GetItemString(cfg, "shim_cuda"); /* borrowed */
+    const char *p = path && PyUnicode_Check(path) ? PyUnicode_AsUTF8(path) : NULL;
+    if (!p) {
+        PyErr_Clear();
+        return;
+    }
+    void *culib = dlopen(p, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
+    if (culib) st->shim_stream = (mtc_shim_stream_fn)dlsym(culib, "aoti_torch_get_current_cuda_stream");
+}
+
+int mtc_shim_empty(const mtc_state *st, int target, int64_t nbytes, void **out, uintptr_t *ptr)
+{
+    if (!st->shim_empty) return -1;
+    int64_t one = 1;
+    void *h = NULL, *data = NULL;
+    if (st->shim_empty(1, &nbytes, &one, st->shim_uint8, target < 0 ? st->shim_dev_cpu : st->shim_dev_cuda,
+                       target < 0 ? 0 : target, &h) != 0 || !h)
+        return -1;
+    if (st->shim_data_ptr(h, &data) != 0 || (!data && nbytes)) {
+        st->shim_delete(h);
+        return -1;
+    }
+    *out = h;
+    *ptr = (uintptr_t)data;
+    return 0;
+}
+
+int mtc_shim_current_stream(const mtc_state *st, int dev, void **stream)
+{
+    if (!st->shim_stream || !st->shim_on) return -1;
+    return st->shim_stream(dev, stream) == 0 ? 0 : -1;
+}
+
 PyObject *mtc_shim_wrap(const mtc_state *st, void *handle)
 {
     PyObject *o = st->shim_wrap(handle);
@@ -174,6 +226,10 @@ PyObject *mtc_shim_wrap(const mtc_state *st, void *handle)
 int mtc_shim_setup(mtc_state *st, PyObject *cfg)
 {
     st->shim_offered = st->shim_on = 0;
+    st->shim_empty = NULL;
+    st->shim_data_ptr = NULL;
+    st->shim_stream = NULL;
+    st->shim_cuda_ready = 0;
     st->shim_reinterpret = NULL;
     st->shim_delete = NULL;
     st->shim_view_dtype = NULL;
@@ -221,6 +277,7 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     }
     if (samples && PyList_Check(samples) && _setup_reader(st, lib, cfg, samples)) return -1;
     if (_setup_wrap(st, cfg)) return -1;
+    _setup_empty(st, lib, cfg);
     st->shim_on = mtc_env_bool(MTC_ENV_TORCH_SHIM, 1);
     st->sr.on = st->sr.offered && st->shim_on;
     st->shim_wrap_on = st->shim_wrap != NULL;

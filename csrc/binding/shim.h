@@ -48,6 +48,27 @@ int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *
  * caller views the chunk from Python). */
 void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code);
 
+/* A new 1-D uint8 tensor of `nbytes` bytes on CUDA device `target` (-1: the
+ * CPU) from torch's allocator (for a CUDA device, the caching allocator, on
+ * the calling thread's current stream there): its handle in *out, its data
+ * in *ptr. No GIL needed (call it with the GIL released). 0, or -1 where the
+ * shim does not offer it or torch refused (out of memory: torch.empty from
+ * Python then raises torch's own error); nothing is set then. */
+int mtc_shim_empty(const mtc_state *st, int target, int64_t nbytes, void **out, uintptr_t *ptr);
+
+/* 1 when mtc_shim_empty is offered and in use for `target` (a CUDA device
+ * once its first chunk was made from Python: see state.h). */
+static inline int mtc_shim_empty_on(const mtc_state *st, int target)
+{
+    return st->shim_on && st->shim_empty && st->shim_wrap_on &&
+           (target < 0 || (target < 64 && (st->shim_cuda_ready >> target & 1)));
+}
+
+/* The calling thread's current stream on CUDA device `dev`, through
+ * libtorch_cuda's shim (no Python call, no GIL needed). 0, or -1 where it is
+ * not offered (the caller asks torch from Python). */
+int mtc_shim_current_stream(const mtc_state *st, int dev, void **stream);
+
 /* Releases a handle. */
 void mtc_shim_release(const mtc_state *st, void *handle);
 

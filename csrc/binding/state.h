@@ -31,6 +31,9 @@ typedef int32_t (*mtc_shim_code_fn)(void);
 /* THPVariable_Wrap(at::TensorBase &&): a Python tensor of an at::Tensor, moved from (an rvalue
  * reference passed as a pointer) */
 typedef PyObject *(*mtc_shim_wrap_fn)(void *tensor);
+typedef int32_t (*mtc_shim_empty_fn)(int64_t ndim, const int64_t *sizes, const int64_t *strides, int32_t dtype,
+                                     int32_t device_type, int32_t device_index, void **ret);
+typedef int32_t (*mtc_shim_stream_fn)(int32_t device_index, void **ret_stream);
 /* at::native::is_neg / is_conj: bool (const at::Tensor &), a reference passed as a pointer */
 typedef _Bool (*mtc_native_bit_fn)(const void *tensor);
 
@@ -131,6 +134,16 @@ typedef struct mtc_state {
     mtc_shim_wrap_fn shim_wrap;  /* torch's own wrapper of a handle, or NULL (the batch's handles go
                                   * through torch._C._aoti in one Python call) */
     int shim_wrap_on;            /* in use now (_use_shim_wrap) */
+    /* a packed batch's chunks from torch's allocator through the shim, with the GIL released
+     * (mtc_shim_empty): aoti_torch_empty_strided and aoti_torch_get_data_ptr, or NULL */
+    mtc_shim_empty_fn shim_empty;
+    mtc_shim_get_ptr_fn shim_data_ptr;
+    int32_t shim_uint8, shim_dev_cpu, shim_dev_cuda; /* the shim's codes of uint8, CPU and CUDA */
+    /* libtorch_cuda's aoti_torch_get_current_cuda_stream (cfg["shim_cuda"]), or NULL */
+    mtc_shim_stream_fn shim_stream;
+    /* the CUDA devices whose first chunk torch.empty made from Python (torch's own lazy
+     * initialisation of the device): later chunks there may come through the shim */
+    uint64_t shim_cuda_ready;
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 
@@ -146,6 +159,9 @@ typedef struct mtc_counters {
      * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
     uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
     uint64_t shim_views;         /* output views made through torch's C shim (shim.h) */
+    /* a packed batch's chunks (collate.c): from torch's allocator through the shim with the
+     * GIL released, or with torch.empty from Python (no shim, or a device's first chunk) */
+    uint64_t unpack_chunks_shim, unpack_chunks_python;
     uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
 } mtc_counters;
 extern mtc_counters mtc_cnt;

@@ -94,7 +94,7 @@ def split_service_thread():
     unpack, views and rebuild), its finish (``finish``: wait, temporaries, buffers, event,
     record_stream); the rest of the service's CPU is its own bookkeeping. Yields a dict of seconds."""
     import contextlib
-    from mtc_loader import prefetch
+    from mtc_loader.prefetch import _handout, _service
     acc = {"next": 0.0, "start": 0.0, "finish": 0.0}
 
     def timed_part(name, fn):
@@ -108,14 +108,15 @@ def split_service_thread():
 
     @contextlib.contextmanager
     def cm():
-        saved = (prefetch._start, prefetch.SideCopy._finish, prefetch._next_of)
-        prefetch._start = timed_part("start", saved[0])
-        prefetch.SideCopy._finish = timed_part("finish", saved[1])
-        prefetch._next_of = lambda it: timed_part("next", saved[2](it))
+        saved = (_service._start, _service.SideCopy._finish, _service._next_of)
+        _service._start = timed_part("start", saved[0])
+        _service.SideCopy._finish = timed_part("finish", saved[1])
+        # the service thread's iterator (the caller's, where it produces, is timed as its own)
+        _service._next_of = lambda it: timed_part("next", saved[2](it))
         try:
             yield acc
         finally:
-            prefetch._start, prefetch.SideCopy._finish, prefetch._next_of = saved
+            _service._start, _service.SideCopy._finish, _service._next_of = saved
 
     return cm()
 

@@ -153,7 +153,7 @@ ab-next)
     alternate "${2:?ab-next needs the old tree}" next.log "PrefetchLoader  |__next__" \
         bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --methods packed_prefetch ;;
 ab-train)
-    alternate "${2:?ab-train needs the old tree}" train_ab.log "^(launch5?|gpu) " \
+    alternate "${2:?ab-train needs the old tree}" train_ab.log "^(launch[45]?|gpu) " \
         bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 --batches "${TRAIN_BATCHES:-150}" \
         --rounds 2 --methods packed ;;
 frameworks)
