@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import numpy as np
 import torch
 
 from . import _engine
@@ -16,7 +15,7 @@ __all__ = ["AsyncCopyHandle", "start_copy"]
 
 
 def start_copy(
-    data: Union[list[Any], tuple[Any, ...], dict[Any, Any], torch.Tensor, np.ndarray[Any, Any]],
+    data: Any,
     device: Union[str, torch.device],
     *,
     use_pinned_staging: bool = True,
@@ -63,7 +62,9 @@ def start_copy(
 
     Args:
         data: The structure to copy: a single ``torch.Tensor`` or ``numpy.ndarray``, or nested
-            ``list`` / ``tuple`` / ``dict`` objects containing them.
+            ``list`` / ``tuple`` / ``dict`` objects, namedtuples, dataclass instances or
+            registered containers holding them; any other object is passed through (hence
+            ``Any``).
         device: Target PyTorch device (e.g. ``"cuda:0"``, ``"cpu"``).
         use_pinned_staging: Stage CPU → CUDA copies through pinned (page-locked) buffers of
             the engine's slab allocator, so that the DMA is asynchronous; for CUDA → CPU the
