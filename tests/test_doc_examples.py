@@ -116,3 +116,37 @@ def test_a_runnable_block_runs_the_package_under_test(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import mtc_loader; print(mtc_loader.__file__)"], cwd=tmp_path,
                        env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().startswith(package_parent()), (r.stdout, package_parent())
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_the_readme_quick_start_runs_on_the_cpu(tmp_path):
+    """The quick start's loader (two workers, PackedCollate(list), PrefetchLoader) on the CPU,
+    as on a machine without a GPU, and its check command printing what the README says."""
+    text = _readme()
+    quick = text[text.index("## Quick start"):text.index("## What it does")]
+    code = quick[quick.index("```python\n") + 10:]
+    code = code[:code.index("```")]
+    assert "num_workers=2" in code and "PackedCollate(list)" in code and "PrefetchLoader(loader, device)" in code
+    env = dict(subprocess_env(), CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert r.stdout.strip() == "8 samples on cpu", r.stdout
+    check = re.search(r'^cd /tmp && python3 -c "(.*)"$', quick, re.M).group(1)
+    printed = re.search(r"It prints `(.*?)`", quick).group(1)
+    r = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == printed, (r.stdout, r.stderr[-3000:])
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run's job A runs the README's full test command as the README prints it."""
+    text = _readme()
+    section = text[text.index("## Run the example and the tests"):]
+    commands = re.findall(r"```bash\n(.*?)```", section, re.S)
+    full = next(c.strip() for c in commands if c.strip().endswith("python3 -m pytest"))
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^\s+{re.escape(full)}$", ci, re.M), full
