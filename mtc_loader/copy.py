@@ -56,9 +56,11 @@ def start_copy(
 
     Outputs are new tensors that do not require grad (``requires_grad=False``, no autograd
     history), like the outputs of a DataLoader; a tensor already on ``device`` is returned as
-    is and keeps its flags. numpy leaves come back as tensors; for a CPU target they share
-    memory with the array (as ``torch.from_numpy``) unless the array is read-only or has
-    negative or unaligned strides, in which case they are copied.
+    is and keeps its flags. Numeric and bool numpy leaves come back as tensors; for a CPU target
+    they share memory with the array (as ``torch.from_numpy``) unless the array is read-only or
+    has negative or unaligned strides, in which case they are copied. Arrays no tensor can hold
+    (strings, bytes, objects, records, datetimes) are passed through as the same objects, as
+    strings are.
 
     Args:
         data: The structure to copy: a single ``torch.Tensor`` or ``numpy.ndarray``, or nested
