@@ -87,7 +87,7 @@ def test_start_copy_passes_them_through_as_the_same_objects():
             _check_sample(s, ref, "cpu", "start_copy")
             for k, v in ref["info"].items():
                 assert s["info"][k] is v, k
-    # a lone array, and one under an OnHost-free tuple
+    # a lone array, and one inside a tuple
     names = np.array(["a", "b"])
     assert mtc_loader.start_copy(names, "cpu").get() is names
     assert mtc_loader.start_copy((names, np.ones(2)), "cpu").get()[0] is names
