@@ -532,18 +532,18 @@ _SPARSE_LAYOUTS = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
 def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
     """Raise an exception that names ``path`` and what to do; or return a resolved tensor."""
     if isinstance(leaf, np.ndarray):
+        # (arrays of strings, bytes, objects, records and dates pass through before this: only
+        # numeric and bool arrays are read as tensors)
         dt = leaf.dtype
-        if dt.hasobject:
-            raise TypeError(
-                f"mtc_loader: {path} is a numpy array of dtype object; only numeric and bool "
-                "arrays can become tensors: convert it (e.g. np.stack or .astype) before copying")
         if not dt.isnative:
             raise TypeError(
                 f"mtc_loader: {path} is a numpy array with non-native byte order ({dt.str}); "
                 "convert it with arr.astype(arr.dtype.newbyteorder('='))")
+        shown = str(dt) if str(dt) == dt.str else f"{dt} ({dt.str})"
+        like = {"c": "np.complex128", "f": "np.float64"}.get(dt.kind, "np.int64")
         raise TypeError(
-            f"mtc_loader: {path} is a numpy array of dtype {dt} ({dt.str}), which has no torch "
-            "equivalent; convert it to a numeric dtype first")
+            f"mtc_loader: {path} is a numpy array of dtype {shown}, for which torch has no dtype; "
+            f"convert it to one torch has first (e.g. arr.astype({like}))")
     if isinstance(leaf, torch.Tensor):
         if leaf.is_nested:  # before the layout: a jagged nested tensor has layout torch.jagged
             raise TypeError(

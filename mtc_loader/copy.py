@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import numpy as np
 import torch
 
 from . import _engine
@@ -16,7 +15,7 @@ __all__ = ["AsyncCopyHandle", "start_copy"]
 
 
 def start_copy(
-    data: Union[list[Any], tuple[Any, ...], dict[Any, Any], torch.Tensor, np.ndarray[Any, Any]],
+    data: Any,
     device: Union[str, torch.device],
     *,
     use_pinned_staging: bool = True,
@@ -57,13 +56,17 @@ def start_copy(
 
     Outputs are new tensors that do not require grad (``requires_grad=False``, no autograd
     history), like the outputs of a DataLoader; a tensor already on ``device`` is returned as
-    is and keeps its flags. numpy leaves come back as tensors; for a CPU target they share
-    memory with the array (as ``torch.from_numpy``) unless the array is read-only or has
-    negative or unaligned strides, in which case they are copied.
+    is and keeps its flags. Numeric and bool numpy leaves come back as tensors; for a CPU target
+    they share memory with the array (as ``torch.from_numpy``) unless the array is read-only or
+    has negative or unaligned strides, in which case they are copied. Arrays no tensor can hold
+    (strings, bytes, objects, records, datetimes) are passed through as the same objects, as
+    strings are.
 
     Args:
         data: The structure to copy: a single ``torch.Tensor`` or ``numpy.ndarray``, or nested
-            ``list`` / ``tuple`` / ``dict`` objects containing them.
+            ``list`` / ``tuple`` / ``dict`` objects, namedtuples, dataclass instances or
+            registered containers holding them; any other object is passed through (hence
+            ``Any``).
         device: Target PyTorch device (e.g. ``"cuda:0"``, ``"cpu"``).
         use_pinned_staging: Stage CPU → CUDA copies through pinned (page-locked) buffers of
             the engine's slab allocator, so that the DMA is asynchronous; for CUDA → CPU the

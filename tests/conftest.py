@@ -215,25 +215,67 @@ def c_build_skip(what: str):
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
+_CONFIG: list = []  # the session's pytest config (pytest_configure), for progress()
+
+
+def pytest_configure(config):
+    _CONFIG[:] = [config]
+
+
+def progress(line: str) -> None:
+    """Writes ``line`` to the terminal at once, while the test runs and its output is captured,
+    as pytest's live logging does: for the tests that run for minutes (the C unit tests and
+    fuzz harnesses under sanitizers), so that a run does not look stuck. Nothing under -qq."""
+    config = _CONFIG[0] if _CONFIG else None
+    reporter = config and config.pluginmanager.getplugin("terminalreporter")
+    capture = config and config.pluginmanager.getplugin("capturemanager")
+    if not reporter or config.option.verbose < -1:
+        return
+    if capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
+    else:
+        reporter.write_line(line)
+
+
 def run_make(directory, *args, timeout: float) -> str:
     """Runs make in `directory`; fails the test with the output (its tail) on an error or a
-    timeout. Returns the output."""
+    timeout. Returns the output. The Makefiles' ``== ...`` lines (a step starts) are shown as
+    they come, with the time since make started."""
     import subprocess
+    import threading
+    import time
     cmd = ["make", "-C", str(directory), *args]
     env = dict(os.environ)
     env.setdefault("CC", c_compiler())
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        if isinstance(out, bytes):
-            out = out.decode(errors="replace")
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out[-20000:]}")
-    print(proc.stdout)  # shown with -s / -rA, and in the failure report
+    t0 = time.monotonic()
+    where = os.path.relpath(str(directory), ROOT)
+    progress(f"\n  make -C {where} {' '.join(args)}: building, then running (minutes on 2 cores)")
+    lines: list = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          errors="replace") as proc:
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("== "):
+                    progress(f"  [{time.monotonic() - t0:4.0f} s] {line.rstrip()}")
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            reader.join(10)
+            pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{''.join(lines)[-20000:]}")
+        reader.join(60)
+    out = "".join(lines)
+    print(out)  # shown with -s / -rA, and in the failure report
     assert proc.returncode == 0, (
-        f"{' '.join(cmd)} exited with {proc.returncode}\n----- output (tail) -----\n{proc.stdout[-20000:]}")
-    return proc.stdout
+        f"{' '.join(cmd)} exited with {proc.returncode}\n----- output (tail) -----\n{out[-20000:]}")
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

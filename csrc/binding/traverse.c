@@ -166,6 +166,19 @@ static int _classify(mtc_state *st, PyObject *obj)
     return rc ? -1 : kind;
 }
 
+/* 1 when numpy array obj is one no tensor can hold, whatever its layout:
+ * strings, bytes, objects, records, dates and durations (dtype kinds U, T, S,
+ * O, V, M, m; nuScenes' and mmdet3d's info dicts carry names and tokens so).
+ * Such an array is a leaf like a str: passed through as the same object by
+ * start_copy, pickled into a packed batch's skeleton by PackedCollate. Numeric
+ * and bool arrays (kinds b, i, u, f, c) are read as tensors, and those torch
+ * has no dtype for (float128) are diagnosed there. */
+static int _array_passes(PyObject *obj)
+{
+    char k = PyArray_DESCR((PyArrayObject *)obj)->kind;
+    return k == 'U' || k == 'T' || k == 'S' || k == 'O' || k == 'V' || k == 'M' || k == 'm';
+}
+
 /* Marks leaf node n (the last leaf read, or a slot) host-placed. 0. */
 static int _host_leaf(mtc_tree *t, int32_t n)
 {
@@ -206,6 +219,7 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
              obj == Py_None || tp == &PyBool_Type || tp == &PyBytes_Type)
         kind = MTC_KIND_LEAF;
     else if ((kind = _classify(st, obj)) < 0) return -1;
+    if (kind == MTC_KIND_NDARRAY && _array_passes(obj)) kind = MTC_KIND_LEAF;
 
     if (kind == MTC_KIND_LEAF || (host && kind == MTC_KIND_NDARRAY)) {
         /* (a numpy array under an OnHost passes through, pickled in the skeleton) */
