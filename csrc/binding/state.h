@@ -131,6 +131,11 @@ typedef struct mtc_state {
     mtc_shim_wrap_fn shim_wrap;  /* torch's own wrapper of a handle, or NULL (the batch's handles go
                                   * through torch._C._aoti in one Python call) */
     int shim_wrap_on;            /* in use now (_use_shim_wrap) */
+    int shim_env_off;            /* MTC_TORCH_SHIM=0 turned the shim off at setup */
+    /* why a route is not offered (static strings for output_maker(), NULL: offered, or the
+     * reason is the Python side's): the shim's output views, torch's wrapper, the leaf
+     * reader through the shim, the DLPack reader */
+    const char *shim_why, *wrap_why, *reader_why, *dl_why;
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 
