@@ -251,3 +251,23 @@ def test_mtc_torch_shim_0_turns_the_reader_off():
     assert off[1] is False
     on = run_child(code)
     assert on[0] == HAS_READER and on[1] == HAS_READER
+
+
+@pytest.mark.parametrize("reader", ["shim", "dlpack"], indirect=True)
+@pytest.mark.parametrize("how", ["packed", "start_copy"])
+def test_lazy_views_are_counted_once_by_the_reader_that_read_them(reader, how):
+    """A lazy conj/neg view is resolved during the walk and its replacement read in its place:
+    3 leaves are 3 reads, not 6. A leaf cloned for a contiguous copy is one read too."""
+    z = torch.complex(torch.arange(6.0), -torch.arange(6.0)).reshape(2, 3)
+    data = {"conj": z.conj(), "neg": torch._neg_view(torch.arange(4.0)), "imag": z.conj().imag}
+    which = f"leaves_read_{reader}"
+    if how == "packed":
+        pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
+        assert _reads(lambda: pc([data]).unpack("cpu"), which) == 3
+    else:
+        assert _reads(lambda: mtc_loader.start_copy(data, "cpu", use_background_thread=False).get(), which) == 3
+        # a non-contiguous leaf that the copy clones and reads again: still one read
+        t = torch.arange(24.0).reshape(4, 6)[:, ::2]
+        got = _reads(lambda: mtc_loader.start_copy([t], "cpu", use_background_thread=False,
+                                                   pack_cpu_tensors=False).get(), which)
+        assert got == 1
