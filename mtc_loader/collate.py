@@ -104,7 +104,7 @@ class Arena:
         self.creator = _token[0]
         # the creator's dtype table (torch version, fingerprint): every process that packs or
         # unpacks this arena's batches checks that its own is the same (_check_dtypes)
-        self.dtypes = _dtypes.TABLE if _dtypes_of is None else _dtypes_of
+        self._dtype_table = _dtypes.TABLE if _dtypes_of is None else _dtypes_of
         # what the loader that unpacks this arena's batches keeps in flight and needs at the
         # least, (batches, what they are, least, what they are), as a PrefetchLoader over a
         # DataLoader of it says (_flight.py); and the process whose first pack was checked
@@ -120,7 +120,7 @@ class Arena:
         if _mp_context.get_spawning_popen() is not None:
             # a child being started (spawn / forkserver): the descriptor goes to that child only
             # (pass_fds, or SCM_RIGHTS over the forkserver's socket), no copy is left behind
-            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected, self.dtypes))
+            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected, self._dtype_table))
         # Outside process start-up, multiprocessing's resource sharer keeps a dup of the
         # descriptor until a process asks for it. A pickle that is never unpickled would keep
         # that dup, and the arena's memory, for the life of this process: this arena tracks
@@ -129,14 +129,14 @@ class Arena:
         pending = _pending_keys()
         self._shared[:] = [k for k in self._shared if k in pending]
         self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
-        return (_attach, (dup, self.token, self._expected, self.dtypes))
+        return (_attach, (dup, self.token, self._expected, self._dtype_table))
 
     def _check_dtypes(self, doing: str) -> None:
         """Raises unless this process's dtype codes mean what the arena creator's do (the same
         torch): a batch packed with one table and unpacked with another would come back with
         other dtypes."""
-        if self.dtypes is not _dtypes.TABLE and self.dtypes != _dtypes.TABLE:
-            raise RuntimeError(_dtypes.mismatch(self.dtypes, doing))
+        if self._dtype_table is not _dtypes.TABLE and self._dtype_table != _dtypes.TABLE:
+            raise RuntimeError(_dtypes.mismatch(self._dtype_table, doing))
 
     def _expect(self, expected: tuple[int, str, int, str]) -> None:
         """The loader that unpacks this arena's batches keeps up to ``expected[0]`` in flight and

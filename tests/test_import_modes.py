@@ -146,7 +146,7 @@ def test_a_process_with_another_dtype_table_is_refused_naming_both_sides():
     and unpacking its batches here is refused, and the batch is consumed (its region freed)."""
     pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
     batch = pc([{"x": torch.arange(3)}])
-    pc.arena.dtypes = ("2.99.0", "0badc0de")
+    pc.arena._dtype_table = ("2.99.0", "0badc0de")
     try:
         with pytest.raises(RuntimeError) as e:
             batch.unpack("cpu")
@@ -160,7 +160,7 @@ def test_a_process_with_another_dtype_table_is_refused_naming_both_sides():
         with pytest.raises(RuntimeError, match=r"packs a batch .*arena creator's torch 2\.99\.0"):
             pc([{"x": torch.arange(3)}])
     finally:
-        pc.arena.dtypes = _dtypes.TABLE
+        pc.arena._dtype_table = _dtypes.TABLE
     assert torch.equal(pc([{"x": torch.arange(3)}]).unpack("cpu")[0]["x"], torch.arange(3))
 
 
