@@ -542,7 +542,7 @@ def _without_data(leaf: torch.Tensor, path: str) -> Optional[str]:
         return (f"mtc_loader: {path} is a functional tensor (torch._to_functional_tensor, functionalization), "
                 "which wraps its data rather than holding it: copy torch._from_functional_tensor(t) (after "
                 "torch._sync(t)), or pass plain tensors")
-    if type(leaf) is not torch.Tensor and _python_dispatched(leaf):
+    if type(leaf) is not torch.Tensor and _python_dispatched(leaf) and not _has_data(leaf):
         name = _qualname(type(leaf))
         if hasattr(leaf, "full_tensor") or hasattr(leaf, "to_local"):
             todo = ("call .full_tensor() for the whole tensor (or .to_local() for this rank's shard) and "
@@ -562,6 +562,14 @@ def _python_dispatched(leaf: torch.Tensor) -> bool:
     except (AttributeError, RuntimeError, TypeError):
         return getattr(type(leaf), "__torch_dispatch__", None) is not getattr(
             torch.Tensor, "__torch_dispatch__", None)
+
+
+def _has_data(leaf: torch.Tensor) -> bool:
+    """Whether leaf's data pointer is one (a wrapper subclass's is 0, or raises)."""
+    try:
+        return leaf.numel() == 0 or bool(leaf.data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def _freed_storage(leaf: torch.Tensor, path: str) -> Optional[str]:
