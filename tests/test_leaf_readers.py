@@ -266,8 +266,18 @@ def test_lazy_views_are_counted_once_by_the_reader_that_read_them(reader, how):
         assert _reads(lambda: pc([data]).unpack("cpu"), which) == 3
     else:
         assert _reads(lambda: mtc_loader.start_copy(data, "cpu", use_background_thread=False).get(), which) == 3
-        # a non-contiguous leaf that the copy clones and reads again: still one read
-        t = torch.arange(24.0).reshape(4, 6)[:, ::2]
-        got = _reads(lambda: mtc_loader.start_copy([t], "cpu", use_background_thread=False,
-                                                   pack_cpu_tensors=False).get(), which)
-        assert got == 1
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("reader", ["shim", "dlpack"], indirect=True)
+def test_a_leaf_made_contiguous_for_the_gpu_is_counted_once(reader):
+    """A strided CPU leaf that a direct copy needs in one block is cloned and read again: one
+    leaf, one read."""
+    t = torch.arange(4096.0).reshape(64, 64)[:, ::2]
+    before = mtc_loader.stats()
+    out = mtc_loader.start_copy([t], "cuda:0", pack_cpu_tensors=False, use_background_thread=False).get()
+    after = mtc_loader.stats()
+    assert after["made_contiguous"] - before["made_contiguous"] == 1
+    assert after[f"leaves_read_{reader}"] - before[f"leaves_read_{reader}"] == 1
+    assert torch.equal(out[0].cpu(), t)
