@@ -630,6 +630,9 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             raise TypeError(
                 f"mtc_loader: {path} lives on device {leaf.device}; only CPU and CUDA tensors "
                 "are supported")
+        freed = _freed_storage(leaf, path)  # before a resolution would read the missing bytes
+        if freed is not None:
+            raise TypeError(freed)
         if leaf.is_conj() or leaf.is_neg():
             # lazily conjugated/negated views: materialise the values, as .to() would
             try:
@@ -645,9 +648,6 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             raise TypeError(
                 f"mtc_loader: {path} has dtype {leaf.dtype}, which mtc_loader cannot copy "
                 "bytewise; convert it (e.g. .to(torch.uint8)) first")
-        freed = _freed_storage(leaf, path)
-        if freed is not None:
-            raise TypeError(freed)
         if exc is None:
             raise RuntimeError(
                 f"mtc_loader: cannot read the tensor at {path} (a {_qualname(type(leaf))} of shape "

@@ -605,3 +605,32 @@ def test_a_dtensor_says_full_tensor_or_to_local():
     for msg, path in zip(got, ("data['x']", "data[0]['x']")):
         assert msg.startswith(f"mtc_loader: {path} is a torch.distributed.tensor.DTensor, a wrapper tensor subclass")
         assert "call .full_tensor() for the whole tensor (or .to_local() for this rank's shard)" in msg
+
+
+def test_a_lazy_view_of_freed_storage_is_refused_before_it_is_resolved():
+    """Resolving a conj/neg view reads its storage: over a freed one, that crashed the process
+    (run in a child, so that a crash fails this test only)."""
+    from conftest import run_child
+    got = run_child("""
+        import json, torch, mtc_loader
+        z = torch.complex(torch.ones(3), torch.ones(3))
+        conj = z.conj()
+        neg = torch._neg_view(torch.ones(4))
+        z.untyped_storage().resize_(0)
+        neg.untyped_storage().resize_(0)
+        out = []
+        for t in (conj, neg):
+            for fn in (lambda: mtc_loader.start_copy({"x": t}, "cpu", use_background_thread=False).get(),
+                       lambda: mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": t}])):
+                try:
+                    fn()
+                    out.append("no error")
+                except TypeError as e:
+                    out.append(str(e))
+        print(json.dumps(out))
+    """)
+    assert len(got) == 4
+    for msg, (path, need) in zip(got, [("data['x']", 24), ("data[0]['x']", 24), ("data['x']", 16),
+                                       ("data[0]['x']", 16)]):
+        assert msg.startswith(f"mtc_loader: {path} is a tensor whose storage was freed or shrunk (it holds 0 "
+                              f"bytes, the tensor's elements need {need};"), msg
