@@ -107,8 +107,9 @@ def stats() -> dict[str, int]:
 
 
 def output_maker() -> dict[str, Any]:
-    """How this process makes the output tensors of packed batches: ``{"maker": "shim" |
-    "split", "reason": str | None, "wrap": bool}``.
+    """How this process makes the output tensors of packed batches and reads the tensors it
+    copies: ``{"maker": "shim" | "split", "reason": str | None, "wrap": bool, "reader": "shim" |
+    "dlpack" | "attributes", "library": str | None, "reasons": {route: str | None}}``.
 
     ``"shim"``: through torch's AOTInductor C shim (where this torch has it: 2.11 and 2.13 do),
     one C call per output, a fraction of a microsecond of the GIL per tensor; ``wrap`` True: each
@@ -116,14 +117,14 @@ def output_maker() -> dict[str, Any]:
     torch passed the check at import), else a batch's outputs go through one Python call.
     ``"split"``: with torch's split operators, one or two operator calls per group of tensors,
     plus a piece for every alignment gap between tensors (three to four times the GIL time
-    per tensor); ``reason`` says why: a torch without the shim, or ``MTC_TORCH_SHIM=0``. All give
-    the same tensors: dtype, shape, strides, storage offsets and storage sharing."""
-    offered, on = _engine._shim_info()
-    if on:
-        return {"maker": "shim", "reason": None, "wrap": bool(_engine._shim_parts()["wrap_on"])}
-    why = ("MTC_TORCH_SHIM=0 (or mtc_loader._engine._use_shim(False)) turned it off" if offered
-           else f"torch {torch.__version__} has no AOTInductor C shim (torch 2.11 and 2.13 have it)")
-    return {"maker": "split", "reason": why, "wrap": False}
+    per tensor); ``reason`` says why. ``reader``: how each tensor's metadata is read: through
+    the shim's getters, torch's DLPack exchange table, or the tensor's attributes.
+    ``library``: the libtorch_cpu the shim was found in (wherever this process loaded it from).
+    ``reasons``: for each route (``"shim"``, ``"wrap"``, ``"shim_reader"``,
+    ``"dlpack_reader"``), None where it is on, else why it is off: a torch without it, a
+    library not found, a check at import that failed, or ``MTC_TORCH_SHIM=0``. All give the
+    same tensors: dtype, shape, strides, storage offsets and storage sharing."""
+    return _setup.routes()
 
 
 def configure(*, pinned_cap_bytes: Optional[int] = None) -> None:

@@ -529,6 +529,67 @@ _UNSUPPORTED_LAYOUT_HINT = "convert it with .to_dense() first, or copy it separa
 _SPARSE_LAYOUTS = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 
 
+def _without_data(leaf: torch.Tensor, path: str) -> Optional[str]:
+    """The message for a tensor that has no data of its own to copy (a fake tensor, a
+    functionalized one, a wrapper subclass such as DTensor), or None."""
+    fake_tensor = getattr(getattr(getattr(torch, "_subclasses", None), "fake_tensor", None), "FakeTensor", None)
+    if fake_tensor is not None and isinstance(leaf, fake_tensor):
+        return (f"mtc_loader: {path} is a fake tensor (made under FakeTensorMode, e.g. by torch.compile or "
+                "a model built with fake tensors), which has no data to copy: copy real tensors, outside "
+                "the FakeTensorMode")
+    is_functional = getattr(torch, "_is_functional_tensor", None)
+    if is_functional is not None and is_functional(leaf):
+        return (f"mtc_loader: {path} is a functional tensor (torch._to_functional_tensor, functionalization), "
+                "which wraps its data rather than holding it: copy torch._from_functional_tensor(t) (after "
+                "torch._sync(t)), or pass plain tensors")
+    if type(leaf) is not torch.Tensor and _python_dispatched(leaf) and not _has_data(leaf):
+        name = _qualname(type(leaf))
+        if hasattr(leaf, "full_tensor") or hasattr(leaf, "to_local"):
+            todo = ("call .full_tensor() for the whole tensor (or .to_local() for this rank's shard) and "
+                    "pass the result")
+        else:
+            todo = "convert it to a plain torch.Tensor first (the method the subclass offers for that)"
+        return (f"mtc_loader: {path} is a {name}, a wrapper tensor subclass (with __torch_dispatch__, like "
+                f"DTensor) whose data lives in the tensors it wraps, not in a storage of its own: {todo}, "
+                "or pass plain tensors")
+    return None
+
+
+def _python_dispatched(leaf: torch.Tensor) -> bool:
+    """Whether torch dispatches leaf's operators to Python (a subclass with __torch_dispatch__)."""
+    try:
+        return bool(torch._C._dispatch_keys(leaf).has(torch._C.DispatchKey.Python))
+    except (AttributeError, RuntimeError, TypeError):
+        return getattr(type(leaf), "__torch_dispatch__", None) is not getattr(
+            torch.Tensor, "__torch_dispatch__", None)
+
+
+def _has_data(leaf: torch.Tensor) -> bool:
+    """Whether leaf's data pointer is one (a wrapper subclass's is 0, or raises)."""
+    try:
+        return leaf.numel() == 0 or bool(leaf.data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _freed_storage(leaf: torch.Tensor, path: str) -> Optional[str]:
+    """The message for a tensor whose storage is smaller than its elements need (freed with
+    ``untyped_storage().resize_(0)``, as FSDP and activation offloading do), or None."""
+    if leaf.numel() == 0:
+        return None
+    try:
+        have = leaf.untyped_storage().nbytes()
+        extent = leaf.storage_offset() + sum((n - 1) * abs(st) for n, st in zip(leaf.shape, leaf.stride())) + 1
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    need = extent * leaf.element_size()
+    if have >= need:
+        return None
+    return (f"mtc_loader: {path} is a tensor whose storage was freed or shrunk (it holds {have} bytes, the "
+            f"tensor's elements need {need}; e.g. untyped_storage().resize_(0), as FSDP and activation "
+            "offloading do): copy it while its storage holds its data, or pass a tensor that owns its data")
+
+
 def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
     """Raise an exception that names ``path`` and what to do; or return a resolved tensor."""
     if isinstance(leaf, np.ndarray):
@@ -560,12 +621,18 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             raise TypeError(
                 f"mtc_loader: {path} is a quantized tensor ({leaf.dtype}); dequantize() it "
                 "first or copy it separately with .to()")
+        without_data = _without_data(leaf, path)
+        if without_data is not None:
+            raise TypeError(without_data)
         if leaf.is_meta:
             raise TypeError(f"mtc_loader: {path} is a meta tensor, which has no data to copy")
         if leaf.device.type not in ("cpu", "cuda"):
             raise TypeError(
                 f"mtc_loader: {path} lives on device {leaf.device}; only CPU and CUDA tensors "
                 "are supported")
+        freed = _freed_storage(leaf, path)  # before a resolution would read the missing bytes
+        if freed is not None:
+            raise TypeError(freed)
         if leaf.is_conj() or leaf.is_neg():
             # lazily conjugated/negated views: materialise the values, as .to() would
             try:
@@ -581,6 +648,11 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             raise TypeError(
                 f"mtc_loader: {path} has dtype {leaf.dtype}, which mtc_loader cannot copy "
                 "bytewise; convert it (e.g. .to(torch.uint8)) first")
+        if exc is None:
+            raise RuntimeError(
+                f"mtc_loader: cannot read the tensor at {path} (a {_qualname(type(leaf))} of shape "
+                f"{tuple(leaf.shape)}, dtype {leaf.dtype}, on {leaf.device}): torch gave no data pointer "
+                "for it; pass a plain dense tensor that owns its data (t.detach().clone())")
         raise RuntimeError(f"mtc_loader: cannot read the tensor at {path}: {exc}") from exc
     if exc is not None:  # a container whose flatten raised
         reg = _registration(type(leaf))

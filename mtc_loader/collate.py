@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from . import _engine, _tree
+from . import _dtypes, _engine, _tree
 from ._device import target_index
 from ._options import positive_int, seconds
 from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
@@ -85,7 +85,8 @@ class Arena:
     _unpack_hint = ("get the structure with batch.to(device) (or batch.unpack()), or iterate "
                     "mtc_loader.PrefetchLoader(loader, device), which yields it on the device")
 
-    def __init__(self, nbytes: int = 256 << 20, *, _engine_arena: Any = None, _token: Any = None):
+    def __init__(self, nbytes: int = 256 << 20, *, _engine_arena: Any = None, _token: Any = None,
+                 _dtypes_of: Optional[tuple[str, str]] = None):
         if _engine_arena is None:
             try:
                 nbytes = positive_int("arena_bytes", nbytes, _MAX_ARENA_BYTES)
@@ -101,6 +102,9 @@ class Arena:
         self._a: _engine.Arena = _engine_arena
         self.token = _token
         self.creator = _token[0]
+        # the creator's dtype table (torch version, fingerprint): every process that packs or
+        # unpacks this arena's batches checks that its own is the same (_check_dtypes)
+        self._dtype_table = _dtypes.TABLE if _dtypes_of is None else _dtypes_of
         # what the loader that unpacks this arena's batches keeps in flight and needs at the
         # least, (batches, what they are, least, what they are), as a PrefetchLoader over a
         # DataLoader of it says (_flight.py); and the process whose first pack was checked
@@ -116,7 +120,7 @@ class Arena:
         if _mp_context.get_spawning_popen() is not None:
             # a child being started (spawn / forkserver): the descriptor goes to that child only
             # (pass_fds, or SCM_RIGHTS over the forkserver's socket), no copy is left behind
-            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected))
+            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected, self._dtype_table))
         # Outside process start-up, multiprocessing's resource sharer keeps a dup of the
         # descriptor until a process asks for it. A pickle that is never unpickled would keep
         # that dup, and the arena's memory, for the life of this process: this arena tracks
@@ -125,7 +129,14 @@ class Arena:
         pending = _pending_keys()
         self._shared[:] = [k for k in self._shared if k in pending]
         self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
-        return (_attach, (dup, self.token, self._expected))
+        return (_attach, (dup, self.token, self._expected, self._dtype_table))
+
+    def _check_dtypes(self, doing: str) -> None:
+        """Raises unless this process's dtype codes mean what the arena creator's do (the same
+        torch): a batch packed with one table and unpacked with another would come back with
+        other dtypes."""
+        if self._dtype_table is not _dtypes.TABLE and self._dtype_table != _dtypes.TABLE:
+            raise RuntimeError(_dtypes.mismatch(self._dtype_table, doing))
 
     def _expect(self, expected: tuple[int, str, int, str]) -> None:
         """The loader that unpacks this arena's batches keeps up to ``expected[0]`` in flight and
@@ -197,13 +208,14 @@ def _consumes(arena: Arena) -> bool:
     return arena.creator == os.getpid() or get_worker_info() is None
 
 
-def _attach(dupfd: Any, token: tuple[int, int, int], expected: Optional[tuple[int, str, int, str]] = None) -> Arena:
+def _attach(dupfd: Any, token: tuple[int, int, int], expected: Optional[tuple[int, str, int, str]] = None,
+            dtypes: Optional[tuple[str, str]] = None) -> Arena:
     existing = _ARENAS.get(token)
     fd = dupfd.detach()
     try:
         if existing is not None:
             return existing
-        arena = Arena(_engine_arena=_engine.arena_attach(fd), _token=token)
+        arena = Arena(_engine_arena=_engine.arena_attach(fd), _token=token, _dtypes_of=dtypes)
         arena._expected = expected
         return arena
     finally:
@@ -282,6 +294,11 @@ class PackedBatch:
     def _start(self, target: int, background: bool) -> Any:
         """The engine's handle of the unpack to the target index (the prefetch service's path)."""
         a = self._take()
+        try:
+            self._arena._check_dtypes("unpacks")
+        except RuntimeError:
+            a.release(self._off, os.getpid())  # consumed: nobody else frees the region
+            raise
         return _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
                               target, background, self._atoms)
 
@@ -528,6 +545,7 @@ class PackedCollate:
     def __call__(self, samples: list[Any]) -> PackedBatch:
         # the tensors default_collate stacks go to this process's warm blocks rather than
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
+        self.arena._check_dtypes("packs")
         consumer = _consumer()
         with stacking_into_scratch(self):
             try:

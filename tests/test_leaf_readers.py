@@ -251,3 +251,33 @@ def test_mtc_torch_shim_0_turns_the_reader_off():
     assert off[1] is False
     on = run_child(code)
     assert on[0] == HAS_READER and on[1] == HAS_READER
+
+
+@pytest.mark.parametrize("reader", ["shim", "dlpack"], indirect=True)
+@pytest.mark.parametrize("how", ["packed", "start_copy"])
+def test_lazy_views_are_counted_once_by_the_reader_that_read_them(reader, how):
+    """A lazy conj/neg view is resolved during the walk and its replacement read in its place:
+    3 leaves are 3 reads, not 6. A leaf cloned for a contiguous copy is one read too."""
+    z = torch.complex(torch.arange(6.0), -torch.arange(6.0)).reshape(2, 3)
+    data = {"conj": z.conj(), "neg": torch._neg_view(torch.arange(4.0)), "imag": z.conj().imag}
+    which = f"leaves_read_{reader}"
+    if how == "packed":
+        pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
+        assert _reads(lambda: pc([data]).unpack("cpu"), which) == 3
+    else:
+        assert _reads(lambda: mtc_loader.start_copy(data, "cpu", use_background_thread=False).get(), which) == 3
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("reader", ["shim", "dlpack"], indirect=True)
+def test_a_leaf_made_contiguous_for_the_gpu_is_counted_once(reader):
+    """A strided CPU leaf that a direct copy needs in one block is cloned and read again: one
+    leaf, one read."""
+    t = torch.arange(4096.0).reshape(64, 64)[:, ::2]
+    before = mtc_loader.stats()
+    out = mtc_loader.start_copy([t], "cuda:0", pack_cpu_tensors=False, use_background_thread=False).get()
+    after = mtc_loader.stats()
+    assert after["made_contiguous"] - before["made_contiguous"] == 1
+    assert after[f"leaves_read_{reader}"] - before[f"leaves_read_{reader}"] == 1
+    assert torch.equal(out[0].cpu(), t)

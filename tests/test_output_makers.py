@@ -200,7 +200,8 @@ print(json.dumps({"info": _engine._shim_info(), "shim_views": mtc_loader.stats()
 def test_switch_off_makes_outputs_with_split_operators():
     on = run_child(_INFO)
     assert on["info"] == [True, True] and on["shim_views"] == 2 and on["ok"]
-    assert on["maker"] == {"maker": "shim", "reason": None, "wrap": WRAP}
+    assert {k: on["maker"][k] for k in ("maker", "reason", "wrap")} == {"maker": "shim", "reason": None, "wrap": WRAP}
+    assert on["maker"]["reasons"]["shim"] is None
     off = run_child(_INFO, MTC_TORCH_SHIM="0")
     assert off["info"] == [True, False] and off["shim_views"] == 0 and off["ok"]
     assert off["maker"]["maker"] == "split" and "MTC_TORCH_SHIM=0" in off["maker"]["reason"]

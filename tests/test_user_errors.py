@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -504,3 +505,132 @@ def test_the_training_example_says_why_more_batches_were_packed_than_trained_on(
         "up to 2, its depth)")
     assert "no workers" in note(26, 24, 0, None, 2)
     assert note(24, 24, 2, 2, 2) == "24 batches packed for 24 steps"
+
+
+# --- tensors without data of their own: what each is, and what to do
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper tensor subclass (module level, as subclasses are): its data is ``elem``'s."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{cls.__name__} has no {func}")
+
+
+class _ShardedLike(_Wrapper):
+    """DTensor's way out: the whole tensor."""
+
+    def full_tensor(self):
+        return self.elem
+
+
+def _fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FakeTensorMode().from_tensor(torch.ones(3))
+
+
+def _freed():
+    t = torch.ones(3)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+_WITHOUT_DATA = {
+    "wrapper": (lambda: _Wrapper(torch.ones(3)),
+                r"is a test_user_errors\._Wrapper, a wrapper tensor subclass \(with __torch_dispatch__, like "
+                r"DTensor\).*convert it to a plain torch\.Tensor first"),
+    "dtensor_like": (lambda: _ShardedLike(torch.ones(3)),
+                     r"is a test_user_errors\._ShardedLike, a wrapper tensor subclass.*"
+                     r"call \.full_tensor\(\) for the whole tensor \(or \.to_local\(\)"),
+    "fake": (_fake, r"is a fake tensor \(made under FakeTensorMode.*has no data to copy: copy real tensors"),
+    "functional": (lambda: torch._to_functional_tensor(torch.ones(3)),
+                   r"is a functional tensor .*copy torch\._from_functional_tensor\(t\)"),
+    "freed": (_freed, r"is a tensor whose storage was freed or shrunk \(it holds 0 bytes, the tensor's elements "
+                      r"need 12; e\.g\. untyped_storage\(\)\.resize_\(0\)"),
+}
+
+
+@pytest.mark.parametrize("how", ["start_copy", "packed"])
+@pytest.mark.parametrize("kind", sorted(_WITHOUT_DATA))
+def test_a_tensor_without_data_of_its_own_says_what_it_is_and_what_to_do(kind, how):
+    """They all said "cannot read the tensor at data['x']: None"."""
+    make, what = _WITHOUT_DATA[kind]
+    data = {"x": make(), "y": torch.ones(2)}
+    msg = "no error"
+    with warnings.catch_warnings():
+        # a FakeTensor's data_ptr() warns before it fails (torch's deprecation of that access)
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")
+        try:
+            if how == "start_copy":
+                mtc_loader.start_copy(data, "cpu", use_background_thread=False).get()
+            else:
+                PackedCollate(list, arena_bytes=1 << 20)([data])
+        except Exception as e:  # the message only: torch's repr of a freed tensor crashes
+            msg = f"{type(e).__name__}: {e}"
+    del data
+    path = r"data\['x'\]" if how == "start_copy" else r"data\[0\]\['x'\]"
+    assert re.match(r"TypeError: mtc_loader: " + path + " " + what, msg), msg
+
+
+def test_a_dtensor_says_full_tensor_or_to_local():
+    from conftest import run_child
+    got = run_child("""
+        import json, os, tempfile, warnings, torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        d = DTensor.from_local(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+        import mtc_loader
+        out = []
+        for fn in (lambda: mtc_loader.start_copy({"x": d}, "cpu", use_background_thread=False).get(),
+                   lambda: mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": d}])):
+            try:
+                fn()
+            except TypeError as e:
+                out.append(str(e))
+        dist.destroy_process_group()
+        print(json.dumps(out))
+    """)
+    assert len(got) == 2
+    for msg, path in zip(got, ("data['x']", "data[0]['x']")):
+        assert msg.startswith(f"mtc_loader: {path} is a torch.distributed.tensor.DTensor, a wrapper tensor subclass")
+        assert "call .full_tensor() for the whole tensor (or .to_local() for this rank's shard)" in msg
+
+
+def test_a_lazy_view_of_freed_storage_is_refused_before_it_is_resolved():
+    """Resolving a conj/neg view reads its storage: over a freed one, that crashed the process
+    (run in a child, so that a crash fails this test only)."""
+    from conftest import run_child
+    got = run_child("""
+        import json, torch, mtc_loader
+        z = torch.complex(torch.ones(3), torch.ones(3))
+        conj = z.conj()
+        neg = torch._neg_view(torch.ones(4))
+        z.untyped_storage().resize_(0)
+        neg.untyped_storage().resize_(0)
+        out = []
+        for t in (conj, neg):
+            for fn in (lambda: mtc_loader.start_copy({"x": t}, "cpu", use_background_thread=False).get(),
+                       lambda: mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": t}])):
+                try:
+                    fn()
+                    out.append("no error")
+                except TypeError as e:
+                    out.append(str(e))
+        print(json.dumps(out))
+    """)
+    assert len(got) == 4
+    for msg, (path, need) in zip(got, [("data['x']", 24), ("data[0]['x']", 24), ("data['x']", 16),
+                                       ("data[0]['x']", 16)]):
+        assert msg.startswith(f"mtc_loader: {path} is a tensor whose storage was freed or shrunk (it holds 0 "
+                              f"bytes, the tensor's elements need {need};"), msg

@@ -456,17 +456,18 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
     mtc_leaf l;
     memset(&l, 0, sizeof l);
     int contiguous = 0, c = -1, rc = 1;
+    uint64_t *read_by = NULL; /* the counter of the reader that read it, bumped once the leaf is kept */
     if (exact && st->sr.on) {
         rc = _read_shim(st, t, node, obj, &l, &c, &contiguous);
         if (rc < 0) return -1;
         if (rc) memset(&l, 0, sizeof l);
-        else mtc_cnt.leaves_shim++;
+        else read_by = &mtc_cnt.leaves_shim;
     }
     if (rc && exact && st->dl_view) {
         rc = _read_dlpack(st, t, node, obj, &l, &c, &contiguous);
         if (rc < 0) return -1;
         if (rc) memset(&l, 0, sizeof l);
-        else mtc_cnt.leaves_dlpack++;
+        else read_by = &mtc_cnt.leaves_dlpack;
     }
     if (rc) {
         /* dtype first: quantized and unknown dtypes leave the fast path here */
@@ -495,7 +496,11 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
         if (meta) return mtc_leaves_diagnose(st, t, node, obj);
     }
     t->leaves[t->nleaves] = l;
-    return _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
+    /* A leaf handed to _diagnose returned above: its resolved replacement (a
+     * lazy conj/neg view materialised) is read and counted there, once. */
+    rc = _finish_leaf(t, &t->leaves[t->nleaves], node, obj);
+    if (!rc && read_by && !t->rereading) (*read_by)++;
+    return rc;
 }
 
 int mtc_leaves_read_ndarray(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
@@ -577,8 +582,10 @@ int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
     PyObject *obj = t->objs[i];
     t->nleaves = i;
     t->ndims = old.dims;
+    t->rereading = 1; /* counted as read when it was first read */
     int rc = (old.flags & MTC_LEAF_NUMPY) ? mtc_leaves_read_ndarray(st, t, (int32_t)t->leaf_node[i], obj)
                                           : mtc_leaves_read_tensor(st, t, (int32_t)t->leaf_node[i], obj);
+    t->rereading = 0;
     if (rc == 0) Py_DECREF(obj); /* _finish_leaf took a second reference */
     t->leaves[i].flags |= old.flags & MTC_LEAF_HOST; /* the walk's, not the object's */
     t->nleaves = save_n;

@@ -59,6 +59,8 @@ static int _setup_dlpack(mtc_state *st, PyObject *cfg)
     PyObject *cap = PyDict_GetItemString(cfg, "dlpack_api");
     PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
     PyObject *others = PyDict_GetItemString(cfg, "dlpack_others");
+    st->dl_why = "this torch has no DLPack C exchange table (torch.Tensor.__dlpack_c_exchange_api__, torch "
+                 "2.10 and later)";
     if (!cap || cap == Py_None) return 0;
     if (!PyCapsule_IsValid(cap, "dlpack_exchange_api") || !samples || !PyList_Check(samples) ||
         PyList_GET_SIZE(samples) != st->ndtypes || !others || !PyList_Check(others)) {
@@ -68,7 +70,11 @@ static int _setup_dlpack(mtc_state *st, PyObject *cfg)
     const mtc_dl_api *api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
     if (!api) return -1;
     while (api && api->header.version.major != MTC_DL_MAJOR) api = (const mtc_dl_api *)api->header.prev_api;
-    if (!api || !api->dltensor_from_py_object_no_sync) return 0;
+    if (!api || !api->dltensor_from_py_object_no_sync) {
+        st->dl_why = "torch's DLPack C exchange table is of another major version than the engine reads";
+        return 0;
+    }
+    st->dl_why = NULL;
     mtc_dl_view_fn view = api->dltensor_from_py_object_no_sync;
     for (int c = 0; c < st->ndtypes; c++) {
         mtc_dl_tensor dl;
@@ -139,15 +145,24 @@ static PyObject *engine_use_shim_wrap(PyObject *module, PyObject *flag)
 /* _shim_parts() -> dict: what of torch's C shim this process uses beside
  * the output views: the leaf reader ("reader": offered, "reader_on"), the
  * lazy bits read in C ("native_bits"), torch's own wrapper of each output
- * ("wrap": offered, "wrap_on"). */
+ * ("wrap": offered, "wrap_on"), the DLPack reader ("dlpack": offered,
+ * "dlpack_on"), whether MTC_TORCH_SHIM=0 turned the shim off ("env_off"),
+ * and why a route is not offered ("shim_why", "wrap_why", "reader_why",
+ * "dlpack_why": a str, or None where it is offered or the reason is the
+ * Python side's). */
 static PyObject *engine_shim_parts(PyObject *module, PyObject *unused)
 {
     mtc_state *st = mtc_get_state(module);
-    return Py_BuildValue("{sOsOsOsOsO}", "reader", st->sr.offered ? Py_True : Py_False,
+    return Py_BuildValue("{sOsOsOsOsOsOsOsOszszszsz}", "reader", st->sr.offered ? Py_True : Py_False,
                          "reader_on", st->sr.on ? Py_True : Py_False,
                          "native_bits", st->sr.is_neg ? Py_True : Py_False,
                          "wrap", st->shim_wrap ? Py_True : Py_False,
-                         "wrap_on", st->shim_wrap_on ? Py_True : Py_False);
+                         "wrap_on", st->shim_wrap_on ? Py_True : Py_False,
+                         "dlpack", st->dl_offered ? Py_True : Py_False,
+                         "dlpack_on", st->dl_view ? Py_True : Py_False,
+                         "env_off", st->shim_env_off ? Py_True : Py_False,
+                         "shim_why", st->shim_why, "wrap_why", st->wrap_why, "reader_why", st->reader_why,
+                         "dlpack_why", st->dl_why);
 }
 
 /* _use_shim(flag) -> bool: whether output views are made through torch's C

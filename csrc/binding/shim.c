@@ -30,9 +30,15 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     PyObject *sample = PyDict_GetItemString(cfg, "reader_sample");
     PyObject *bits = PyDict_GetItemString(cfg, "bit_samples");
     if (!sample || !bits || !PyTuple_Check(bits) || PyTuple_GET_SIZE(bits) != 3 ||
-        PyList_GET_SIZE(samples) != st->ndtypes)
+        PyList_GET_SIZE(samples) != st->ndtypes) {
+        st->reader_why = "this torch cannot make the sample tensors the reader is checked against (it has "
+                         "no torch._neg_view)";
         return 0;
-    if (((PyTypeObject *)st->tensor_type)->tp_basicsize < (Py_ssize_t)(sizeof(PyObject) + sizeof(void *))) return 0;
+    }
+    if (((PyTypeObject *)st->tensor_type)->tp_basicsize < (Py_ssize_t)(sizeof(PyObject) + sizeof(void *))) {
+        st->reader_why = "torch.Tensor's Python object is too small to hold the tensor where the reader looks";
+        return 0;
+    }
 #define SYM(field, name, type) r->field = (type)dlsym(lib, name)
     SYM(layout, "aoti_torch_get_layout", mtc_shim_get_i32_fn);
     SYM(device_type, "aoti_torch_get_device_type", mtc_shim_get_i32_fn);
@@ -51,6 +57,7 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     if (!r->layout || !r->device_type || !r->device_index || !r->dtype || !r->dim || !r->sizes || !r->strides ||
         !r->data_ptr || !strided || !cpu || !cuda) {
         memset(r, 0, sizeof *r);
+        st->reader_why = "the library lacks some of the shim's getters (aoti_torch_get_*)";
         return 0;
     }
     r->strided = strided();
@@ -117,9 +124,12 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     if (!ok) {
         memset(r, 0, sizeof *r);
         memset(r->to_code, -1, sizeof r->to_code);
+        st->reader_why = "this torch's tensors failed the reader's check on sample tensors (where the Python "
+                         "object holds the tensor, or what the getters read)";
         return 0;
     }
     r->offered = 1;
+    st->reader_why = NULL;
     return 0;
 }
 
@@ -134,18 +144,22 @@ static int _setup_wrap(mtc_state *st, PyObject *cfg)
     st->shim_wrap_on = 0;
     PyObject *path = PyDict_GetItemString(cfg, "shim_python");
     PyObject *sample = PyDict_GetItemString(cfg, "reader_sample");
+    st->wrap_why = NULL; /* no path: the Python side says why */
     if (!path || !PyUnicode_Check(path) || !sample || (PyObject *)Py_TYPE(sample) != st->tensor_type) return 0;
     const char *p = PyUnicode_AsUTF8(path);
     if (!p) return -1;
     void *lib = dlopen(p, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
+    st->wrap_why = "libtorch_python is not loaded in this process at that path (dlopen with RTLD_NOLOAD)";
     if (!lib) return 0;
     mtc_shim_wrap_fn wrap = (mtc_shim_wrap_fn)dlsym(lib, "_Z16THPVariable_WrapON2at10TensorBaseE");
+    st->wrap_why = "libtorch_python exports no THPVariable_Wrap(at::TensorBase&&)";
     if (!wrap) return 0;
     void *h = mtc_shim_handle(st, sample), *v = NULL;
     if (!h) return -1;
     int64_t size = 2, stride = 1;
     int rc = mtc_shim_view(st, h, 1, &size, &stride, 0, &v);
     mtc_shim_release(st, h);
+    st->wrap_why = "the shim refused a view of the sample tensor";
     if (rc) return 0;
     PyObject *o = wrap(v);
     mtc_shim_release(st, v);
@@ -160,6 +174,8 @@ static int _setup_wrap(mtc_state *st, PyObject *cfg)
     Py_XDECREF(shape);
     Py_DECREF(o);
     if (PyErr_Occurred()) return -1;
+    st->wrap_why = ok ? NULL : "torch's wrapper failed the check on a sample tensor (a view of it must become a "
+                               "torch.Tensor over its memory)";
     if (ok) st->shim_wrap = wrap;
     return 0;
 }
@@ -237,6 +253,9 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     memset(st->sr.to_code, -1, sizeof st->sr.to_code);
     Py_CLEAR(st->shim_handle_of);
     Py_CLEAR(st->shim_steal);
+    st->shim_env_off = 0;
+    /* not offered: the Python side says why (no shim in torch._C._aoti, no library found) */
+    st->shim_why = st->wrap_why = st->reader_why = NULL;
     PyObject *v = PyDict_GetItemString(cfg, "shim"); /* borrowed */
     if (!v || v == Py_None) return 0;
     PyObject *path, *handle_of, *steal;
@@ -247,12 +266,16 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     /* RTLD_NOLOAD: the library torch loaded, never a second copy. The
      * reference dlopen takes is kept for the life of the process. */
     void *lib = dlopen(p, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
-    if (!lib) return 0;
+    if (!lib) {
+        st->shim_why = "libtorch_cpu is not loaded in this process at that path (dlopen with RTLD_NOLOAD)";
+        return 0;
+    }
     st->shim_reinterpret = (mtc_shim_reinterpret_fn)dlsym(lib, "aoti_torch__reinterpret_tensor");
     st->shim_delete = (mtc_shim_delete_fn)dlsym(lib, "aoti_torch_delete_tensor_object");
     if (!st->shim_reinterpret || !st->shim_delete) {
         st->shim_reinterpret = NULL;
         st->shim_delete = NULL;
+        st->shim_why = "libtorch_cpu exports no aoti_torch__reinterpret_tensor or aoti_torch_delete_tensor_object";
         return 0;
     }
     st->shim_handle_of = Py_NewRef(handle_of);
@@ -279,6 +302,7 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     if (_setup_wrap(st, cfg)) return -1;
     _setup_empty(st, lib, cfg);
     st->shim_on = mtc_env_bool(MTC_ENV_TORCH_SHIM, 1);
+    st->shim_env_off = !st->shim_on;
     st->sr.on = st->sr.offered && st->shim_on;
     st->shim_wrap_on = st->shim_wrap != NULL;
     return 0;

@@ -144,6 +144,11 @@ typedef struct mtc_state {
     /* the CUDA devices whose first chunk torch.empty made from Python (torch's own lazy
      * initialisation of the device): later chunks there may come through the shim */
     uint64_t shim_cuda_ready;
+    int shim_env_off;            /* MTC_TORCH_SHIM=0 turned the shim off at setup */
+    /* why a route is not offered (static strings for output_maker(), NULL: offered, or the
+     * reason is the Python side's): the shim's output views, torch's wrapper, the leaf
+     * reader through the shim, the DLPack reader */
+    const char *shim_why, *wrap_why, *reader_why, *dl_why;
     PyObject *kw_dtype_device_pin; /* ("dtype", "device", "pin_memory") */
 } mtc_state;
 

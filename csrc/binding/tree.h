@@ -69,6 +69,7 @@ typedef struct mtc_tree {
     int diag_depth;      /* reading a replacement that diagnose returned: no second one. Per
                             tree, not global: the replacement's Python code can switch threads
                             to another walk */
+    int rereading;       /* mtc_tree_reread: the leaf was counted in stats() when first read */
 } mtc_tree;
 
 /* Releases everything t owns and zeroes it. */
