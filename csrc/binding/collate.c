@@ -529,19 +529,20 @@ static PyObject *_chunk_from_python(mtc_state *st, int target, int64_t nbytes, u
     return chunk;
 }
 
-/* A new 1-D uint8 tensor of `nbytes` on `target` (-1: the CPU), its data at
- * *ptr: from torch's allocator through the C shim with the GIL released
- * (mtc_shim_empty) where it is offered and in use, else torch.empty from
- * Python (_chunk_from_python; the first chunk on each CUDA device takes that
- * way, where torch initialises the device as a Python caller expects). New
+/* A new 1-D uint8 CPU tensor of `nbytes` holding a copy of src's: from
+ * torch's allocator through the C shim where it is offered and in use, the
+ * allocation and the (parallel) memcpy in one window with the GIL released;
+ * else torch.empty from Python (_chunk_from_python), then the memcpy. New
  * reference, or NULL with an exception. */
-static PyObject *_unpack_chunk(mtc_state *st, int target, int64_t nbytes, uintptr_t *ptr)
+static PyObject *_unpack_host_chunk(mtc_state *st, const uint8_t *src, int64_t nbytes)
 {
-    if (mtc_shim_empty_on(st, target)) {
+    uintptr_t ptr = 0;
+    if (mtc_shim_empty_on(st, -1)) {
         void *h = NULL;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = mtc_shim_empty(st, target, nbytes, &h, ptr);
+        rc = mtc_shim_empty(st, -1, nbytes, &h, &ptr);
+        if (!rc) mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
         Py_END_ALLOW_THREADS
         if (!rc) {
             mtc_cnt.unpack_chunks_shim++;
@@ -549,7 +550,12 @@ static PyObject *_unpack_chunk(mtc_state *st, int target, int64_t nbytes, uintpt
         }
         /* torch refused (out of memory): torch.empty below raises its own error */
     }
-    return _chunk_from_python(st, target, nbytes, ptr);
+    PyObject *chunk = _chunk_from_python(st, -1, nbytes, &ptr);
+    if (!chunk) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    return chunk;
 }
 
 /* The DMA of the region into a new chunk on `target` (*chunk: a new
@@ -651,16 +657,11 @@ static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *regio
             p->segs[g].chunk = 1;
             p->segs[g].offset -= start;
         }
-    uintptr_t ptr;
-    PyObject *chunk = _unpack_chunk(st, -1, payload - start, &ptr);
-    if (!chunk) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
-    Py_END_ALLOW_THREADS
-    return chunk;
+    return _unpack_host_chunk(st, region + start, payload - start);
 }
 
-/* The chunk that receives the region on `target` (torch.empty, uint8) and
+/* The chunk that receives the region on `target` (uint8, from torch's
+ * allocator: _unpack_host_chunk, _unpack_dma) and
  * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
  * view of arena memory, which is reused). The region lands at offset 0 of
  * the chunk's storage, so that every view's storage offset is its offset in
@@ -698,12 +699,8 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
         if (_unpack_dma(st, h, a, off, payload, target, background, chunk)) goto error;
         return 0;
     }
-    uintptr_t ptr;
-    if (!(*chunk = _unpack_chunk(st, target, payload, &ptr))) goto error;
+    if (!(*chunk = _unpack_host_chunk(st, a->base + off, payload))) goto error;
     *region_owned = 0;
-    Py_BEGIN_ALLOW_THREADS
-    mtc_memcpy_parallel((void *)ptr, a->base + off, (size_t)payload);
-    Py_END_ALLOW_THREADS
     mtc_arena_free(a, off, (uint32_t)getpid());
     return 0;
 error:
