@@ -35,6 +35,7 @@ VARIABLES = {
     "MTC_URING_ASYNC": ("no", "async"),
     "MTC_URING_MAX_IO": ("4096", "4 KiB"),
     "MTC_TORCH_SHIM": ("0", "sometimes"),
+    "MTC_C_HANDOFF": ("off", "C"),
 }
 
 _CHILD = """

@@ -637,6 +637,9 @@ def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
         assert set(row) == {"lost_ms", "gaps_ms", "next_ms", "service_cpu_ms", "data_bound"}
         assert row["service_cpu_ms"] > 0 and row["next_ms"] >= 0
     assert "lost_ms" in r.stdout
+    assert set(got["ways"]) == {"side_finish_c", "side_finish_python", "hand_out_c", "hand_out_python",
+                                "unpack_dma_in_alloc_window"}
+    assert sum(got["ways"].values()) == 0, "CPU batches take neither CUDA way"
 
 
 class _SlowNumbers(torch.utils.data.Dataset):

@@ -513,11 +513,66 @@ static int _unpack_register(mtc_arena_object *ao, int target)
     return rc;
 }
 
-/* The DMA of the region into dst on `target`, as a job the handle owns; the
- * region is freed by the job's completion callback, whatever happens (also on
- * error here). 0, or -1 with an exception. */
-static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, uintptr_t dst,
-                       int target, int background)
+/* torch.empty(nbytes, dtype=uint8) on `target` (-1: the CPU) from Python,
+ * its data at *ptr (counted in stats: unpack_chunks_python). New reference,
+ * or NULL with torch's exception (out of memory among them). */
+static PyObject *_chunk_from_python(mtc_state *st, int target, int64_t nbytes, uintptr_t *ptr)
+{
+    PyObject *dev = mtc_out_device(st, target), *shape = dev ? Py_BuildValue("(L)", (long long)nbytes) : NULL;
+    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, dev, 0) : NULL;
+    Py_XDECREF(dev);
+    Py_XDECREF(shape);
+    if (chunk && mtc_out_data_ptr(st, chunk, ptr)) Py_CLEAR(chunk);
+    if (!chunk) return NULL;
+    mtc_cnt.unpack_chunks_python++;
+    if (target >= 0 && target < 64) st->shim_cuda_ready |= 1ull << target;
+    return chunk;
+}
+
+/* A new 1-D uint8 CPU tensor of `nbytes` holding a copy of src's: from
+ * torch's allocator through the C shim where it is offered and in use, the
+ * allocation and the (parallel) memcpy in one window with the GIL released;
+ * else torch.empty from Python (_chunk_from_python), then the memcpy. New
+ * reference, or NULL with an exception. */
+static PyObject *_unpack_host_chunk(mtc_state *st, const uint8_t *src, int64_t nbytes)
+{
+    uintptr_t ptr = 0;
+    if (mtc_shim_empty_on(st, -1)) {
+        void *h = NULL;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = mtc_shim_empty(st, -1, nbytes, &h, &ptr);
+        if (!rc) mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+        if (!rc) {
+            mtc_cnt.unpack_chunks_shim++;
+            return mtc_shim_wrap(st, h);
+        }
+        /* torch refused (out of memory): torch.empty below raises its own error */
+    }
+    PyObject *chunk = _chunk_from_python(st, -1, nbytes, &ptr);
+    if (!chunk) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    return chunk;
+}
+
+/* The DMA of the region into a new chunk on `target` (*chunk: a new
+ * reference), as a job the handle owns; the region is freed by the job's
+ * completion callback, whatever happens (by this function where nothing was
+ * issued).
+ *
+ * Where the shim's allocator is in use for `target`, the chunk is allocated
+ * and the DMA issued (run here, or queued on the transfer thread) in one
+ * window with the GIL released: the GIL is taken back once, to make the
+ * chunk's Python tensor (counted in stats: unpack_dma_in_alloc_window).
+ * Otherwise, or where torch refused the allocation there (out of memory:
+ * torch.empty then raises torch's own error, and nothing is issued), the
+ * chunk comes from _chunk_from_python and the DMA is issued after it. 0, or
+ * -1 with an exception. */
+static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, int target,
+                       int background, PyObject **chunk)
 {
     _region_ref *ref = malloc(sizeof *ref);
     mtc_job *job = ref ? mtc_job_new(1, 1) : NULL;
@@ -534,13 +589,39 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     job->dev_mask = 1ull << target;
     job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
                            .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
-    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = dst, .nbytes = payload, .dev = -1, .leaf = -1};
+    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = 0, .nbytes = payload, .dev = -1, .leaf = -1};
     job->nops = job->nitems = 1;
-    if (mtc_out_capture_streams(st, job)) {
-        _region_done(ref);
-        mtc_job_release(job);
-        return -1;
+    if (mtc_out_capture_streams(st, job)) goto unissued;
+    uintptr_t ptr = 0;
+    if (mtc_shim_empty_on(st, target)) {
+        void *th = NULL;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = mtc_shim_empty(st, target, payload, &th, &ptr);
+        if (!rc) {
+            job->items[0].dst = ptr;
+            if (!background || mtc_job_submit(job)) mtc_job_run(job);
+        }
+        Py_END_ALLOW_THREADS
+        if (!rc) {
+            h->job = job;
+            mtc_cnt.unpack_chunks_shim++;
+            mtc_cnt.unpack_dma_in_alloc_window++;
+            if (!(*chunk = mtc_shim_wrap(st, th))) {
+                /* the chunk went back to the caching allocator's pool of the
+                 * stream the DMA is issued on: wait, GIL held (no Python
+                 * caller allocates from that pool meanwhile), until the DMA
+                 * is issued, so that whoever reuses the memory there is
+                 * ordered after it */
+                mtc_job_wait(job, -1);
+                return -1;
+            }
+            return 0;
+        }
+        /* torch refused (out of memory): torch.empty below raises its own error */
     }
+    if (!(*chunk = _chunk_from_python(st, target, payload, &ptr))) goto unissued;
+    job->items[0].dst = ptr;
     if (!background || mtc_job_submit(job)) {
         Py_BEGIN_ALLOW_THREADS
         mtc_job_run(job);
@@ -548,37 +629,10 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     }
     h->job = job;
     return 0;
-}
-
-/* A new 1-D uint8 tensor of `nbytes` on `target` (-1: the CPU), its data at
- * *ptr: from torch's allocator through the C shim with the GIL released
- * (mtc_shim_empty) where it is offered and in use, else torch.empty from
- * Python (counted in stats: unpack_chunks_python; the first chunk on each
- * CUDA device takes that way, where torch initialises the device as a
- * Python caller expects). New reference, or NULL with an exception. */
-static PyObject *_unpack_chunk(mtc_state *st, int target, int64_t nbytes, uintptr_t *ptr)
-{
-    if (mtc_shim_empty_on(st, target)) {
-        void *h = NULL;
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = mtc_shim_empty(st, target, nbytes, &h, ptr);
-        Py_END_ALLOW_THREADS
-        if (!rc) {
-            mtc_cnt.unpack_chunks_shim++;
-            return mtc_shim_wrap(st, h);
-        }
-        /* torch refused (out of memory): torch.empty below raises its own error */
-    }
-    PyObject *dev = mtc_out_device(st, target), *shape = dev ? Py_BuildValue("(L)", (long long)nbytes) : NULL;
-    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, dev, 0) : NULL;
-    Py_XDECREF(dev);
-    Py_XDECREF(shape);
-    if (chunk && mtc_out_data_ptr(st, chunk, ptr)) Py_CLEAR(chunk);
-    if (!chunk) return NULL;
-    mtc_cnt.unpack_chunks_python++;
-    if (target >= 0 && target < 64) st->shim_cuda_ready |= 1ull << target;
-    return chunk;
+unissued: /* nothing was issued: the region is freed here */
+    _region_done(ref);
+    mtc_job_release(job);
+    return -1;
 }
 
 /* For a CUDA target, the host-placed leaves (layout.h): the span of the
@@ -603,16 +657,11 @@ static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *regio
             p->segs[g].chunk = 1;
             p->segs[g].offset -= start;
         }
-    uintptr_t ptr;
-    PyObject *chunk = _unpack_chunk(st, -1, payload - start, &ptr);
-    if (!chunk) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
-    Py_END_ALLOW_THREADS
-    return chunk;
+    return _unpack_host_chunk(st, region + start, payload - start);
 }
 
-/* The chunk that receives the region on `target` (torch.empty, uint8) and
+/* The chunk that receives the region on `target` (uint8, from torch's
+ * allocator: _unpack_host_chunk, _unpack_dma) and
  * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
  * view of arena memory, which is reused). The region lands at offset 0 of
  * the chunk's storage, so that every view's storage offset is its offset in
@@ -645,17 +694,14 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
             goto error;
         }
     }
-    uintptr_t ptr;
-    if (!(*chunk = _unpack_chunk(st, target, payload, &ptr))) goto error;
-    *region_owned = 0;
-    if (target < 0) {
-        Py_BEGIN_ALLOW_THREADS
-        mtc_memcpy_parallel((void *)ptr, a->base + off, (size_t)payload);
-        Py_END_ALLOW_THREADS
-        mtc_arena_free(a, off, (uint32_t)getpid());
-    } else if (_unpack_dma(st, h, a, off, payload, ptr, target, background)) {
-        goto error;
+    if (target >= 0) {
+        *region_owned = 0;
+        if (_unpack_dma(st, h, a, off, payload, target, background, chunk)) goto error;
+        return 0;
     }
+    if (!(*chunk = _unpack_host_chunk(st, a->base + off, payload))) goto error;
+    *region_owned = 0;
+    mtc_arena_free(a, off, (uint32_t)getpid());
     return 0;
 error:
     Py_CLEAR(chunks[0]);

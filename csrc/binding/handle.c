@@ -207,12 +207,84 @@ static PyObject *Handle_temporaries(mtc_handle *h, PyObject *unused)
     return k ? k : PyList_New(0);
 }
 
+/* finish(device, stream) -> (result, temporaries, buffers, event): what the
+ * prefetch service needs of a finished copy, in one call. Waits as get()
+ * does (GIL released; raises the copy's error), then, for a CUDA device
+ * (`device` >= 0), records a pooled driver event (mtc_cuda_event_record,
+ * GIL held: it never blocks) on `stream`, the raw handle of the stream the
+ * copy was started on; the caller gives the event back with
+ * _engine.hand_out or _engine.event_release. temporaries: as
+ * temporaries(); buffers: the device tensors the outputs live in, taken out
+ * of the handle (empty for a CPU target); event: its raw handle, 0 for the
+ * CPU. New reference, or NULL with an exception (no event is left
+ * recorded then). */
+static PyObject *Handle_finish(mtc_handle *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: finish(device, stream) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < -1 || dev >= MTC_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: finish needs a CUDA device index in [0, %d), or -1 for the "
+                     "CPU, got %ld", MTC_MAX_DEVICES, dev);
+        return NULL;
+    }
+    PyObject *result = Handle_get(h, NULL);
+    if (!result) return NULL;
+    PyObject *out = PyTuple_New(4);
+    if (!out) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, result);
+    PyObject *keep = Handle_temporaries(h, NULL), *buffers = NULL, *event = NULL;
+    if (keep) PyTuple_SET_ITEM(out, 1, keep);
+    if (dev >= 0 && h->buffers) {
+        buffers = h->buffers;
+        h->buffers = NULL;
+    } else {
+        buffers = PyList_New(0);
+    }
+    if (buffers) PyTuple_SET_ITEM(out, 2, buffers);
+    if (!keep || !buffers) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    uintptr_t ev = 0;
+    if (dev >= 0) {
+        int rc = mtc_cuda_event_record((int)dev, stream, &ev);
+        if (rc) {
+            char desc[256];
+            mtc_cuda_describe(rc, desc, sizeof desc);
+            PyErr_Format(PyExc_RuntimeError, "mtc_loader: recording a batch's event on its copy stream %zu of "
+                         "cuda:%ld failed: %s", (size_t)stream, dev, desc);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    if (!(event = PyLong_FromVoidPtr((void *)ev))) {
+        mtc_cuda_event_release((int)dev, ev);
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 3, event);
+    if (dev >= 0) mtc_cnt.side_finish_c++;
+    return out;
+}
+
 static PyMethodDef Handle_methods[] = {
     {"ready", (PyCFunction)Handle_ready, METH_NOARGS, "True when get() would return without blocking."},
     {"get", (PyCFunction)Handle_get, METH_NOARGS, "Wait for the copy and return the copied structure."},
     {"buffers", (PyCFunction)Handle_buffers, METH_NOARGS, "The device tensors the outputs live in."},
     {"temporaries", (PyCFunction)Handle_temporaries, METH_NOARGS,
      "The temporary views made on the way to the outputs, taken out of the handle."},
+    {"finish", (PyCFunction)(void (*)(void))Handle_finish, METH_FASTCALL,
+     "finish(device, stream) -> (result, temporaries, buffers, event): get(), the outputs' buffers and "
+     "temporaries taken out, and a pooled event recorded on the copy stream (device >= 0)."},
     {NULL, NULL, 0, NULL},
 };
 

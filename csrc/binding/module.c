@@ -306,6 +306,8 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("ns_unpack_rebuild", mtc_cnt.ns_unpack_rebuild); P("gc_early_collections", mtc_cnt.gc_early);
     P("shim_views", mtc_cnt.shim_views);
     P("unpack_chunks_shim", mtc_cnt.unpack_chunks_shim); P("unpack_chunks_python", mtc_cnt.unpack_chunks_python);
+    P("unpack_dma_in_alloc_window", mtc_cnt.unpack_dma_in_alloc_window);
+    P("side_finish_c", mtc_cnt.side_finish_c); P("hand_out_c", mtc_cnt.hand_out_c);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_taken_back", e.jobs_taken_back);
@@ -480,6 +482,55 @@ static PyObject *engine_event_record(PyObject *module, PyObject *const *args, Py
     return PyLong_FromVoidPtr((void *)ev);
 }
 
+/* hand_out(device, event) -> stream | None: the prefetch service's hand-out
+ * in one call, GIL held throughout (no call here blocks): the calling
+ * thread's current stream on the device, read through libtorch_cuda's shim
+ * getter (mtc_shim_current_stream), waits on the GPU for the batch's event
+ * (cuStreamWaitEvent), and the event goes back to its pool (also when the
+ * wait failed). Returns the stream's raw handle. None where the getter is
+ * not in use (no shim, MTC_TORCH_SHIM=0): nothing is done then and the
+ * event is still the caller's (the caller waits through stream_wait_event). */
+static PyObject *engine_hand_out(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mtc_loader: hand_out(device, event) takes 2 arguments");
+        return NULL;
+    }
+    long dev = PyLong_AsLong(args[0]);
+    if (dev == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t event = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (dev < 0 || dev >= MTC_MAX_DEVICES || !event) {
+        PyErr_Format(PyExc_ValueError, "mtc_loader: hand_out needs a CUDA device index in [0, %d) and a "
+                     "recorded event, got device %ld, event %zu", MTC_MAX_DEVICES, dev, (size_t)event);
+        return NULL;
+    }
+    void *raw = NULL;
+    if (mtc_shim_current_stream(mtc_get_state(module), (int)dev, &raw)) Py_RETURN_NONE;
+    int rc = mtc_cuda_stream_wait_event((int)dev, (uintptr_t)raw, event);
+    mtc_cuda_event_release((int)dev, event); /* the wait took the record's state */
+    if (rc) {
+        char desc[256];
+        mtc_cuda_describe(rc, desc, sizeof desc);
+        PyErr_Format(PyExc_RuntimeError, "mtc_loader: making the current stream %zu of cuda:%ld wait for a "
+                     "batch's event failed: %s", (size_t)(uintptr_t)raw, dev, desc);
+        return NULL;
+    }
+    mtc_cnt.hand_out_c++;
+    return PyLong_FromVoidPtr(raw);
+}
+
+/* _c_handoff() -> (on, stream_getter): MTC_C_HANDOFF (read at each call; the
+ * prefetch package reads it once, at import), and whether hand_out can read
+ * the current stream through the shim (else it returns None). */
+static PyObject *engine_c_handoff(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    mtc_state *st = mtc_get_state(module);
+    int on = mtc_env_bool(MTC_ENV_C_HANDOFF, 1), getter = st->shim_stream != NULL && st->shim_on;
+    return Py_BuildValue("(OO)", on ? Py_True : Py_False, getter ? Py_True : Py_False);
+}
+
 /* event_release(device, event): an event of event_record back to the pool. */
 static PyObject *engine_event_release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -592,6 +643,10 @@ static PyMethodDef engine_methods[] = {
     {"cuda_device_count", engine_cuda_available, METH_NOARGS, "Devices the CUDA driver sees (0 without one)."},
     {"stream_wait_event", (PyCFunction)(void (*)(void))engine_stream_wait_event, METH_FASTCALL,
      "stream_wait_event(device, stream, event): the stream waits on the GPU for the event (GIL held)."},
+    {"hand_out", (PyCFunction)(void (*)(void))engine_hand_out, METH_FASTCALL,
+     "hand_out(device, event) -> stream | None: the current stream waits for the event, which is released."},
+    {"_c_handoff", engine_c_handoff, METH_NOARGS,
+     "_c_handoff() -> (on, stream_getter): MTC_C_HANDOFF, and whether hand_out reads the current stream."},
     {"keep_temporaries", mtc_handle_keep_temporaries, METH_O,
      "keep_temporaries(flag) -> previous: copies started on this thread keep their temporary views "
      "for Handle.temporaries() (the prefetch service's thread)."},

@@ -167,6 +167,13 @@ typedef struct mtc_counters {
     /* a packed batch's chunks (collate.c): from torch's allocator through the shim with the
      * GIL released, or with torch.empty from Python (no shim, or a device's first chunk) */
     uint64_t unpack_chunks_shim, unpack_chunks_python;
+    /* ... of which the CUDA chunks whose DMA was issued in the same GIL-free window as their
+     * allocation (collate.c's _unpack_dma) */
+    uint64_t unpack_dma_in_alloc_window;
+    /* the prefetch service's batches (CUDA targets) finished by Handle.finish (the wait, the
+     * copy stream's event recorded in C) and handed out by _engine.hand_out (the current stream
+     * read through the shim's getter, the wait and the event's release in C) */
+    uint64_t side_finish_c, hand_out_c;
     uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
 } mtc_counters;
 extern mtc_counters mtc_cnt;

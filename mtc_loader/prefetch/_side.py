@@ -14,6 +14,22 @@ from ..copy import start_copy
 from ..handle import AsyncCopyHandle
 from ._resume import _NO_STATE
 
+# MTC_C_HANDOFF (read once, here; default on): a batch's finish (Handle.finish) and its hand-out
+# (_engine.hand_out) are one C call each; off, each is the several calls of the Python way
+# (the reference the C way is measured against). The hand-out takes the Python way by itself
+# where libtorch_cuda's current-stream getter is not in use (no shim, MTC_TORCH_SHIM=0).
+# mtc_loader.stats() counts both ways: side_finish_c / side_finish_python and hand_out_c /
+# hand_out_python (CUDA batches only).
+_C_HANDOFF = bool(_engine._c_handoff()[0])
+_HANDLE = _engine.mtc_handle
+_PYTHON_WAYS = {"side_finish_python": 0, "hand_out_python": 0}
+
+
+def _python_ways() -> dict[str, int]:
+    """The CUDA batches finished and handed out the Python way (merged into mtc_loader.stats())."""
+    return dict(_PYTHON_WAYS)
+
+
 _COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 _COPY_RAW: dict[int, int] = {}  # the raw handles of _COPY_STREAMS
 _STREAMS_LOCK = threading.Lock()
@@ -94,37 +110,51 @@ class SideCopy:
         """
         if self._done:
             return
-        h = self._handle
-        self._result = h.get()
-        self._keep = h.temporaries()
-        if self._index >= 0:
-            self._buffers = h.buffers()
-            # a pooled driver event recorded with the GIL held: torch.cuda.Event's record releases
-            # it, and a service thread then waits for a launch-bound training thread to give it back
-            raw = _COPY_RAW.get(self._index)
-            if raw is None:
-                _copy_stream(self._index)
-                raw = _COPY_RAW[self._index]
-            self._event = _engine.event_record(self._index, raw)
-            if consumer is not None:
-                for buf in self._buffers:
-                    buf.record_stream(consumer)
-                self._recorded = int(consumer.cuda_stream)
+        h, index = self._handle, self._index
+        raw = 0
+        if index >= 0:
+            if index not in _COPY_RAW:
+                _copy_stream(index)
+            raw = _COPY_RAW[index]
+        if _C_HANDOFF and type(h) is _HANDLE:
+            # one C call: the wait (GIL released), the outputs, the temporaries, the buffers, and
+            # a pooled driver event recorded on the copy stream with the GIL held (torch's
+            # Event.record releases it, and the service thread then waits for a launch-bound
+            # training thread to give it back)
+            self._result, self._keep, self._buffers, self._event = h.finish(index, raw)
+        else:
+            self._result = h.get()
+            self._keep = h.temporaries()
+            if index >= 0:
+                self._buffers = h.buffers()
+                self._event = _engine.event_record(index, raw)
+                _PYTHON_WAYS["side_finish_python"] += 1
+        if index >= 0 and consumer is not None:
+            # Tensor.record_stream has no entry in torch's C shim: it stays a Python call, one per
+            # buffer (the batch's device chunk, not each output)
+            for buf in self._buffers:
+                buf.record_stream(consumer)
+            self._recorded = int(consumer.cuda_stream)
         self._handle = None  # the engine's handle is no longer needed
         self._done = True
 
     def _hand_to_current(self) -> Optional["torch.cuda.Stream"]:
         """Makes the calling thread's current stream wait (on the GPU) for the copy's event and
-        records the buffers on it unless :meth:`_finish` already did. The wait is one driver call
-        made with the GIL held. Returns the current stream when its buffers had to be recorded
-        here (the prediction missed), else None."""
+        records the buffers on it unless :meth:`_finish` already did. No call here releases the
+        GIL. Returns the current stream when its buffers had to be recorded here (the prediction
+        missed), else None."""
         assert self._event
-        raw = _raw_current_stream(self._index)
         event, self._event = self._event, 0
-        try:
-            _engine.stream_wait_event(self._index, raw, event)
-        finally:  # the wait took the record's state: the event is free again
-            _engine.event_release(self._index, event)
+        # one C call: the current stream read through libtorch_cuda's shim getter, its wait for
+        # the event, and the event's release; None where the getter is not in use
+        raw = _engine.hand_out(self._index, event) if _C_HANDOFF else None
+        if raw is None:
+            raw = _raw_current_stream(self._index)
+            _PYTHON_WAYS["hand_out_python"] += 1
+            try:
+                _engine.stream_wait_event(self._index, raw, event)
+            finally:  # the wait took the record's state: the event is free again
+                _engine.event_release(self._index, event)
         fresh = None
         if raw != self._recorded:
             fresh = torch.cuda.current_stream(self._index)

@@ -19,6 +19,11 @@ alternating round by round. Per batch:
 - ``service_cpu_ms``: the service thread's CPU time per batch (``PrefetchLoader.stats()``, the
   upper bound the other figures tighten).
 
+``ways`` (printed and in the JSON): over the measured batches, how many took each way of the
+service's finish and hand-out (``side_finish_c`` / ``side_finish_python``, ``hand_out_c`` /
+``hand_out_python``: ``MTC_C_HANDOFF=0`` picks the Python way, for an A/B) and had their DMA
+issued in their chunk's GIL-free allocation window (``unpack_dma_in_alloc_window``); CUDA only.
+
 The figures count the service's GIL only where the machine has a free core for each worker and
 the service beside the spinning thread (the workers otherwise take CPU from it, which counts as
 lost too): ``--workers`` + 2 cores at the least. ``cpu_cores`` in the output says how many this
@@ -38,6 +43,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from bench_train import CameraSamples, collate_samples  # noqa: E402
+
+WAYS = ("side_finish_c", "side_finish_python", "hand_out_c", "hand_out_python", "unpack_dma_in_alloc_window")
 
 
 def spin(seconds: float, gap_s: float) -> tuple[int, float, float]:
@@ -70,6 +77,7 @@ def with_service(loader_factory, device: str, batches: int, step_s: float, gap_s
     for _ in range(3):  # the epoch's start (workers, first batches) out of the figures
         next(it)
     pl.reset_stats()
+    before = mtc_loader.stats()
     n = spun = gaps = 0.0
     nexts = []
     for _ in range(batches):
@@ -80,9 +88,11 @@ def with_service(loader_factory, device: str, batches: int, step_s: float, gap_s
         nexts.append(time.perf_counter() - t0)
         del b
     stats = pl.stats()
+    after = mtc_loader.stats()
     it.close()
     return {"rate": n / spun, "gaps_ms": gaps * 1e3 / batches, "next_ms": statistics.median(nexts) * 1e3,
-            "service_cpu_ms": stats["service_cpu_ms_per_batch"], "data_bound": stats["data_bound"]}
+            "service_cpu_ms": stats["service_cpu_ms_per_batch"], "data_bound": stats["data_bound"],
+            "ways": {k: after[k] - before[k] for k in WAYS}}
 
 
 def main() -> int:
@@ -109,12 +119,15 @@ def main() -> int:
 
     step, gap = a.step_ms / 1e3, a.gap_us / 1e6
     rows = []
+    ways = dict.fromkeys(WAYS, 0)
     for r in range(a.rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
         got = {}
         for served in order:
             got[served] = with_service(factory, a.device, a.batches, step, gap) if served else alone(a.batches, step, gap)
         base, s = got[False], got[True]
+        for k in WAYS:
+            ways[k] += s["ways"][k]
         rows.append({"lost_ms": (1 - s["rate"] / base["rate"]) * a.step_ms,
                      "gaps_ms": s["gaps_ms"] - base["gaps_ms"], "next_ms": s["next_ms"],
                      "service_cpu_ms": s["service_cpu_ms"], "data_bound": s["data_bound"]})
@@ -127,12 +140,14 @@ def main() -> int:
         print(f"{r:5d} " + " ".join(f"{row[k]:15.4f}" for k in keys))
     med = {k: statistics.median(row[k] for row in rows) for k in keys}
     print("  med " + " ".join(f"{med[k]:15.4f}" for k in keys))
+    print("ways " + ", ".join(f"{k} {v}" for k, v in ways.items()))
     if cores < a.workers + 2:
         print(f"note: {cores} cores for {a.workers} workers, the service and the spinning thread: lost_ms and "
               "gaps_ms include CPU the workers took")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "cpu_cores": cores, "rounds": rows, "median": med}, f, indent=1)
+            json.dump({"args": vars(a), "cpu_cores": cores, "rounds": rows, "median": med, "ways": ways}, f,
+                      indent=1)
     return 0
 
 
