@@ -512,16 +512,19 @@ static int _unpack_register(mtc_arena_object *ao, int target)
     return rc;
 }
 
-/* The DMA of the region into dst on `target`, as a job the handle owns; the
- * region is freed by the job's completion callback, whatever happens (also on
- * error here). 0, or -1 with an exception. */
-static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, uintptr_t dst,
+/* The DMAs of the region's device groups into their tensors on `target`
+ * (items: one per group, from the region to the group's tensor), as one job
+ * the handle owns; the region is freed by the job's completion callback,
+ * whatever happens (also on error here). Takes over `items` (malloc'd).
+ * 0, or -1 with an exception. */
+static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, mtc_item *items, uint32_t n,
                        int target, int background)
 {
     _region_ref *ref = malloc(sizeof *ref);
-    mtc_job *job = ref ? mtc_job_new(1, 1) : NULL;
+    mtc_job *job = ref ? mtc_job_new(1, n) : NULL;
     if (!job) {
         free(ref);
+        free(items);
         mtc_arena_free(a, off, (uint32_t)getpid());
         PyErr_NoMemory();
         return -1;
@@ -531,10 +534,12 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     job->target = target;
     job->staging = 0;
     job->dev_mask = 1ull << target;
-    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
-                           .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
-    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = dst, .nbytes = payload, .dev = -1, .leaf = -1};
-    job->nops = job->nitems = 1;
+    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = 0,
+                           .first = 0, .count = n, .after = _region_done, .after_arg = ref};
+    memcpy(job->items, items, n * sizeof *items);
+    free(items);
+    job->nops = 1;
+    job->nitems = n;
     if (mtc_out_capture_streams(st, job)) {
         _region_done(ref);
         mtc_job_release(job);
@@ -549,120 +554,99 @@ static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off,
     return 0;
 }
 
-/* For a CUDA target, the host-placed leaves (layout.h): the span of the
- * region from the first host-placed segment (its offset rounded down to the
- * layout's alignment: every member keeps its offset modulo its element size)
- * to the end, copied with one memcpy into a CPU chunk of its own
- * (torch.empty: never a view of the arena); the plan's host-placed segments
- * become chunk 1's, at their offsets in it, and chunk 0 (the device's) ends
- * with the last other segment. New reference, or NULL with an exception. */
-static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *region, int64_t payload)
-{
-    mtc_plan *p = &L->plan;
-    int64_t start = L->host_start - L->host_start % p->chunks[0].align;
-    mtc_chunk *c = realloc(p->chunks, 2 * sizeof *c);
-    if (!c) return PyErr_NoMemory();
-    p->chunks = c;
-    p->nchunks = 2;
-    c[0].payload = L->dev_end;
-    c[1] = (mtc_chunk){.payload = payload - start, .align = c[0].align};
-    for (uint32_t g = 0; g < p->nsegs; g++)
-        if (L->leaves[p->segs[g].proto].flags & MTC_LEAF_HOST) {
-            p->segs[g].chunk = 1;
-            p->segs[g].offset -= start;
-        }
-    uintptr_t ptr;
-    PyObject *shape = Py_BuildValue("(L)", (long long)(payload - start));
-    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, st->device_cpu, 0) : NULL;
-    Py_XDECREF(shape);
-    if (!chunk || mtc_out_data_ptr(st, chunk, &ptr)) {
-        Py_XDECREF(chunk);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    mtc_memcpy_parallel((void *)ptr, region + start, (size_t)(payload - start));
-    Py_END_ALLOW_THREADS
-    return chunk;
-}
-
-/* The chunk that receives the region on `target` (torch.empty, uint8) and
- * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
- * view of arena memory, which is reused). The region lands at offset 0 of
- * the chunk's storage, so that every view's storage offset is its offset in
- * the region, a multiple of its alignment (see copy.c's _alloc_chunks). For
- * a CUDA target, the host-placed leaves' span is copied first into a CPU
- * chunk (_unpack_host: chunks[1]), and the DMA takes the bytes before it
- * (none: no DMA, and no chunks[0]). The region is freed by then or by the
- * DMA's callback: *region_owned becomes 0. 0 with new references in
- * chunks[0..2) (or NULL), or -1 with an exception. */
-static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, mtc_layout *L,
-                        int64_t payload, int target, int background, PyObject **chunks, int *region_owned)
+/* The tensors that receive the region (outputs.h's storage groups: one per
+ * dtype, torch.empty of that dtype) and the copies into them: memcpy on the
+ * host (never a view of arena memory, which is reused) for a CPU target and
+ * for the host-placed leaves (layout.h) of any target, one DMA per group for
+ * the others on a CUDA target, all in one job. Each group lands at offset 0
+ * of its tensor's storage, so that every output's storage offset is its
+ * offset from its group's first segment, a multiple of its alignment (see
+ * copy.c's _alloc_chunks). A mode that fakes torch.empty's tensors is refused
+ * before anything is made (mtc_out_check_modes). The region is freed by then
+ * or by the DMAs' callback: *region_owned becomes 0. 0 with new references
+ * in group_t[0..ngroups), or -1 with an exception (those made so far are the
+ * caller's to release). */
+static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, const mtc_group *groups,
+                        uint32_t ngroups, int target, int background, PyObject **group_t, int *region_owned)
 {
     mtc_arena *a = ao->a;
-    PyObject *dev_obj = NULL, *shape = NULL, **chunk = &chunks[0];
-    if (target >= 0 && L->nhost) {
-        if (!(chunks[1] = _unpack_host(st, L, a->base + off, payload))) goto error;
-        if (!(payload = L->dev_end)) { /* every leaf is host-placed */
-            *region_owned = 0;
-            mtc_arena_free(a, off, (uint32_t)getpid());
-            return 0;
-        }
-    }
-    if (target >= 0) {
+    const uint8_t *region = a->base + off;
+    if (ngroups && mtc_out_check_modes(st)) return -1;
+    uint32_t ndev = 0;
+    for (uint32_t g = 0; g < ngroups; g++) ndev += target >= 0 && !groups[g].host;
+    if (ndev) {
         int rc = _unpack_register(ao, target);
         if (rc) {
             char desc[256];
             mtc_cuda_describe(rc, desc, sizeof desc);
             PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s",
                          target, desc);
-            goto error;
+            return -1;
         }
     }
-    if (!(dev_obj = mtc_out_device(st, target))) goto error;
-    if (!(shape = Py_BuildValue("(L)", (long long)payload))) goto error;
-    if (!(*chunk = mtc_out_empty(st, shape, st->uint8, dev_obj, 0))) goto error;
-    uintptr_t ptr;
-    if (mtc_out_data_ptr(st, *chunk, &ptr)) goto error;
-    *region_owned = 0;
-    if (target < 0) {
-        Py_BEGIN_ALLOW_THREADS
-        mtc_memcpy_parallel((void *)ptr, a->base + off, (size_t)payload);
-        Py_END_ALLOW_THREADS
-        mtc_arena_free(a, off, (uint32_t)getpid());
-    } else if (_unpack_dma(st, h, a, off, payload, ptr, target, background)) {
+    PyObject *dev_obj = mtc_out_device(st, target);
+    uintptr_t *ptr = PyMem_Calloc(ngroups ? ngroups : 1, sizeof *ptr);
+    mtc_item *items = ndev ? calloc(ndev, sizeof *items) : NULL;
+    if (!dev_obj || !ptr || (ndev && !items)) {
+        if (dev_obj) PyErr_NoMemory();
         goto error;
     }
+    for (uint32_t g = 0; g < ngroups; g++) {
+        int host = target < 0 || groups[g].host;
+        if (!(group_t[g] = mtc_out_group_empty(st, &groups[g], host ? st->device_cpu : dev_obj, 0)) ||
+            mtc_out_data_ptr(st, group_t[g], &ptr[g]) || mtc_out_check_ptr(ptr[g], groups[g].hi - groups[g].lo))
+            goto error;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (uint32_t g = 0; g < ngroups; g++)
+        if (target < 0 || groups[g].host)
+            mtc_memcpy_parallel((void *)ptr[g], region + groups[g].lo, (size_t)(groups[g].hi - groups[g].lo));
+    Py_END_ALLOW_THREADS
+    *region_owned = 0;
+    if (!ndev) {
+        mtc_arena_free(a, off, (uint32_t)getpid());
+    } else {
+        for (uint32_t g = 0, k = 0; g < ngroups; g++)
+            if (!groups[g].host)
+                items[k++] = (mtc_item){.src = (uintptr_t)(region + groups[g].lo), .dst = ptr[g],
+                                        .nbytes = groups[g].hi - groups[g].lo, .dev = -1, .leaf = -1};
+        int rc = _unpack_dma(st, h, a, off, items, ndev, target, background);
+        items = NULL; /* taken over */
+        if (rc) goto error;
+    }
     Py_DECREF(dev_obj);
-    Py_DECREF(shape);
+    PyMem_Free(ptr);
     return 0;
 error:
-    Py_CLEAR(chunks[0]);
-    Py_CLEAR(chunks[1]);
     Py_XDECREF(dev_obj);
-    Py_XDECREF(shape);
+    PyMem_Free(ptr);
+    free(items);
     return -1;
 }
 
-/* The output views over the chunks (_unpack_copy), and the skeleton's walk
+/* Releases the groups and their tensors (NULL entries skipped). */
+static void _unpack_release(mtc_group *groups, uint32_t ngroups, PyObject **group_t)
+{
+    for (uint32_t g = 0; group_t && g < ngroups; g++) Py_XDECREF(group_t[g]);
+    PyMem_Free(group_t);
+    PyMem_Free(groups);
+}
+
+/* The outputs over the group tensors (_unpack_copy), and the skeleton's walk
  * `sk` rebuilt around them and the batch's atoms (a tuple of sk->natoms, or
  * None) into h->result. 0, or -1 with an exception. */
-static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *sk, PyObject *atoms,
-                         PyObject *const *chunks)
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *lt, const mtc_tree *sk,
+                         PyObject *atoms, const mtc_group *groups, uint32_t ngroups, PyObject *const *group_t)
 {
     PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
     if (!outputs) {
         PyErr_NoMemory();
         return -1;
     }
-    mtc_tree lt;
-    memset(&lt, 0, sizeof lt);
-    lt.leaves = L->leaves;
-    lt.shape = L->shape;
-    lt.ostrides = L->ostrides;
     int rc = -1;
     int64_t t0 = mtc_now_ns();
     if ((!mtc_handle_keeps() || (h->keep = PyList_New(0))) &&
-        !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
+        !mtc_out_views(st, lt, &L->plan, groups, ngroups, group_t, outputs, h->keep)) {
         int64_t t1 = mtc_now_ns();
         mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
         PyObject *const *av = PyTuple_Check(atoms) ? &PyTuple_GET_ITEM(atoms, 0) : NULL;
@@ -718,7 +702,11 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     mtc_layout L;
     memset(&L, 0, sizeof L);
     mtc_handle *h = NULL;
-    PyObject *chunks[2] = {NULL, NULL};
+    mtc_group *groups = NULL;
+    uint32_t ngroups = 0;
+    PyObject **group_t = NULL;
+    mtc_tree lt; /* the layout's leaves, as the output makers read them */
+    memset(&lt, 0, sizeof lt);
     long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
     if (nbytes < 0) {
         PyErr_Clear();
@@ -753,25 +741,31 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
+    lt.leaves = L.leaves;
+    lt.shape = L.shape;
+    lt.ostrides = L.ostrides;
+    if (mtc_out_groups(&lt, &L.plan, &groups, &ngroups)) goto error;
+    if (!(group_t = PyMem_Calloc(ngroups ? ngroups : 1, sizeof *group_t))) {
+        PyErr_NoMemory();
+        goto error;
+    }
     if ((!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves)) ||
-        _unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
+        _unpack_copy(st, h, ao, off, groups, ngroups, (int)target, background, group_t, &region_owned))
         goto error;
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.unpacks++;
-    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device chunk */
-    if ((h->buffers && chunks[0] && PyList_Append(h->buffers, chunks[0])) ||
-        _unpack_views(st, h, &L, sk, args[8], chunks))
-        goto error;
-    Py_XDECREF(chunks[0]);
-    Py_XDECREF(chunks[1]);
+    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device groups */
+    for (uint32_t g = 0; h->buffers && g < ngroups; g++)
+        if (!groups[g].host && PyList_Append(h->buffers, group_t[g])) goto error;
+    if (_unpack_views(st, h, &L, &lt, sk, args[8], groups, ngroups, group_t)) goto error;
+    _unpack_release(groups, ngroups, group_t);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);
     return (PyObject *)h;
 
 error:
     if (region_owned) mtc_arena_free(a, off, owner);
-    Py_XDECREF(chunks[0]);
-    Py_XDECREF(chunks[1]);
+    _unpack_release(groups, ngroups, group_t);
     mtc_layout_free(&L);
     Py_XDECREF(h);
     return NULL;

@@ -91,6 +91,9 @@ typedef struct mtc_state {
     PyTypeObject *arena_type;
     PyTypeObject *skeleton_type; /* skeleton.c: a packed batch's structure walked once */
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
+    /* torch._C._len_torch_dispatch_stack / _len_torch_function_stack and
+     * mtc_loader._modes.refusal (outputs.h: mtc_out_check_modes), on first use */
+    PyObject *len_dispatch, *len_function, *mode_refusal;
 
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
     PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
@@ -110,7 +113,7 @@ typedef struct mtc_state {
      * tracked as autograd views of the private chunk (~40% cheaper per view) */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
         *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
-        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve;
+        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve, *s_data;
     /* the gc module's isenabled, get_count, get_threshold and collect
      * (collector.h); NULL where the collector is not the generational one */
     PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
