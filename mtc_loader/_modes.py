@@ -23,7 +23,7 @@ def _names() -> list[str]:
         pass
     try:
         from torch.overrides import _get_current_function_mode_stack
-        names += [type(m).__name__ for m in _get_current_function_mode_stack()]
+        names += [type(m).__name__ for m in _get_current_function_mode_stack()]  # type: ignore[no-untyped-call]
     except Exception:
         pass
     return names

@@ -286,6 +286,7 @@ static int _alloc_chunks(_copy *c)
         if (!c->group_t[g] || mtc_out_data_ptr(c->st, c->group_t[g], &base) ||
             mtc_out_check_ptr(base, gr->hi - gr->lo))
             return -1;
+        if (gr->hi == gr->lo) continue; /* zero-size members only: nothing to copy, no DMA of 0 bytes */
         mtc_op *op = &c->job->ops[c->oi++];
         op->kind = c->o.target >= 0 ? MTC_OP_H2D_CHUNK : MTC_OP_D2H_CHUNK;
         op->dev = c->o.target;
