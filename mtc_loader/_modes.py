@@ -29,10 +29,26 @@ def _names() -> list[str]:
     return names
 
 
+def _device_contexts_only() -> bool:
+    """True when the only active modes are torch's default-device contexts
+    (``with torch.device(...)``, ``torch.set_default_device``), which leave a ``torch.empty``
+    with an explicit device, as the engine's are, alone."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return not _get_current_dispatch_mode_stack() and all(
+            type(m) is DeviceContext for m in _get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+    except Exception:
+        return False
+
+
 def refusal() -> Optional[str]:
     """None when ``torch.empty`` under the active modes gives an ordinary CPU tensor with
     memory, else the message of the error the copy raises. Called by the engine only while a
     mode is active."""
+    if _device_contexts_only():
+        return None
     try:
         probe = torch.empty(1, dtype=torch.uint8, device="cpu")
         ok = type(probe) is torch.Tensor and probe.device.type == "cpu" and probe.data_ptr() != 0

@@ -118,3 +118,18 @@ def test_a_tensor_without_memory_is_never_written(entry):
     assert r["fresh"]
     if entry == "unpack":
         assert r["in_use"] == 0
+
+
+_DEVICE = _PRELUDE + """
+ok = []
+with torch.device("meta"):
+    ok.append(bool(torch.equal(batch.unpack("cpu")[0]["b"], torch.arange(3, device="cpu"))))
+    ok.append(mtc_loader._modes._device_contexts_only())
+print(json.dumps({"ok": ok}))
+"""
+
+
+def test_a_default_device_context_is_no_mode_to_refuse():
+    """``with torch.device("meta")`` (model construction code) is a TorchFunctionMode that leaves
+    the engine's ``torch.empty(..., device=...)`` alone: copied under without a probe."""
+    assert run_child(_DEVICE)["ok"] == [True, True]
