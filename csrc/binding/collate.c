@@ -599,7 +599,7 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
     }
     Py_BEGIN_ALLOW_THREADS
     for (uint32_t g = 0; g < ngroups; g++)
-        if (target < 0 || groups[g].host)
+        if ((target < 0 || groups[g].host) && groups[g].hi > groups[g].lo)
             mtc_memcpy_parallel((void *)ptr[g], region + groups[g].lo, (size_t)(groups[g].hi - groups[g].lo));
     Py_END_ALLOW_THREADS
     *region_owned = 0;

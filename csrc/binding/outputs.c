@@ -1,7 +1,8 @@
 /*
  * outputs.c - the torch side of the outputs: new tensors from torch.empty, their
- * data pointers, output views over packed chunks, device objects and the capture
- * of current streams. The only file that calls torch's tensor API (see outputs.h).
+ * data pointers, the outputs over packed chunks (a tensor per dtype of a chunk),
+ * the checks of modes and pointers, device objects and the capture of current
+ * streams. The only file that calls torch's tensor API (see outputs.h).
  */
 #include "outputs.h"
 
@@ -310,8 +311,9 @@ out:
     return rc;
 }
 
-/* Creates the output views of one segment, `start` bytes from its chunk's
- * storage start, with one torch call (a single member), or two, and stores
+/* Creates the output views of one segment, `start` bytes from the start of
+ * its group's tensor `typed` (of the segment's dtype), with one torch call
+ * (a single member), or two, and stores
  * them (new references) in outputs[]. 0 or -1. */
 static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
                           PyObject *typed, int64_t start, PyObject **outputs, PyObject *keep)
@@ -338,7 +340,7 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
 /* ---- the shim's maker (shim.h) ---- */
 
 /* The geometry of member k of segment s, which starts `offset` elements into
- * its typed chunk: its element offset (the return value), and its sizes and
+ * its group's tensor: its element offset (the return value), and its sizes and
  * strides in sizes[] / strides[] (leaf->ndim of each). The same geometry the
  * split maker below gives each member: a leaf's own output strides when it is
  * MTC_LEAF_STRIDED, else contiguous strides as torch's view() makes them (a
@@ -368,8 +370,8 @@ static int64_t _member_geometry(const mtc_tree *t, const mtc_plan *p, const mtc_
 }
 
 /* The outputs of segment sg's members (output index i onwards), each one C
- * call over the typed view h, whose elements start `start` elements into the
- * chunk: with torch's wrapper (mtc_shim_wrap_on) straight into outputs[],
+ * call over the group tensor's handle h, the segment starting `start`
+ * elements into it: with torch's wrapper (mtc_shim_wrap_on) straight into outputs[],
  * else as capsules into caps[i..]. geo: room for 2 * maxdim dims. 0 or -1. */
 static int _shim_members(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *sg, void *h,
                          int64_t start, int64_t *geo, int maxdim, PyObject **outputs, PyObject *caps, uint32_t i)

@@ -1,9 +1,10 @@
 /*
  * outputs.h - the torch boundary of the outputs (GIL held everywhere): new
- * tensors from torch.empty, their data pointers, the output views of packed
- * segments over a chunk buffer (a handful of torch calls per segment, not one
- * per tensor), device objects, and the capture of each device's current
- * stream. Functions return 0 / a new reference, or -1 / NULL with an
+ * tensors from torch.empty, their data pointers, the outputs of packed
+ * segments over a tensor per dtype of a chunk (one C call per output through
+ * torch's shim, else a handful of torch calls per segment), the checks of
+ * torch's modes and of the pointers the engine writes through, device
+ * objects, and the capture of each device's current stream. Functions return 0 / a new reference, or -1 / NULL with an
  * exception set. Names starting with `_` are internal to outputs.c.
  */
 #ifndef MTC_OUTPUTS_H
