@@ -559,27 +559,34 @@ int mtc_out_check_ptr(uintptr_t ptr, int64_t nbytes)
 }
 
 /* The mode stack lengths and the refusal of mtc_loader._modes, looked up on
- * first use. 0 or -1. */
+ * first use. 1 when they are there, 0 on a torch without them (no error:
+ * the pointer checks stay), -1 on another error. */
 static int _mode_fns(mtc_state *st)
 {
-    if (st->mode_refusal) return 0;
+    if (st->mode_refusal) return st->mode_refusal != Py_None;
     PyObject *c = PyImport_ImportModule("torch._C"), *m = c ? PyImport_ImportModule("mtc_loader._modes") : NULL;
-    if (m) {
-        st->len_dispatch = PyObject_GetAttrString(c, "_len_torch_dispatch_stack");
-        st->len_function = st->len_dispatch ? PyObject_GetAttrString(c, "_len_torch_function_stack") : NULL;
-        st->mode_refusal = st->len_function ? PyObject_GetAttrString(m, "refusal") : NULL;
+    if (!m) {
+        Py_XDECREF(c);
+        return -1;
     }
-    Py_XDECREF(c);
-    Py_XDECREF(m);
-    if (st->mode_refusal) return 0;
+    st->len_dispatch = PyObject_GetAttrString(c, "_len_torch_dispatch_stack");
+    st->len_function = st->len_dispatch ? PyObject_GetAttrString(c, "_len_torch_function_stack") : NULL;
+    st->mode_refusal = st->len_function ? PyObject_GetAttrString(m, "refusal") : NULL;
+    Py_DECREF(c);
+    Py_DECREF(m);
+    if (st->mode_refusal) return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
     Py_CLEAR(st->len_dispatch);
     Py_CLEAR(st->len_function);
-    return -1;
+    st->mode_refusal = Py_NewRef(Py_None); /* asked once */
+    return 0;
 }
 
 int mtc_out_check_modes(mtc_state *st)
 {
-    if (_mode_fns(st)) return -1;
+    int have = _mode_fns(st);
+    if (have <= 0) return have;
     long depth = 0;
     for (int k = 0; k < 2; k++) {
         PyObject *v = PyObject_CallNoArgs(k ? st->len_function : st->len_dispatch);

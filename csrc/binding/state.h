@@ -92,7 +92,8 @@ typedef struct mtc_state {
     PyTypeObject *skeleton_type; /* skeleton.c: a packed batch's structure walked once */
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
     /* torch._C._len_torch_dispatch_stack / _len_torch_function_stack and
-     * mtc_loader._modes.refusal (outputs.h: mtc_out_check_modes), on first use */
+     * mtc_loader._modes.refusal (outputs.h: mtc_out_check_modes), on first use;
+     * mode_refusal is None where this torch lacks them */
     PyObject *len_dispatch, *len_function, *mode_refusal;
 
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
