@@ -76,7 +76,7 @@ def start_copy(
             tensor; for CUDA → CPU with pinned staging, small GPU tensors are likewise copied
             into one pinned chunk.
         min_packed_alignment_bytes: Minimum byte alignment of each packed tensor's start
-            within its chunk, which is the start of its storage: ``t.data_ptr() -
+            within its storage (one per dtype of a chunk): ``t.data_ptr() -
             t.untyped_storage().data_ptr()`` is a multiple of ``round_up(max(
             min_packed_alignment_bytes, element_size), element_size)`` (the reference
             implementation's rule): ``max(...)`` for powers of two; 8 for 6 and float32, 16 for

@@ -148,7 +148,7 @@ def test_copies_to_and_from_the_gpu_allocate_no_more_than_the_structure(directio
 
     copy = _net_tracked(call)
     python = _net_tracked(lambda: _clone(batch))
-    assert copy <= python + 8, (copy, python)  # the handle, the chunk and its typed views
+    assert copy <= python + 8, (copy, python)  # the handle and its buffers (a tensor per dtype of the chunk)
 
 
 @requires_cuda

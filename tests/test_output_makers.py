@@ -4,9 +4,8 @@ shim's handles become Python tensors through torch's own wrapper, one C call eac
 torch passes its check, else through ``torch._C._aoti`` in one Python call per batch: both
 routes are compared too. Every layout rule holds for each, and they agree tensor by tensor:
 dtype, shape, strides, storage offset, the storage each output shares with the others of its
-chunk, the bytes, ``requires_grad`` (False), and neither makes autograd views of the private
-chunk through the shim (``_base`` is None, as for ``tensor.to()``'s outputs; the split maker
-makes a tensor alone in its group with ``as_strided``, an autograd view).
+dtype in its chunk, the bytes, ``requires_grad`` (False), and neither makes autograd views
+(``_base`` is None, as for ``tensor.to()``'s outputs).
 
 The structures are the fuzzer's (tests/test_fuzz.py: every dtype, 0-d, zero-size, strided,
 channels-last and offset leaves, at every alignment), through the DataLoader path
@@ -87,7 +86,7 @@ def assert_same_layout(a_out, b_out) -> None:
         assert x.storage_offset() == y.storage_offset(), where
         assert x.is_contiguous() == y.is_contiguous(), where
         assert not x.requires_grad and not y.requires_grad, where
-        assert x._base is None, f"{where}: an output is an autograd view of the chunk"
+        assert x._base is None and y._base is None, f"{where}: an output is an autograd view"
         assert torch.equal(as_bytes(x), as_bytes(y)), f"{where}: bytes differ"
     # which outputs share a storage: the same pattern
     def groups(ts):
@@ -141,10 +140,10 @@ def test_start_copy_makers_agree(data, align):
 @needs_shim
 @pytest.mark.parametrize("wrap", [True, False], ids=["wrap", "batch-call"])
 @pytest.mark.parametrize("device", UNPACK_CASES)
-def test_seed_batch_through_the_shim_one_storage_no_gap_pieces(device, wrap):
-    """The reference batch (528 small tensors, most of them leaving alignment gaps): every output
-    made through the shim (counted), all on one storage at 16-byte aligned offsets, equal to the
-    input, and no temporary beyond the chunk's typed views kept for the prefetch service."""
+def test_seed_batch_through_the_shim_one_storage_per_dtype_no_gap_pieces(device, wrap):
+    """The reference batch (528 small tensors of three dtypes, most of them leaving alignment
+    gaps): every output made through the shim (counted), one storage per dtype at 16-byte aligned
+    offsets, equal to the input, and no temporary kept for the prefetch service beyond a few."""
     batch = seed_batch(16)
     pc = mtc_loader.PackedCollate(list, arena_bytes=16 << 20)
     with maker(True, wrap):
@@ -161,11 +160,15 @@ def test_seed_batch_through_the_shim_one_storage_no_gap_pieces(device, wrap):
         torch.cuda.current_stream().synchronize()
     outs = tensors(out)
     assert made == len(outs) == 528
-    assert len({t.untyped_storage().data_ptr() for t in outs}) == 1
+    storages: dict[int, set] = {}
+    for t in outs:
+        storages.setdefault(t.untyped_storage().data_ptr(), set()).add(t.dtype)
+    assert len(storages) == len({t.dtype for t in outs}) == 3
+    assert all(len(dtypes) == 1 for dtypes in storages.values())
     assert all(t.data_ptr() % 16 == 0 for t in outs)
     check_tree(out, batch, device, reuse=False)
     if kept is not None:
-        # the typed views of the chunk (one per dtype), never a piece per gap
+        # never a piece per gap
         assert len(kept) <= 8, len(kept)
 
 

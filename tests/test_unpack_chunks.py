@@ -1,4 +1,4 @@
-"""Where a packed batch's chunk comes from: torch's allocator through the C shim, called with the
+"""Where the tensors a packed batch lands in (one per dtype of its chunk) come from: torch's allocator through the C shim, called with the
 GIL released (stats: ``unpack_chunks_shim``), or ``torch.empty`` from Python where the shim is
 missing or switched off, and for the first chunk on each CUDA device (``unpack_chunks_python``):
 the slow path is counted, never silent. The values are the same either way."""
@@ -28,6 +28,10 @@ class Samples(torch.utils.data.Dataset):
                 "meta": {"id": torch.tensor(i), "flag": torch.tensor(i % 2 == 0)}}
 
 
+# a batch of Samples lands in one tensor per dtype: uint8, float32, int64, bool
+GROUPS = 4
+
+
 def _want(i: int) -> dict:
     return Samples()[i]
 
@@ -45,7 +49,7 @@ def test_chunks_come_from_the_shim_on_the_cpu(workers):
     shim0, py0 = _chunks()
     got = [s for batch in mtc_loader.PrefetchLoader(dl, "cpu") for s in batch]
     shim1, py1 = _chunks()
-    assert (shim1 - shim0, py1 - py0) == (4, 0)  # one chunk per batch, none from Python
+    assert (shim1 - shim0, py1 - py0) == (4 * GROUPS, 0)  # one tensor per dtype of a batch, none from Python
     assert len(got) == 12
     for i, s in enumerate(got):
         w = _want(i)
@@ -70,9 +74,10 @@ print(json.dumps({k: after[k] - before[k] for k in ("unpack_chunks_shim", "unpac
 
 def test_without_the_shim_the_chunks_from_python_are_counted():
     off = run_child(_CHILD, MTC_TORCH_SHIM="0")
-    assert off == {"unpack_chunks_shim": 0, "unpack_chunks_python": 1, "ok": True}
+    # two dtypes (float32, bool): two tensors
+    assert off == {"unpack_chunks_shim": 0, "unpack_chunks_python": 2, "ok": True}
     if OFFERED:
-        assert run_child(_CHILD) == {"unpack_chunks_shim": 1, "unpack_chunks_python": 0, "ok": True}
+        assert run_child(_CHILD) == {"unpack_chunks_shim": 2, "unpack_chunks_python": 0, "ok": True}
 
 
 @pytest.mark.cuda
@@ -88,7 +93,7 @@ def test_chunks_come_from_the_shim_on_cuda_after_the_first():
     got = [s for batch in mtc_loader.PrefetchLoader(dl, "cuda") for s in batch]
     torch.cuda.synchronize()
     shim1, py1 = _chunks()
-    assert py1 - py0 <= 1 and shim1 - shim0 >= 3, (shim1 - shim0, py1 - py0)
+    assert py1 - py0 <= GROUPS and shim1 - shim0 >= 3 * GROUPS, (shim1 - shim0, py1 - py0)
     for i, s in enumerate(got):
         w = _want(i)
         assert s["image"].is_cuda and torch.equal(s["image"].cpu(), w["image"])
@@ -97,4 +102,4 @@ def test_chunks_come_from_the_shim_on_cuda_after_the_first():
     shim0, py0 = _chunks()
     n = sum(1 for _ in mtc_loader.PrefetchLoader(dl, "cuda"))
     shim1, py1 = _chunks()
-    assert n == 4 and (shim1 - shim0, py1 - py0) == (4, 0)
+    assert n == 4 and (shim1 - shim0, py1 - py0) == (4 * GROUPS, 0)

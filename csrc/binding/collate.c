@@ -513,222 +513,242 @@ static int _unpack_register(mtc_arena_object *ao, int target)
     return rc;
 }
 
-/* torch.empty(nbytes, dtype=uint8) on `target` (-1: the CPU) from Python,
- * its data at *ptr (counted in stats: unpack_chunks_python). New reference,
- * or NULL with torch's exception (out of memory among them). */
-static PyObject *_chunk_from_python(mtc_state *st, int target, int64_t nbytes, uintptr_t *ptr)
-{
-    PyObject *dev = mtc_out_device(st, target), *shape = dev ? Py_BuildValue("(L)", (long long)nbytes) : NULL;
-    PyObject *chunk = shape ? mtc_out_empty(st, shape, st->uint8, dev, 0) : NULL;
-    Py_XDECREF(dev);
-    Py_XDECREF(shape);
-    if (chunk && mtc_out_data_ptr(st, chunk, ptr)) Py_CLEAR(chunk);
-    if (!chunk) return NULL;
-    mtc_cnt.unpack_chunks_python++;
-    if (target >= 0 && target < 64) st->shim_cuda_ready |= 1ull << target;
-    return chunk;
-}
-
-/* A new 1-D uint8 CPU tensor of `nbytes` holding a copy of src's: from
- * torch's allocator through the C shim where it is offered and in use, the
- * allocation and the (parallel) memcpy in one window with the GIL released;
- * else torch.empty from Python (_chunk_from_python), then the memcpy. New
- * reference, or NULL with an exception. */
-static PyObject *_unpack_host_chunk(mtc_state *st, const uint8_t *src, int64_t nbytes)
-{
-    uintptr_t ptr = 0;
-    if (mtc_shim_empty_on(st, -1)) {
-        void *h = NULL;
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = mtc_shim_empty(st, -1, nbytes, &h, &ptr);
-        if (!rc) mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
-        Py_END_ALLOW_THREADS
-        if (!rc) {
-            mtc_cnt.unpack_chunks_shim++;
-            return mtc_shim_wrap(st, h);
-        }
-        /* torch refused (out of memory): torch.empty below raises its own error */
-    }
-    PyObject *chunk = _chunk_from_python(st, -1, nbytes, &ptr);
-    if (!chunk) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    mtc_memcpy_parallel((void *)ptr, src, (size_t)nbytes);
-    Py_END_ALLOW_THREADS
-    return chunk;
-}
-
-/* The DMA of the region into a new chunk on `target` (*chunk: a new
- * reference), as a job the handle owns; the region is freed by the job's
- * completion callback, whatever happens (by this function where nothing was
- * issued).
- *
- * Where the shim's allocator is in use for `target`, the chunk is allocated
- * and the DMA issued (run here, or queued on the transfer thread) in one
- * window with the GIL released: the GIL is taken back once, to make the
- * chunk's Python tensor (counted in stats: unpack_dma_in_alloc_window).
- * Otherwise, or where torch refused the allocation there (out of memory:
- * torch.empty then raises torch's own error, and nothing is issued), the
- * chunk comes from _chunk_from_python and the DMA is issued after it. 0, or
- * -1 with an exception. */
-static int _unpack_dma(mtc_state *st, mtc_handle *h, mtc_arena *a, uint64_t off, int64_t payload, int target,
-                       int background, PyObject **chunk)
+/* The job that DMAs the region's device groups into their tensors on
+ * `target`: one MTC_OP_H2D_REGION op of n items (from the region to each
+ * group's tensor; the items' dst is set when the tensors exist), the region
+ * freed by its completion callback, and the streams captured (the calling
+ * thread's current ones). The job or NULL with an exception; on NULL the
+ * region was freed. */
+static mtc_job *_unpack_job(mtc_state *st, mtc_arena *a, uint64_t off, uint32_t n, int target)
 {
     _region_ref *ref = malloc(sizeof *ref);
-    mtc_job *job = ref ? mtc_job_new(1, 1) : NULL;
+    mtc_job *job = ref ? mtc_job_new(1, n) : NULL;
     if (!job) {
         free(ref);
         mtc_arena_free(a, off, (uint32_t)getpid());
         PyErr_NoMemory();
-        return -1;
+        return NULL;
     }
     mtc_arena_ref(a);
     *ref = (_region_ref){.a = a, .off = off, .owner = (uint32_t)getpid()};
     job->target = target;
     job->staging = 0;
     job->dev_mask = 1ull << target;
-    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = payload,
-                           .first = 0, .count = 1, .after = _region_done, .after_arg = ref};
-    job->items[0] = (mtc_item){.src = (uintptr_t)(a->base + off), .dst = 0, .nbytes = payload, .dev = -1, .leaf = -1};
-    job->nops = job->nitems = 1;
-    if (mtc_out_capture_streams(st, job)) goto unissued;
-    uintptr_t ptr = 0;
-    if (mtc_shim_empty_on(st, target)) {
-        void *th = NULL;
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = mtc_shim_empty(st, target, payload, &th, &ptr);
-        if (!rc) {
-            job->items[0].dst = ptr;
-            if (!background || mtc_job_submit(job)) mtc_job_run(job);
-        }
-        Py_END_ALLOW_THREADS
-        if (!rc) {
-            h->job = job;
-            mtc_cnt.unpack_chunks_shim++;
-            mtc_cnt.unpack_dma_in_alloc_window++;
-            if (!(*chunk = mtc_shim_wrap(st, th))) {
-                /* the chunk went back to the caching allocator's pool of the
-                 * stream the DMA is issued on: wait, GIL held (no Python
-                 * caller allocates from that pool meanwhile), until the DMA
-                 * is issued, so that whoever reuses the memory there is
-                 * ordered after it */
-                mtc_job_wait(job, -1);
-                return -1;
-            }
-            return 0;
-        }
-        /* torch refused (out of memory): torch.empty below raises its own error */
+    job->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = target, .dst = 0, .nbytes = 0,
+                           .first = 0, .count = n, .after = _region_done, .after_arg = ref};
+    job->nops = 1;
+    job->nitems = n;
+    if (mtc_out_capture_streams(st, job)) {
+        _region_done(ref);
+        mtc_job_release(job);
+        return NULL;
     }
-    if (!(*chunk = _chunk_from_python(st, target, payload, &ptr))) goto unissued;
-    job->items[0].dst = ptr;
-    if (!background || mtc_job_submit(job)) {
-        Py_BEGIN_ALLOW_THREADS
-        mtc_job_run(job);
-        Py_END_ALLOW_THREADS
-    }
-    h->job = job;
-    return 0;
-unissued: /* nothing was issued: the region is freed here */
-    _region_done(ref);
-    mtc_job_release(job);
-    return -1;
+    return job;
 }
 
-/* For a CUDA target, the host-placed leaves (layout.h): the span of the
- * region from the first host-placed segment (its offset rounded down to the
- * layout's alignment: every member keeps its offset modulo its element size)
- * to the end, copied with one memcpy into a CPU chunk of its own
- * (torch.empty: never a view of the arena); the plan's host-placed segments
- * become chunk 1's, at their offsets in it, and chunk 0 (the device's) ends
- * with the last other segment. New reference, or NULL with an exception. */
-static PyObject *_unpack_host(mtc_state *st, mtc_layout *L, const uint8_t *region, int64_t payload)
+/* Fills the job's items (one per device group, in order) from the groups'
+ * data pointers ptr[], then runs it here, or queues it on the transfer thread
+ * (background). Call with or without the GIL: no Python is touched. */
+static void _unpack_issue(mtc_job *job, const uint8_t *region, const mtc_group *groups, uint32_t ngroups,
+                          const uintptr_t *ptr, int background)
 {
-    mtc_plan *p = &L->plan;
-    int64_t start = L->host_start - L->host_start % p->chunks[0].align;
-    mtc_chunk *c = realloc(p->chunks, 2 * sizeof *c);
-    if (!c) return PyErr_NoMemory();
-    p->chunks = c;
-    p->nchunks = 2;
-    c[0].payload = L->dev_end;
-    c[1] = (mtc_chunk){.payload = payload - start, .align = c[0].align};
-    for (uint32_t g = 0; g < p->nsegs; g++)
-        if (L->leaves[p->segs[g].proto].flags & MTC_LEAF_HOST) {
-            p->segs[g].chunk = 1;
-            p->segs[g].offset -= start;
-        }
-    return _unpack_host_chunk(st, region + start, payload - start);
+    for (uint32_t g = 0, k = 0; g < ngroups; g++)
+        if (!groups[g].host)
+            job->items[k++] = (mtc_item){.src = (uintptr_t)(region + groups[g].lo), .dst = ptr[g],
+                                         .nbytes = groups[g].hi - groups[g].lo, .dev = -1, .leaf = -1};
+    if (!background || mtc_job_submit(job)) mtc_job_run(job);
 }
 
-/* The chunk that receives the region on `target` (uint8, from torch's
- * allocator: _unpack_host_chunk, _unpack_dma) and
- * the copy into it: one DMA for a CUDA target, a memcpy for the CPU (never a
- * view of arena memory, which is reused). The region lands at offset 0 of
- * the chunk's storage, so that every view's storage offset is its offset in
- * the region, a multiple of its alignment (see copy.c's _alloc_chunks). For
- * a CUDA target, the host-placed leaves' span is copied first into a CPU
- * chunk (_unpack_host: chunks[1]), and the DMA takes the bytes before it
- * (none: no DMA, and no chunks[0]). The region is freed by then or by the
- * DMA's callback: *region_owned becomes 0. 0 with new references in
- * chunks[0..2) (or NULL), or -1 with an exception. */
-static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, mtc_layout *L,
-                        int64_t payload, int target, int background, PyObject **chunks, int *region_owned)
+/* The memcpy of the host groups (every group for a CPU target, the
+ * host-placed ones for a CUDA target) into their tensors. No GIL needed. */
+static void _unpack_host_copies(const uint8_t *region, const mtc_group *groups, uint32_t ngroups,
+                                const uintptr_t *ptr, int target)
+{
+    for (uint32_t g = 0; g < ngroups; g++)
+        if ((target < 0 || groups[g].host) && groups[g].hi > groups[g].lo)
+            mtc_memcpy_parallel((void *)ptr[g], region + groups[g].lo, (size_t)(groups[g].hi - groups[g].lo));
+}
+
+/* 1 when every group's tensor can come from torch's allocator through the C
+ * shim (mtc_shim_empty): the shim is in use for the CPU and, where there are
+ * device groups, for `target`, and it knows each group's dtype. */
+static int _unpack_shim_ok(const mtc_state *st, const mtc_group *groups, uint32_t ngroups, int target, uint32_t ndev)
+{
+    if (!ngroups || !mtc_shim_empty_on(st, -1) || (ndev && !mtc_shim_empty_on(st, target))) return 0;
+    for (uint32_t g = 0; g < ngroups; g++)
+        if (groups[g].dtype >= MTC_MAX_DTYPES || st->shim_dtype[groups[g].dtype] < 0) return 0;
+    return 1;
+}
+
+/* The groups' tensors through the shim, their copies and the DMA issued, in
+ * one window with the GIL released; the GIL is taken back once, to make the
+ * groups' Python tensors (counted in stats: unpack_dma_in_alloc_window for a
+ * batch with a DMA). 1 when torch refused an allocation (out of memory):
+ * nothing was issued, nothing is held, and the caller makes the tensors from
+ * Python, which raises torch's own error. 0 with group_t[] set and h->job the
+ * job (if any), or -1 with an exception (the job, issued, is the handle's). */
+static int _unpack_via_shim(mtc_state *st, mtc_handle *h, mtc_job *job, const uint8_t *region,
+                            const mtc_group *groups, uint32_t ngroups, int target, int background,
+                            uintptr_t *ptr, void **th, PyObject **group_t)
+{
+    uint32_t made = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; made < ngroups; made++) {
+        const mtc_group *g = &groups[made];
+        int dev = target < 0 || g->host ? -1 : target;
+        if (mtc_shim_empty(st, dev, g->dtype, (g->hi - g->lo) / st->elsize[g->dtype], &th[made], &ptr[made]))
+            break;
+    }
+    if (made == ngroups) {
+        _unpack_host_copies(region, groups, ngroups, ptr, target);
+        if (job) _unpack_issue(job, region, groups, ngroups, ptr, background);
+    }
+    Py_END_ALLOW_THREADS
+    if (made < ngroups) { /* torch refused: give back what was made; nothing was issued */
+        for (uint32_t g = 0; g < made; g++) mtc_shim_release(st, th[g]);
+        return 1;
+    }
+    mtc_cnt.unpack_chunks_shim += ngroups;
+    if (job) {
+        h->job = job;
+        mtc_cnt.unpack_dma_in_alloc_window++;
+    }
+    int rc = 0;
+    for (uint32_t g = 0; g < ngroups; g++) {
+        /* mtc_shim_wrap takes the handle over, also when it fails */
+        if (!rc && !(group_t[g] = mtc_shim_wrap(st, th[g]))) rc = -1;
+        else if (rc) mtc_shim_release(st, th[g]);
+    }
+    if (rc && job) {
+        /* a tensor went back to the caching allocator's pool of the stream
+         * the DMA is issued on: wait, GIL held (no Python caller allocates
+         * from that pool meanwhile), until the DMA is issued, so that
+         * whoever reuses the memory there is ordered after it */
+        mtc_job_wait(job, -1);
+    }
+    return rc;
+}
+
+/* The tensors that receive the region (outputs.h's storage groups: one per
+ * dtype, from torch's allocator) and the copies into them: memcpy on the
+ * host (never a view of arena memory, which is reused) for a CPU target and
+ * for the host-placed leaves (layout.h) of any target, one DMA per group for
+ * the others on a CUDA target, all in one job. Each group lands at offset 0
+ * of its tensor's storage, so that every output's storage offset is its
+ * offset from its group's first segment, a multiple of its alignment (see
+ * copy.c's _alloc_chunks).
+ *
+ * Where the shim's allocator is in use, the tensors are allocated, filled
+ * and the DMA issued with the GIL released (_unpack_via_shim); otherwise, or
+ * where torch refused an allocation there, each tensor is torch.empty from
+ * Python (counted in stats: unpack_chunks_python; a CUDA device's first
+ * batch takes this way, so that torch initialises the device on its own
+ * path), then the copies. A mode that fakes torch.empty's tensors is
+ * refused before anything is made (mtc_out_check_modes). The region is
+ * freed by then or by the DMAs' callback: *region_owned becomes 0. 0 with
+ * new references in group_t[0..ngroups), or -1 with an exception (those
+ * made so far are the caller's to release). */
+static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint64_t off, const mtc_group *groups,
+                        uint32_t ngroups, int target, int background, PyObject **group_t, int *region_owned)
 {
     mtc_arena *a = ao->a;
-    PyObject **chunk = &chunks[0];
-    if (target >= 0 && L->nhost) {
-        if (!(chunks[1] = _unpack_host(st, L, a->base + off, payload))) goto error;
-        if (!(payload = L->dev_end)) { /* every leaf is host-placed */
-            *region_owned = 0;
-            mtc_arena_free(a, off, (uint32_t)getpid());
-            return 0;
-        }
-    }
-    if (target >= 0) {
+    const uint8_t *region = a->base + off;
+    if (ngroups && mtc_out_check_modes(st)) return -1;
+    uint32_t ndev = 0;
+    for (uint32_t g = 0; g < ngroups; g++) ndev += target >= 0 && !groups[g].host;
+    if (ndev) {
         int rc = _unpack_register(ao, target);
         if (rc) {
             char desc[256];
             mtc_cuda_describe(rc, desc, sizeof desc);
             PyErr_Format(PyExc_RuntimeError, "mtc_loader: copying a packed batch to cuda:%d needs CUDA: %s",
                          target, desc);
-            goto error;
+            return -1;
         }
     }
-    if (target >= 0) {
-        *region_owned = 0;
-        if (_unpack_dma(st, h, a, off, payload, target, background, chunk)) goto error;
-        return 0;
+    PyObject *dev_obj = NULL;
+    uintptr_t *ptr = PyMem_Calloc(ngroups ? ngroups : 1, sizeof *ptr);
+    void **th = PyMem_Calloc(ngroups ? ngroups : 1, sizeof *th);
+    mtc_job *job = NULL;
+    if (!ptr || !th) {
+        PyErr_NoMemory();
+        goto error;
     }
-    if (!(*chunk = _unpack_host_chunk(st, a->base + off, payload))) goto error;
-    *region_owned = 0;
-    mtc_arena_free(a, off, (uint32_t)getpid());
+    if (ndev) {
+        *region_owned = 0; /* from here the job's callback frees it */
+        if (!(job = _unpack_job(st, a, off, ndev, target))) goto error;
+    }
+    if (_unpack_shim_ok(st, groups, ngroups, target, ndev)) {
+        int rc = _unpack_via_shim(st, h, job, region, groups, ngroups, target, background, ptr, th, group_t);
+        if (rc <= 0) {
+            job = NULL; /* the handle's, issued */
+            if (rc < 0) goto error;
+            goto done;
+        }
+        /* torch refused (out of memory): torch.empty below raises its own error */
+    }
+    if (!(dev_obj = mtc_out_device(st, target))) goto error;
+    for (uint32_t g = 0; g < ngroups; g++) {
+        int host = target < 0 || groups[g].host;
+        if (!(group_t[g] = mtc_out_group_empty(st, &groups[g], host ? st->device_cpu : dev_obj, 0)) ||
+            mtc_out_data_ptr(st, group_t[g], &ptr[g]) || mtc_out_check_ptr(ptr[g], groups[g].hi - groups[g].lo))
+            goto error;
+    }
+    mtc_cnt.unpack_chunks_python += ngroups;
+    if (ndev && target < 64) st->shim_cuda_ready |= 1ull << target;
+    Py_BEGIN_ALLOW_THREADS
+    _unpack_host_copies(region, groups, ngroups, ptr, target);
+    if (job) _unpack_issue(job, region, groups, ngroups, ptr, background);
+    Py_END_ALLOW_THREADS
+    if (job) {
+        h->job = job;
+        job = NULL;
+    }
+done:
+    if (!ndev && *region_owned) {
+        *region_owned = 0;
+        mtc_arena_free(a, off, (uint32_t)getpid());
+    }
+    Py_XDECREF(dev_obj);
+    PyMem_Free(ptr);
+    PyMem_Free(th);
     return 0;
 error:
-    Py_CLEAR(chunks[0]);
-    Py_CLEAR(chunks[1]);
+    /* a job never issued: its release does not run the callback, so the
+     * region is freed here through it */
+    if (job) {
+        _region_done(job->ops[0].after_arg);
+        mtc_job_release(job);
+    }
+    Py_XDECREF(dev_obj);
+    PyMem_Free(ptr);
+    PyMem_Free(th);
     return -1;
 }
 
-/* The output views over the chunks (_unpack_copy), and the skeleton's walk
+/* Releases the groups and their tensors (NULL entries skipped). */
+static void _unpack_release(mtc_group *groups, uint32_t ngroups, PyObject **group_t)
+{
+    for (uint32_t g = 0; group_t && g < ngroups; g++) Py_XDECREF(group_t[g]);
+    PyMem_Free(group_t);
+    PyMem_Free(groups);
+}
+
+/* The outputs over the group tensors (_unpack_copy), and the skeleton's walk
  * `sk` rebuilt around them and the batch's atoms (a tuple of sk->natoms, or
  * None) into h->result. 0, or -1 with an exception. */
-static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *sk, PyObject *atoms,
-                         PyObject *const *chunks)
+static int _unpack_views(mtc_state *st, mtc_handle *h, const mtc_layout *L, const mtc_tree *lt, const mtc_tree *sk,
+                         PyObject *atoms, const mtc_group *groups, uint32_t ngroups, PyObject *const *group_t)
 {
     PyObject **outputs = PyMem_Calloc(L->nleaves ? L->nleaves : 1, sizeof *outputs);
     if (!outputs) {
         PyErr_NoMemory();
         return -1;
     }
-    mtc_tree lt;
-    memset(&lt, 0, sizeof lt);
-    lt.leaves = L->leaves;
-    lt.shape = L->shape;
-    lt.ostrides = L->ostrides;
     int rc = -1;
     int64_t t0 = mtc_now_ns();
     if ((!mtc_handle_keeps() || (h->keep = PyList_New(0))) &&
-        !mtc_out_views(st, &lt, &L->plan, chunks, NULL, outputs, h->keep)) {
+        !mtc_out_views(st, lt, &L->plan, groups, ngroups, group_t, outputs, h->keep)) {
         int64_t t1 = mtc_now_ns();
         mtc_cnt.ns_unpack_views += (uint64_t)(t1 - t0);
         PyObject *const *av = PyTuple_Check(atoms) ? &PyTuple_GET_ITEM(atoms, 0) : NULL;
@@ -784,7 +804,11 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
     mtc_layout L;
     memset(&L, 0, sizeof L);
     mtc_handle *h = NULL;
-    PyObject *chunks[2] = {NULL, NULL};
+    mtc_group *groups = NULL;
+    uint32_t ngroups = 0;
+    PyObject **group_t = NULL;
+    mtc_tree lt; /* the layout's leaves, as the output makers read them */
+    memset(&lt, 0, sizeof lt);
     long long nbytes = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
     if (nbytes < 0) {
         PyErr_Clear();
@@ -819,25 +843,31 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "mtc_loader: a packed batch's skeleton does not match its layout");
         goto error;
     }
+    lt.leaves = L.leaves;
+    lt.shape = L.shape;
+    lt.ostrides = L.ostrides;
+    if (mtc_out_groups(&lt, &L.plan, &groups, &ngroups)) goto error;
+    if (!(group_t = PyMem_Calloc(ngroups ? ngroups : 1, sizeof *group_t))) {
+        PyErr_NoMemory();
+        goto error;
+    }
     if ((!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)sk->nnodes + L.nleaves)) ||
-        _unpack_copy(st, h, ao, off, &L, nbytes, (int)target, background, chunks, &region_owned))
+        _unpack_copy(st, h, ao, off, groups, ngroups, (int)target, background, group_t, &region_owned))
         goto error;
     mtc_cnt.ns_unpack_copy += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.unpacks++;
-    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device chunk */
-    if ((h->buffers && chunks[0] && PyList_Append(h->buffers, chunks[0])) ||
-        _unpack_views(st, h, &L, sk, args[8], chunks))
-        goto error;
-    Py_XDECREF(chunks[0]);
-    Py_XDECREF(chunks[1]);
+    if (target >= 0 && !(h->buffers = PyList_New(0))) goto error; /* Handle.buffers: the device groups */
+    for (uint32_t g = 0; h->buffers && g < ngroups; g++)
+        if (!groups[g].host && PyList_Append(h->buffers, group_t[g])) goto error;
+    if (_unpack_views(st, h, &L, &lt, sk, args[8], groups, ngroups, group_t)) goto error;
+    _unpack_release(groups, ngroups, group_t);
     mtc_layout_free(&L);
     if (!h->job) mtc_handle_finish(h);
     return (PyObject *)h;
 
 error:
     if (region_owned) mtc_arena_free(a, off, owner);
-    Py_XDECREF(chunks[0]);
-    Py_XDECREF(chunks[1]);
+    _unpack_release(groups, ngroups, group_t);
     mtc_layout_free(&L);
     Py_XDECREF(h);
     return NULL;

@@ -1,7 +1,7 @@
 /*
  * copy.c - the start_copy pipeline on the calling thread (GIL held): read the
- * leaves (traverse) -> plan -> allocate outputs (torch.empty, one uint8 buffer
- * per chunk) -> build the job and submit it to the transfer thread -> create
+ * leaves (traverse) -> plan -> allocate outputs (torch.empty, one buffer per
+ * dtype of each chunk) -> build the job and submit it to the transfer thread -> create
  * output views and rebuild the structure while the transfer thread stages ->
  * return the handle. get() (handle.c) waits with the GIL released.
  */
@@ -103,8 +103,9 @@ typedef struct {
     mtc_tree *t;            /* the handle's tree (owned by the handle) */
     mtc_plan plan;
     PyObject **outputs;     /* new references, one per leaf */
-    PyObject **chunk_t;     /* uint8 tensor of each chunk */
-    uintptr_t *chunk_base;  /* start of each chunk: its tensor's data_ptr */
+    mtc_group *groups;      /* the plan's storage groups (outputs.h) */
+    uint32_t ngroups;
+    PyObject **group_t;     /* the tensor of each group */
     PyObject *dev_obj;      /* torch.device of the target */
     PyObject *proto;        /* a tensor whose new_empty_strided makes strided outputs, or NULL */
     mtc_job *job;           /* NULL when nothing needs copying, or once submitted */
@@ -116,11 +117,11 @@ static void _copy_clear(_copy *c)
     if (c->job) mtc_job_release(c->job);
     if (c->outputs)
         for (uint32_t i = 0; i < c->t->nleaves; i++) Py_XDECREF(c->outputs[i]);
-    if (c->chunk_t)
-        for (uint32_t k = 0; k < c->plan.nchunks; k++) Py_XDECREF(c->chunk_t[k]);
+    if (c->group_t)
+        for (uint32_t k = 0; k < c->ngroups; k++) Py_XDECREF(c->group_t[k]);
     PyMem_Free(c->outputs);
-    PyMem_Free(c->chunk_t);
-    PyMem_Free(c->chunk_base);
+    PyMem_Free(c->group_t);
+    PyMem_Free(c->groups);
     Py_XDECREF(c->dev_obj);
     Py_XDECREF(c->proto);
     mtc_plan_free(&c->plan);
@@ -237,7 +238,7 @@ static int _own_output(uint8_t a) { return a != MTC_ACT_REUSE && a != MTC_ACT_FR
 static int _new_job(_copy *c)
 {
     const mtc_tree *t = c->t;
-    uint32_t nops = c->plan.nchunks, nitems = c->plan.nmembers, host_items = 0;
+    uint32_t nops = c->ngroups, nitems = c->plan.nmembers, host_items = 0;
     for (uint32_t i = 0; i < t->nleaves; i++) {
         uint8_t a = t->leaves[i].action;
         if (a == MTC_ACT_HOST_COPY) host_items++;
@@ -264,39 +265,39 @@ static int _new_job(_copy *c)
     return dev_mask ? mtc_out_capture_streams(c->st, c->job) : 0;
 }
 
-/* Stage 3b: one uint8 tensor per packed chunk (pinned on the host for a CPU
- * target), and one op per chunk over its members, chunk by chunk (segments
- * are in chunk order). A chunk starts at offset 0 of its tensor's storage:
- * the offset a user observes, data_ptr() - untyped_storage().data_ptr(), is
- * then the planner's, a multiple of each member's alignment. (Rounding the
- * base up inside a larger allocation would align absolute addresses to
- * alignments the allocator does not give, 6 or 4096, but put every storage
- * offset off the rule by the skip.) 0, or -1 with an exception. */
+/* Stage 3b: one tensor per storage group of the packed chunks (outputs.h:
+ * the bytes of one dtype in a chunk; pinned on the host for a CPU target),
+ * and one op per group over its members, group by group. A group starts at
+ * offset 0 of its tensor's storage, at its first segment's offset in the
+ * chunk: the offset a user observes, data_ptr() -
+ * untyped_storage().data_ptr(), is then the planner's offset less that one,
+ * a multiple of each member's alignment. (Rounding the base up inside a
+ * larger allocation would align absolute addresses to alignments the
+ * allocator does not give, 6 or 4096, but put every storage offset off the
+ * rule by the skip.) 0, or -1 with an exception. */
 static int _alloc_chunks(_copy *c)
 {
     const mtc_plan *p = &c->plan;
     int pin = c->o.target < 0; /* D2H packing writes into pinned host chunks */
-    for (uint32_t k = 0; k < p->nchunks; k++) {
-        PyObject *shape = Py_BuildValue("(L)", (long long)p->chunks[k].payload);
-        if (!shape) return -1;
-        c->chunk_t[k] = mtc_out_empty(c->st, shape, c->st->uint8, pin ? c->st->device_cpu : c->dev_obj, pin);
-        Py_DECREF(shape);
-        if (!c->chunk_t[k]) return -1;
-        if (mtc_out_data_ptr(c->st, c->chunk_t[k], &c->chunk_base[k])) return -1;
-    }
-    for (uint32_t s = 0; s < p->nsegs;) {
-        int32_t k = p->segs[s].chunk;
+    for (uint32_t g = 0; g < c->ngroups; g++) {
+        const mtc_group *gr = &c->groups[g];
+        uintptr_t base;
+        c->group_t[g] = mtc_out_group_empty(c->st, gr, pin ? c->st->device_cpu : c->dev_obj, pin);
+        if (!c->group_t[g] || mtc_out_data_ptr(c->st, c->group_t[g], &base) ||
+            mtc_out_check_ptr(base, gr->hi - gr->lo))
+            return -1;
+        if (gr->hi == gr->lo) continue; /* zero-size members only: nothing to copy, no DMA of 0 bytes */
         mtc_op *op = &c->job->ops[c->oi++];
         op->kind = c->o.target >= 0 ? MTC_OP_H2D_CHUNK : MTC_OP_D2H_CHUNK;
         op->dev = c->o.target;
-        op->dst = c->chunk_base[k];
-        op->nbytes = p->chunks[k].payload;
+        op->dst = base;
+        op->nbytes = gr->hi - gr->lo;
         op->first = c->ii;
-        for (; s < p->nsegs && p->segs[s].chunk == k; s++)
+        for (uint32_t s = gr->seg0; s < gr->seg0 + gr->nsegs; s++)
             for (uint32_t m = 0; m < p->segs[s].count; m++) {
                 uint32_t li = p->members[p->segs[s].first + m];
                 mtc_item_of_leaf(&c->job->items[c->ii++], c->t, li,
-                                 (uintptr_t)mtc_plan_leaf_offset(p, &c->t->leaves[li]));
+                                 (uintptr_t)(mtc_plan_leaf_offset(p, &c->t->leaves[li]) - gr->lo));
             }
         op->count = c->ii - op->first;
     }
@@ -336,7 +337,7 @@ static int _alloc_own_outputs(_copy *c)
             Py_DECREF(shape);
             if (!c->outputs[i]) return -1;
             uintptr_t dst;
-            if (mtc_out_data_ptr(st, c->outputs[i], &dst)) return -1;
+            if (mtc_out_data_ptr(st, c->outputs[i], &dst) || mtc_out_check_ptr(dst, l->nbytes)) return -1;
             mtc_op *op;
             if (l->action == MTC_ACT_HOST_COPY) {
                 if (!host_op) {
@@ -365,14 +366,20 @@ static int _alloc_own_outputs(_copy *c)
 static int _alloc_outputs(_copy *c)
 {
     int64_t t0 = mtc_now_ns();
-    size_t nl = c->t->nleaves ? c->t->nleaves : 1, nc = c->plan.nchunks ? c->plan.nchunks : 1;
+    if (mtc_out_groups(c->t, &c->plan, &c->groups, &c->ngroups)) return -1;
+    size_t nl = c->t->nleaves ? c->t->nleaves : 1, ng = c->ngroups ? c->ngroups : 1;
     c->outputs = PyMem_Calloc(nl, sizeof *c->outputs);
-    c->chunk_t = PyMem_Calloc(nc, sizeof *c->chunk_t);
-    c->chunk_base = PyMem_Calloc(nc, sizeof *c->chunk_base);
-    if (!c->outputs || !c->chunk_t || !c->chunk_base) {
+    c->group_t = PyMem_Calloc(ng, sizeof *c->group_t);
+    if (!c->outputs || !c->group_t) {
         PyErr_NoMemory();
         return -1;
     }
+    /* a mode that fakes torch.empty's tensors: refused before anything is made */
+    const mtc_plan *p = &c->plan;
+    if ((c->ngroups || p->count[MTC_ACT_HOST_COPY] || p->count[MTC_ACT_H2D_STAGED] ||
+         p->count[MTC_ACT_H2D_DIRECT] || p->count[MTC_ACT_D2H] || p->count[MTC_ACT_D2D]) &&
+        mtc_out_check_modes(c->st))
+        return -1;
     if (_new_job(c)) return -1;
     if (!(c->dev_obj = mtc_out_device(c->st, c->o.target))) return -1;
     if (_alloc_chunks(c) || _alloc_own_outputs(c)) return -1;
@@ -391,8 +398,8 @@ static int _collect_buffers(_copy *c, mtc_handle *h)
 {
     if (c->o.target < 0) return 0;
     if (!(h->buffers = PyList_New(0))) return -1;
-    for (uint32_t k = 0; k < c->plan.nchunks; k++)
-        if (PyList_Append(h->buffers, c->chunk_t[k])) return -1;
+    for (uint32_t k = 0; k < c->ngroups; k++)
+        if (PyList_Append(h->buffers, c->group_t[k])) return -1;
     for (uint32_t i = 0; i < c->t->nleaves; i++) {
         uint8_t a = c->t->leaves[i].action;
         if ((a == MTC_ACT_H2D_STAGED || a == MTC_ACT_H2D_DIRECT || a == MTC_ACT_D2D) &&
@@ -473,7 +480,7 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
     int64_t t0 = mtc_now_ns();
     mtc_nvtx_push(MTC_NVTX_VIEWS);
     int rc = (mtc_handle_keeps() && !(h->keep = PyList_New(0))) ||
-             mtc_out_views(c->st, c->t, &c->plan, c->chunk_t, NULL, c->outputs, h->keep) ||
+             mtc_out_views(c->st, c->t, &c->plan, c->groups, c->ngroups, c->group_t, c->outputs, h->keep) ||
              !(h->result = mtc_rebuild(c->st, c->t, c->outputs, NULL));
     mtc_nvtx_pop();
     if (rc) return -1;

@@ -685,7 +685,7 @@ static int engine_exec(PyObject *module)
     INTERN(s_is_neg, "is_neg"); INTERN(s_is_conj, "is_conj"); INTERN(s_contiguous, "contiguous"); INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_split_with_sizes, "unsafe_split_with_sizes"); INTERN(s_view, "view");
     INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_is_meta, "is_meta"); INTERN(s_device, "device");
-    INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj");
+    INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj"); INTERN(s_data, "data");
 #undef INTERN
     st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device");
     st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
@@ -721,6 +721,9 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->gc_get_count);
     Py_VISIT(st->gc_get_threshold);
     Py_VISIT(st->gc_collect);
+    Py_VISIT(st->len_dispatch);
+    Py_VISIT(st->len_function);
+    Py_VISIT(st->mode_refusal);
     return 0;
 }
 
@@ -757,7 +760,8 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->m_get_device); Py_CLEAR(st->m_is_contiguous); Py_CLEAR(st->m_stride);
     Py_CLEAR(st->m_is_neg); Py_CLEAR(st->m_is_conj); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
     Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_is_meta); Py_CLEAR(st->s_device);
-    Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve);
+    Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve); Py_CLEAR(st->s_data);
+    Py_CLEAR(st->len_dispatch); Py_CLEAR(st->len_function); Py_CLEAR(st->mode_refusal);
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->kw_dtype_device_pin);
     mtc_collector_clear(st);

@@ -1,7 +1,8 @@
 /*
  * outputs.c - the torch side of the outputs: new tensors from torch.empty, their
- * data pointers, output views over packed chunks, device objects and the capture
- * of current streams. The only file that calls torch's tensor API (see outputs.h).
+ * data pointers, the outputs over packed chunks (a tensor per dtype of a chunk),
+ * the checks of modes and pointers, device objects and the capture of current
+ * streams. The only file that calls torch's tensor API (see outputs.h).
  */
 #include "outputs.h"
 
@@ -310,59 +311,9 @@ out:
     return rc;
 }
 
-/* The typed views of the chunk being viewed, one per dtype: chunk.view(dtype)
- * once, and every segment of that dtype an as_strided view of it, instead of
- * a slice and a view(dtype) per segment (each torch call costs a microsecond
- * or two and a release of the GIL). The planner lays segments out chunk by
- * chunk, so one chunk's views at a time suffice. */
-typedef struct {
-    int32_t chunk;                   /* the chunk the views are of, -1 none */
-    Py_ssize_t bytes;                /* its tensor's length: the plan's payload of that chunk */
-    PyObject *typed[MTC_MAX_DTYPES]; /* new references, or NULL */
-} _bases;
-
-static void _bases_clear(_bases *b, int32_t chunk, int64_t bytes)
-{
-    for (int i = 0; i < MTC_MAX_DTYPES; i++) Py_CLEAR(b->typed[i]);
-    b->chunk = chunk;
-    b->bytes = (Py_ssize_t)bytes;
-}
-
-/* The chunk viewed as proto's dtype, made on first use. The chunk itself for
- * uint8. view(dtype) needs a length that is a multiple of the element size:
- * for a chunk whose length is not, the view is of its first whole elements,
- * which hold every segment of the dtype (a segment's offset and bytes are
- * multiples of its element size, and it ends within the chunk). Borrowed
- * reference (kept in b), or NULL. */
-static PyObject *_typed_base(mtc_state *st, _bases *b, PyObject *chunk, const mtc_leaf *proto, PyObject *keep)
-{
-    if (proto->dtype >= MTC_MAX_DTYPES || !st->dtypes[proto->dtype]) {
-        PyErr_SetString(PyExc_SystemError, "mtc_loader: a packed segment has an unknown dtype code");
-        return NULL;
-    }
-    PyObject **slot = &b->typed[proto->dtype], *dtype = st->dtypes[proto->dtype];
-    if (*slot) return *slot;
-    if (dtype == st->uint8) return *slot = Py_NewRef(chunk);
-    Py_ssize_t whole = b->bytes - b->bytes % proto->elsize;
-    PyObject *src = Py_NewRef(chunk);
-    if (whole != b->bytes) {
-        PyObject *end = PyLong_FromSsize_t(whole), *slice = end ? PySlice_New(NULL, end, NULL) : NULL;
-        Py_XDECREF(end);
-        Py_SETREF(src, slice ? PyObject_GetItem(chunk, slice) : NULL);
-        Py_XDECREF(slice);
-        if (!src || _keep(keep, src)) {
-            Py_XDECREF(src);
-            return NULL;
-        }
-    }
-    *slot = _call_method(src, st->s_view, &dtype, 1);
-    Py_DECREF(src);
-    if (!*slot || _keep(keep, *slot)) return NULL;
-    return *slot;
-}
-
-/* Creates the output views of one segment, `start` bytes from its chunk's
- * storage start, with one torch call (a single member), or two, and stores
+/* Creates the output views of one segment, `start` bytes from the start of
+ * its group's tensor `typed` (of the segment's dtype), with one torch call
+ * (a single member), or two, and stores
  * them (new references) in outputs[]. 0 or -1. */
 static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *s,
                           PyObject *typed, int64_t start, PyObject **outputs, PyObject *keep)
@@ -389,7 +340,7 @@ static int _segment_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, c
 /* ---- the shim's maker (shim.h) ---- */
 
 /* The geometry of member k of segment s, which starts `offset` elements into
- * its typed chunk: its element offset (the return value), and its sizes and
+ * its group's tensor: its element offset (the return value), and its sizes and
  * strides in sizes[] / strides[] (leaf->ndim of each). The same geometry the
  * split maker below gives each member: a leaf's own output strides when it is
  * MTC_LEAF_STRIDED, else contiguous strides as torch's view() makes them (a
@@ -419,8 +370,8 @@ static int64_t _member_geometry(const mtc_tree *t, const mtc_plan *p, const mtc_
 }
 
 /* The outputs of segment sg's members (output index i onwards), each one C
- * call over the typed view h, whose elements start `start` elements into the
- * chunk: with torch's wrapper (mtc_shim_wrap_on) straight into outputs[],
+ * call over the group tensor's handle h, the segment starting `start`
+ * elements into it: with torch's wrapper (mtc_shim_wrap_on) straight into outputs[],
  * else as capsules into caps[i..]. geo: room for 2 * maxdim dims. 0 or -1. */
 static int _shim_members(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_seg *sg, void *h,
                          int64_t start, int64_t *geo, int maxdim, PyObject **outputs, PyObject *caps, uint32_t i)
@@ -450,14 +401,12 @@ static int _shim_members(mtc_state *st, const mtc_tree *t, const mtc_plan *p, co
     return 0;
 }
 
-/* mtc_out_views through torch's C shim: per chunk its handle and one typed
- * view per dtype (in C where the shim has view_dtype: no torch call from
- * Python, so no release of the GIL; else as below, from Python), per member
- * one C call (_shim_members), and each output wrapped by torch's wrapper in C
- * or, without it, one Python call for the whole plan's tensors. No piece of
- * any gap, no segment view. 0 or -1. */
-static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
-                       const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
+/* mtc_out_views through torch's C shim: per group a handle of its tensor, per
+ * member one C call (_shim_members), and each output wrapped by torch's
+ * wrapper in C or, without it, one Python call for the whole plan's tensors.
+ * No piece of any gap, no segment view. 0 or -1. */
+static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_group *groups,
+                       uint32_t ngroups, PyObject *const *group_t, PyObject **outputs)
 {
     uint32_t n = 0;
     int maxdim = 1;
@@ -470,10 +419,7 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
         }
     }
     int rc = -1;
-    _bases b;
-    memset(b.typed, 0, sizeof b.typed);
-    _bases_clear(&b, -1, 0);
-    void *handles[MTC_MAX_DTYPES] = {0}, *chunk_h = NULL;
+    void *h = NULL;
     int64_t *geo = PyMem_Malloc(2 * (size_t)maxdim * sizeof(int64_t));
     int wrap = mtc_shim_wrap_on(st);
     PyObject *caps = wrap ? NULL : PyList_New(n), *made = NULL;
@@ -481,41 +427,28 @@ static int _shim_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyOb
         if (!geo) PyErr_NoMemory();
         goto out;
     }
-    for (uint32_t s = 0, i = 0; s < p->nsegs; i += p->segs[s].count, s++) {
-        const mtc_seg *sg = &p->segs[s];
-        const mtc_leaf *proto = &t->leaves[sg->proto];
-        if (sg->chunk != b.chunk) {
-            for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]), handles[d] = NULL;
-            mtc_shim_release(st, chunk_h);
-            chunk_h = NULL;
-            _bases_clear(&b, sg->chunk, (chunk_skip ? chunk_skip[sg->chunk] : 0) + p->chunks[sg->chunk].payload);
+    uint32_t i = 0;
+    for (uint32_t g = 0; g < ngroups; g++) {
+        const mtc_group *gr = &groups[g];
+        mtc_shim_release(st, h);
+        if (!(h = mtc_shim_handle(st, group_t[g]))) goto out;
+        for (uint32_t s = gr->seg0; s < gr->seg0 + gr->nsegs; i += p->segs[s].count, s++) {
+            const mtc_seg *sg = &p->segs[s];
+            const mtc_leaf *proto = &t->leaves[sg->proto];
+            int64_t start = sg->offset - gr->lo;
+            if (start % proto->elsize) {
+                PyErr_Format(PyExc_SystemError, "mtc_loader: a packed segment at byte %lld is not on a multiple "
+                             "of its element size %d", (long long)start, (int)proto->elsize);
+                goto out;
+            }
+            if (_shim_members(st, t, p, sg, h, start / proto->elsize, geo, maxdim, outputs, caps, i)) goto out;
         }
-        if (proto->dtype >= MTC_MAX_DTYPES) {
-            PyErr_SetString(PyExc_SystemError, "mtc_loader: a packed segment has an unknown dtype code");
-            goto out;
-        }
-        void **h = &handles[proto->dtype];
-        if (!*h && st->shim_view_dtype) {
-            if (!chunk_h && !(chunk_h = mtc_shim_handle(st, chunk_t[sg->chunk]))) goto out;
-            *h = mtc_shim_typed(st, chunk_h, b.bytes, proto->dtype);
-        }
-        if (!*h) {
-            PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], proto, keep);
-            if (!typed || !(*h = mtc_shim_handle(st, typed))) goto out;
-        }
-        int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
-        if (start % proto->elsize) {
-            PyErr_Format(PyExc_SystemError, "mtc_loader: a packed segment at byte %lld is not on a multiple of "
-                         "its element size %d", (long long)start, (int)proto->elsize);
-            goto out;
-        }
-        if (_shim_members(st, t, p, sg, *h, start / proto->elsize, geo, maxdim, outputs, caps, i)) goto out;
     }
     if (caps) {
         made = mtc_shim_tensors(st, caps);
         Py_CLEAR(caps); /* torch took the handles, whatever the outcome */
         if (!made) goto out;
-        uint32_t i = 0;
+        i = 0;
         for (uint32_t s = 0; s < p->nsegs; s++)
             for (uint32_t k = 0; k < p->segs[s].count; k++, i++)
                 outputs[p->members[p->segs[s].first + k]] = Py_NewRef(PyList_GET_ITEM(made, i));
@@ -532,37 +465,145 @@ out:
         Py_DECREF(caps);
     }
     Py_XDECREF(made);
-    for (int d = 0; d < MTC_MAX_DTYPES; d++) mtc_shim_release(st, handles[d]);
-    mtc_shim_release(st, chunk_h);
-    _bases_clear(&b, -1, 0);
+    mtc_shim_release(st, h);
     PyMem_Free(geo);
     return rc;
 }
 
-/* Creates the output views of every segment of plan p over the chunk
- * tensors and stores them (new references) in outputs[]: through torch's C
- * shim where it is on (above), else per chunk one typed view per dtype, per
- * segment one as_strided view at the segment's offset, cut into members with
- * split_with_sizes or unbind. 0 or -1 with an exception. */
-int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
-                  const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep)
+int mtc_out_groups(const mtc_tree *t, const mtc_plan *p, mtc_group **out, uint32_t *n)
 {
-    if (mtc_shim_on(st) && p->nsegs) return _shim_views(st, t, p, chunk_t, chunk_skip, outputs, keep);
-    _bases b;
-    memset(b.typed, 0, sizeof b.typed);
-    _bases_clear(&b, -1, 0);
-    int rc = 0;
-    for (uint32_t s = 0; s < p->nsegs && !rc; s++) {
-        const mtc_seg *sg = &p->segs[s];
-        /* every chunk tensor is allocated with its plan's payload, which
-         * skip bytes precede (chunk_skip) */
-        if (sg->chunk != b.chunk)
-            _bases_clear(&b, sg->chunk, (chunk_skip ? chunk_skip[sg->chunk] : 0) + p->chunks[sg->chunk].payload);
-        PyObject *typed = _typed_base(st, &b, chunk_t[sg->chunk], &t->leaves[sg->proto], keep);
-        int64_t start = (chunk_skip ? chunk_skip[sg->chunk] : 0) + sg->offset;
-        rc = typed ? _segment_views(st, t, p, sg, typed, start, outputs, keep) : -1;
+    *out = NULL;
+    *n = 0;
+    if (!p->nsegs) return 0;
+    mtc_group *g = PyMem_Calloc(p->nsegs, sizeof *g);
+    if (!g) {
+        PyErr_NoMemory();
+        return -1;
     }
-    _bases_clear(&b, -1, 0);
+    uint32_t k = 0;
+    for (uint32_t s = 0; s < p->nsegs; s++) {
+        const mtc_seg *sg = &p->segs[s];
+        const mtc_leaf *proto = &t->leaves[sg->proto];
+        uint8_t host = (proto->flags & MTC_LEAF_HOST) != 0;
+        mtc_group *last = k ? &g[k - 1] : NULL;
+        if (last && last->chunk == sg->chunk && last->dtype == proto->dtype && last->host == host) {
+            last->nsegs++;
+            if (sg->offset + sg->bytes > last->hi) last->hi = sg->offset + sg->bytes;
+            continue;
+        }
+        g[k++] = (mtc_group){.chunk = sg->chunk, .dtype = proto->dtype, .host = host, .lo = sg->offset,
+                             .hi = sg->offset + sg->bytes, .seg0 = s, .nsegs = 1};
+    }
+    *out = g;
+    *n = k;
+    return 0;
+}
+
+PyObject *mtc_out_group_empty(mtc_state *st, const mtc_group *g, PyObject *device, int pin)
+{
+    if (g->dtype >= MTC_MAX_DTYPES || !st->dtypes[g->dtype]) {
+        PyErr_SetString(PyExc_SystemError, "mtc_loader: a packed segment has an unknown dtype code");
+        return NULL;
+    }
+    PyObject *shape = Py_BuildValue("(L)", (long long)((g->hi - g->lo) / st->elsize[g->dtype]));
+    if (!shape) return NULL;
+    PyObject *v = mtc_out_empty(st, shape, st->dtypes[g->dtype], device, pin);
+    Py_DECREF(shape);
+    return v;
+}
+
+/* Replaces every output of plan p by its `.data`: a tensor over the same
+ * memory with no autograd view record and a version counter of its own, what
+ * the shim's outputs and tensor.to()'s are (the split operators make views
+ * of the segment, which share one counter: an in-place op on one output
+ * would break backward through another). The views go to `keep` when there
+ * is one (see _keep). 0 or -1. */
+static int _unview(mtc_state *st, const mtc_plan *p, PyObject **outputs, PyObject *keep)
+{
+    for (uint32_t j = 0; j < p->nmembers; j++) {
+        PyObject **o = &outputs[p->members[j]];
+        PyObject *d = PyObject_GetAttr(*o, st->s_data);
+        if (!d) return -1;
+        if (_keep(keep, *o)) {
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_SETREF(*o, d);
+    }
+    return 0;
+}
+
+/* Creates the outputs of every segment of plan p over the group tensors:
+ * through torch's C shim where it is on (above), else per segment one
+ * as_strided view of its group's tensor at the segment's offset, cut into
+ * members with split_with_sizes or unbind, each then made a tensor of its own
+ * (_unview). 0 or -1 with an exception. */
+int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_group *groups, uint32_t ngroups,
+                  PyObject *const *group_t, PyObject **outputs, PyObject *keep)
+{
+    if (mtc_shim_on(st) && p->nsegs) return _shim_views(st, t, p, groups, ngroups, group_t, outputs);
+    for (uint32_t g = 0; g < ngroups; g++)
+        for (uint32_t s = groups[g].seg0; s < groups[g].seg0 + groups[g].nsegs; s++)
+            if (_segment_views(st, t, p, &p->segs[s], group_t[g], p->segs[s].offset - groups[g].lo, outputs, keep))
+                return -1;
+    return _unview(st, p, outputs, keep);
+}
+
+int mtc_out_check_ptr(uintptr_t ptr, int64_t nbytes)
+{
+    if (ptr || !nbytes) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "mtc_loader: torch.empty gave the engine a tensor without memory "
+                    "(data_ptr() is 0), which the copy would write through; a TorchDispatchMode such as "
+                    "FakeTensorMode makes such tensors: copy outside the mode, or use .to() inside it");
+    return -1;
+}
+
+/* The mode stack lengths and the refusal of mtc_loader._modes, looked up on
+ * first use. 1 when they are there, 0 on a torch without them (no error:
+ * the pointer checks stay), -1 on another error. */
+static int _mode_fns(mtc_state *st)
+{
+    if (st->mode_refusal) return st->mode_refusal != Py_None;
+    PyObject *c = PyImport_ImportModule("torch._C"), *m = c ? PyImport_ImportModule("mtc_loader._modes") : NULL;
+    if (!m) {
+        Py_XDECREF(c);
+        return -1;
+    }
+    st->len_dispatch = PyObject_GetAttrString(c, "_len_torch_dispatch_stack");
+    st->len_function = st->len_dispatch ? PyObject_GetAttrString(c, "_len_torch_function_stack") : NULL;
+    st->mode_refusal = st->len_function ? PyObject_GetAttrString(m, "refusal") : NULL;
+    Py_DECREF(c);
+    Py_DECREF(m);
+    if (st->mode_refusal) return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+    Py_CLEAR(st->len_dispatch);
+    Py_CLEAR(st->len_function);
+    st->mode_refusal = Py_NewRef(Py_None); /* asked once */
+    return 0;
+}
+
+int mtc_out_check_modes(mtc_state *st)
+{
+    int have = _mode_fns(st);
+    if (have <= 0) return have;
+    long depth = 0;
+    for (int k = 0; k < 2; k++) {
+        PyObject *v = PyObject_CallNoArgs(k ? st->len_function : st->len_dispatch);
+        if (!v) return -1;
+        depth += PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (PyErr_Occurred()) return -1;
+    }
+    if (!depth) return 0;
+    PyObject *why = PyObject_CallNoArgs(st->mode_refusal);
+    if (!why) return -1;
+    int rc = 0;
+    if (why != Py_None) {
+        PyErr_SetObject(PyExc_RuntimeError, why);
+        rc = -1;
+    }
+    Py_DECREF(why);
     return rc;
 }
 

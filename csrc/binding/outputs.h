@@ -1,9 +1,10 @@
 /*
  * outputs.h - the torch boundary of the outputs (GIL held everywhere): new
- * tensors from torch.empty, their data pointers, the output views of packed
- * segments over a chunk buffer (a handful of torch calls per segment, not one
- * per tensor), device objects, and the capture of each device's current
- * stream. Functions return 0 / a new reference, or -1 / NULL with an
+ * tensors from torch.empty, their data pointers, the outputs of packed
+ * segments over a tensor per dtype of a chunk (one C call per output through
+ * torch's shim, else a handful of torch calls per segment), the checks of
+ * torch's modes and of the pointers the engine writes through, device
+ * objects, and the capture of each device's current stream. Functions return 0 / a new reference, or -1 / NULL with an
  * exception set. Names starting with `_` are internal to outputs.c.
  */
 #ifndef MTC_OUTPUTS_H
@@ -31,25 +32,67 @@ PyObject *mtc_out_empty_strided(mtc_state *st, PyObject *shape, const mtc_tree *
 /* tensor.data_ptr() into *out. 0 or -1. */
 int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
 
-/* Creates the output views of every segment of plan p over the chunk tensors
- * (a leaf with MTC_LEAF_STRIDED, alone in its segment, is viewed with its
- * output strides, t->ostrides)
- * chunk_t (1-D uint8, each at offset 0 of its own storage, since the views are
- * made with as_strided at storage offsets, and each chunk_skip[c] + the plan's
- * payload of chunk c bytes long; chunk c starts chunk_skip[c] bytes
- * in, at 0 when chunk_skip is NULL: start_copy and unpack put every chunk at
- * 0, see copy.c) and stores them (new references) in outputs[]: per chunk
- * one typed view per dtype, per segment one as_strided view, cut into its
- * members with one split_with_sizes or unbind. A segment whose start is not a
- * multiple of its element size (which the planner and the layout decoder never
- * make) is a SystemError. With `keep` not NULL, the temporary tensors made on
- * the way (typed and segment views) are appended to it, so that none is
- * dropped here (dropping a tensor releases the GIL), and a segment whose
- * members leave gaps is sliced member by member (torch's indexing keeps the
- * GIL) rather than split, which would make a piece of every gap for the
- * caller to drop. Without it they are dropped as they are used. 0 or -1. */
-int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, PyObject *const *chunk_t,
-                  const Py_ssize_t *chunk_skip, PyObject **outputs, PyObject *keep);
+/* A storage group: consecutive segments of a plan that share a chunk, a dtype
+ * and host placement (MTC_LEAF_HOST). Their bytes [lo, hi) of the chunk get a
+ * tensor of that dtype of their own (mtc_out_group_empty), so that outputs of
+ * different dtypes never share a storage (torch.save and pickle refuse a
+ * storage viewed as two dtypes). The planner lays a chunk's segments out by
+ * dtype, so a chunk has one group per dtype (and per dtype of its host-placed
+ * leaves); a decoded layout that interleaves dtypes only makes more groups.
+ * lo is the first segment's offset, so every member's offset from its
+ * group's start is still a multiple of its alignment. */
+typedef struct mtc_group {
+    int32_t chunk;
+    uint16_t dtype;
+    uint8_t host;
+    int64_t lo, hi;        /* bytes [lo, hi) of the chunk: multiples of the element size */
+    uint32_t seg0, nsegs;  /* segments [seg0, seg0 + nsegs) of the plan */
+} mtc_group;
+
+/* The groups of plan p (segments in plan order, each after the last in its
+ * chunk) into a new PyMem array *out of *n (NULL and 0 for a plan without
+ * segments). 0, or -1 with MemoryError. */
+int mtc_out_groups(const mtc_tree *t, const mtc_plan *p, mtc_group **out, uint32_t *n);
+
+/* torch.empty(((hi - lo) / element size,), dtype=the group's, device=device[,
+ * pin_memory=True]): the group's tensor, whose storage its outputs share.
+ * New reference. */
+PyObject *mtc_out_group_empty(mtc_state *st, const mtc_group *g, PyObject *device, int pin);
+
+/* Creates the output tensors of every segment of plan p over the group
+ * tensors group_t[0..ngroups) (each of its group's dtype and hi - lo bytes, at
+ * offset 0 of its own storage; a leaf with MTC_LEAF_STRIDED, alone in its
+ * segment, gets its output strides, t->ostrides) and stores them (new
+ * references) in outputs[]. Through torch's C shim where it is on: one C
+ * call per output. Else per segment one as_strided view, cut into its members
+ * with one split_with_sizes or unbind, and each member made a tensor of its
+ * own for autograd (`.data`: no view record, a version counter of its own).
+ * A segment whose start is not a multiple of its element size (which the
+ * planner and the layout decoder never make) is a SystemError. With `keep`
+ * not NULL, the temporary tensors made on the way (segment views) are
+ * appended to it, so that none is dropped here (dropping a tensor releases
+ * the GIL), and a segment whose members leave gaps is sliced member by member
+ * (torch's indexing keeps the GIL) rather than split, which would make a
+ * piece of every gap for the caller to drop. Without it they are dropped as
+ * they are used. 0 or -1. */
+int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_group *groups, uint32_t ngroups,
+                  PyObject *const *group_t, PyObject **outputs, PyObject *keep);
+
+/* 0 when `ptr`, the data pointer of a tensor the engine is about to write
+ * `nbytes` into, can be written: not NULL unless nbytes is 0. Else -1 with
+ * RuntimeError: torch handed the engine a tensor without memory (a
+ * TorchDispatchMode such as FakeTensorMode made it), which is never written
+ * through. */
+int mtc_out_check_ptr(uintptr_t ptr, int64_t nbytes);
+
+/* 0 when no TorchDispatchMode or TorchFunctionMode (other than torch's
+ * default-device context) is active on this thread; with one, 0 when the
+ * mode hands out ordinary tensors with memory (a probe: torch.empty(1)
+ * under it), else -1 with RuntimeError naming the mode and what to do. The
+ * engine allocates its outputs with torch.empty and writes them from C: a
+ * mode that turns them into fake or meta tensors would have the engine write
+ * through no memory. */
+int mtc_out_check_modes(mtc_state *st);
 
 /* torch.device("cpu") for dev < 0, torch.device("cuda", dev) otherwise. New reference. */
 PyObject *mtc_out_device(mtc_state *st, int dev);

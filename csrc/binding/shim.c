@@ -209,15 +209,17 @@ static void _setup_empty(mtc_state *st, void *lib, PyObject *cfg)
     if (culib) st->shim_stream = (mtc_shim_stream_fn)dlsym(culib, "aoti_torch_get_current_cuda_stream");
 }
 
-int mtc_shim_empty(const mtc_state *st, int target, int64_t nbytes, void **out, uintptr_t *ptr)
+int mtc_shim_empty(const mtc_state *st, int target, int code, int64_t numel, void **out, uintptr_t *ptr)
 {
     if (!st->shim_empty) return -1;
+    int32_t dtype = code < 0 ? st->shim_uint8 : code < MTC_MAX_DTYPES ? st->shim_dtype[code] : -1;
+    if (dtype < 0) return -1;
     int64_t one = 1;
     void *h = NULL, *data = NULL;
-    if (st->shim_empty(1, &nbytes, &one, st->shim_uint8, target < 0 ? st->shim_dev_cpu : st->shim_dev_cuda,
+    if (st->shim_empty(1, &numel, &one, dtype, target < 0 ? st->shim_dev_cpu : st->shim_dev_cuda,
                        target < 0 ? 0 : target, &h) != 0 || !h)
         return -1;
-    if (st->shim_data_ptr(h, &data) != 0 || (!data && nbytes)) {
+    if (st->shim_data_ptr(h, &data) != 0 || (!data && numel)) {
         st->shim_delete(h);
         return -1;
     }
@@ -248,7 +250,6 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_cuda_ready = 0;
     st->shim_reinterpret = NULL;
     st->shim_delete = NULL;
-    st->shim_view_dtype = NULL;
     memset(&st->sr, 0, sizeof st->sr);
     memset(st->sr.to_code, -1, sizeof st->sr.to_code);
     Py_CLEAR(st->shim_handle_of);
@@ -281,13 +282,12 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_handle_of = Py_NewRef(handle_of);
     st->shim_steal = Py_NewRef(steal);
     st->shim_offered = 1;
-    /* typed views in C too where the shim has view_dtype: each dtype's code, asked of torch */
+    /* each dtype's code in the shim, asked of torch (the chunk allocator's
+     * dtypes: mtc_shim_empty) */
     mtc_shim_get_dtype_fn get_dtype = (mtc_shim_get_dtype_fn)dlsym(lib, "aoti_torch_get_dtype");
-    st->shim_view_dtype = (mtc_shim_view_dtype_fn)dlsym(lib, "aoti_torch_view_dtype");
     for (int c = 0; c < MTC_MAX_DTYPES; c++) st->shim_dtype[c] = -1;
     PyObject *samples = PyDict_GetItemString(cfg, "dlpack_samples");
-    if (get_dtype && st->shim_view_dtype && samples && PyList_Check(samples) &&
-        PyList_GET_SIZE(samples) == st->ndtypes) {
+    if (get_dtype && samples && PyList_Check(samples) && PyList_GET_SIZE(samples) == st->ndtypes) {
         for (int c = 0; c < st->ndtypes; c++) {
             void *h = mtc_shim_handle(st, PyList_GET_ITEM(samples, c));
             int32_t code;
@@ -295,8 +295,6 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
             if (get_dtype(h, &code) == 0) st->shim_dtype[c] = code;
             mtc_shim_release(st, h);
         }
-    } else {
-        st->shim_view_dtype = NULL;
     }
     if (samples && PyList_Check(samples) && _setup_reader(st, lib, cfg, samples)) return -1;
     if (_setup_wrap(st, cfg)) return -1;
@@ -326,17 +324,6 @@ int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *
     if (st->shim_reinterpret(base, ndim, sizes, strides, offset, &h) != 0 || !h) return -1;
     *out = h;
     return 0;
-}
-
-void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code)
-{
-    if (!st->shim_view_dtype || code < 0 || code >= MTC_MAX_DTYPES || st->shim_dtype[code] < 0) return NULL;
-    int64_t whole = nbytes - nbytes % st->elsize[code], one = 1;
-    void *bytes = NULL, *typed = NULL;
-    if (mtc_shim_view(st, base, 1, &whole, &one, 0, &bytes)) return NULL;
-    if (st->shim_view_dtype(bytes, st->shim_dtype[code], &typed) != 0) typed = NULL;
-    mtc_shim_release(st, bytes);
-    return typed;
 }
 
 void mtc_shim_release(const mtc_state *st, void *handle)

@@ -20,7 +20,7 @@
 
 /* cfg["shim"]: None, or (library path, torch._C._aoti.unsafe_alloc_void_ptr_from_tensor,
  * torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs); cfg["dlpack_samples"][code]: an
- * empty tensor of each of the engine's dtypes (their shim codes, for mtc_shim_typed). Needs
+ * empty tensor of each of the engine's dtypes (their shim codes, for mtc_shim_empty). Needs
  * st->ndtypes set. Sets st->shim_offered;
  * MTC_TORCH_SHIM=0 leaves it unused. A library that is not loaded already, or
  * lacks a symbol, offers nothing (no error). 0 or -1. */
@@ -41,20 +41,14 @@ void *mtc_shim_handle(mtc_state *st, PyObject *tensor);
 int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *sizes,
                   const int64_t *strides, int64_t offset, void **out);
 
-/* A new handle of the first whole elements of a 1-D uint8 tensor's `nbytes`
- * bytes (base: its handle) viewed as the engine's dtype `code`: the typed
- * view the output views of that dtype are made over. No GIL needed. NULL
- * when torch refuses, or this torch's shim has no view_dtype (then the
- * caller views the chunk from Python). */
-void *mtc_shim_typed(const mtc_state *st, void *base, int64_t nbytes, int code);
-
-/* A new 1-D uint8 tensor of `nbytes` bytes on CUDA device `target` (-1: the
- * CPU) from torch's allocator (for a CUDA device, the caching allocator, on
- * the calling thread's current stream there): its handle in *out, its data
- * in *ptr. No GIL needed (call it with the GIL released). 0, or -1 where the
- * shim does not offer it or torch refused (out of memory: torch.empty from
- * Python then raises torch's own error); nothing is set then. */
-int mtc_shim_empty(const mtc_state *st, int target, int64_t nbytes, void **out, uintptr_t *ptr);
+/* A new 1-D tensor of `numel` elements of the engine's dtype `code` (-1:
+ * uint8) on CUDA device `target` (-1: the CPU) from torch's allocator (for a
+ * CUDA device, the caching allocator, on the calling thread's current stream
+ * there): its handle in *out, its data in *ptr. No GIL needed (call it with
+ * the GIL released). 0, or -1 where the shim does not offer it (or does not
+ * know the dtype) or torch refused (out of memory: torch.empty from Python
+ * then raises torch's own error); nothing is set then. */
+int mtc_shim_empty(const mtc_state *st, int target, int code, int64_t numel, void **out, uintptr_t *ptr);
 
 /* 1 when mtc_shim_empty is offered and in use for `target` (a CUDA device
  * once its first chunk was made from Python: see state.h). */

@@ -21,7 +21,6 @@
 typedef int32_t (*mtc_shim_reinterpret_fn)(void *self, int64_t ndim, const int64_t *sizes, const int64_t *strides,
                                            int64_t offset_increment, void **ret);
 typedef int32_t (*mtc_shim_delete_fn)(void *handle);
-typedef int32_t (*mtc_shim_view_dtype_fn)(void *self, int32_t dtype, void **ret);
 typedef int32_t (*mtc_shim_get_dtype_fn)(void *self, int32_t *dtype);
 typedef int32_t (*mtc_shim_get_ptr_fn)(void *self, void **ret);
 typedef int32_t (*mtc_shim_get_i64p_fn)(void *self, int64_t **ret);
@@ -94,6 +93,10 @@ typedef struct mtc_state {
     PyTypeObject *arena_type;
     PyTypeObject *skeleton_type; /* skeleton.c: a packed batch's structure walked once */
     PyObject *pinned_empty;      /* (nbytes) -> pinned uint8 CPU tensor */
+    /* torch._C._len_torch_dispatch_stack / _len_torch_function_stack and
+     * mtc_loader._modes.refusal (outputs.h: mtc_out_check_modes), on first use;
+     * mode_refusal is None where this torch lacks them */
+    PyObject *len_dispatch, *len_function, *mode_refusal;
 
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
     PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
@@ -113,7 +116,7 @@ typedef struct mtc_state {
      * tracked as autograd views of the private chunk (~40% cheaper per view) */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
         *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
-        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve;
+        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve, *s_data;
     /* the gc module's isenabled, get_count, get_threshold and collect
      * (collector.h); NULL where the collector is not the generational one */
     PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
@@ -124,7 +127,6 @@ typedef struct mtc_state {
      * each, turned into Python tensors with one call per batch */
     mtc_shim_reinterpret_fn shim_reinterpret; /* aoti_torch__reinterpret_tensor, or NULL */
     mtc_shim_delete_fn shim_delete;           /* aoti_torch_delete_tensor_object */
-    mtc_shim_view_dtype_fn shim_view_dtype;   /* aoti_torch_view_dtype, or NULL (typed views from Python) */
     int32_t shim_dtype[MTC_MAX_DTYPES];       /* dtype code -> the shim's code of that dtype, -1 unknown */
     PyObject *shim_handle_of;    /* torch._C._aoti.unsafe_alloc_void_ptr_from_tensor */
     PyObject *shim_steal;        /* torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs */

@@ -503,18 +503,21 @@ int mtc_h2d_large(mtc_run *r, const mtc_op *ops, uint32_t nops)
 int mtc_h2d_region(mtc_run *r, const mtc_op *op)
 {
     mtc_job *j = r->job;
-    const mtc_item *it = &j->items[op->first];
+    const mtc_item *items = &j->items[op->first];
+    int32_t leaf0 = op->count ? items[0].leaf : -1;
     CUstream s = j->streams[op->dev];
     int rc = mtc_run_use_dev(r, op->dev);
-    if (!rc && it->nbytes) rc = _dma_h2d(r, it->dst, (const void *)it->src, (size_t)it->nbytes, s, it->leaf);
-    else if (rc) mtc_run_fail(r, rc, it->leaf, "selecting the device");
-    MTC_COUNT(items_copied, 1);
+    if (rc) mtc_run_fail(r, rc, leaf0, "selecting the device");
+    for (uint32_t k = 0; !rc && k < op->count; k++)
+        if (items[k].nbytes)
+            rc = _dma_h2d(r, items[k].dst, (const void *)items[k].src, (size_t)items[k].nbytes, s, items[k].leaf);
+    MTC_COUNT(items_copied, op->count);
     if (!rc && op->after) rc = mtc_cu_rc(mtc_cu.cuLaunchHostFunc(s, op->after, op->after_arg));
     if (rc && op->after) {
         /* not queued: once the stream drained nothing reads the region */
         mtc_cu.cuStreamSynchronize(s);
         op->after(op->after_arg);
-        mtc_run_fail(r, rc, it->leaf, "queueing the release of an arena region");
+        mtc_run_fail(r, rc, leaf0, "queueing the release of an arena region");
     }
     return rc;
 }

@@ -39,8 +39,8 @@ enum {
     MTC_OP_D2H_CHUNK,     /* items (device) -> host chunk at their dst offsets */
     MTC_OP_D2H,           /* one item, device -> host */
     MTC_OP_D2D,           /* one item, device -> another device */
-    MTC_OP_H2D_REGION,    /* one item from page-locked (registered) memory, DMA'd as is;
-                             `after(after_arg)` runs once the DMA completed */
+    MTC_OP_H2D_REGION,    /* items from page-locked (registered) memory, each DMA'd as is to
+                             its dst; `after(after_arg)` runs once the DMAs completed */
 };
 
 typedef struct mtc_item {

@@ -88,6 +88,12 @@ static uint8_t _action(const mtc_leaf *l, const mtc_plan_opts *o, uint8_t *needs
     return o->staging ? MTC_ACT_H2D_STAGED : MTC_ACT_H2D_DIRECT;
 }
 
+static int _u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* ---- grouping: open-addressing hash of (dtype, ndim, trailing dims) ---- */
 
 typedef struct _group {
@@ -311,7 +317,8 @@ int mtc_plan_build(mtc_plan *p, mtc_leaf *leaves, uint32_t n, const int64_t *sha
     uint32_t *gof = malloc(npack * sizeof *gof);        /* group of each packed leaf, in order */
     uint32_t *order = malloc(npack * sizeof *order);    /* packed leaf indices, by group */
     p->members = malloc(npack * sizeof *p->members);
-    if (!table || !groups || !gof || !order || !p->members) goto out;
+    uint64_t *sortkey = malloc(npack * sizeof *sortkey); /* groups in placement order */
+    if (!table || !groups || !gof || !order || !p->members || !sortkey) goto out;
     memset(table, 0xff, hcap * sizeof *table);
 
     uint32_t ngroups = 0, k = 0;
@@ -344,21 +351,29 @@ int mtc_plan_build(mtc_plan *p, mtc_leaf *leaves, uint32_t n, const int64_t *sha
         order[g->start + g->fill++] = i;
     }
 
+    /* Groups by dtype (in order of first appearance within one), so that a
+     * chunk's bytes of one dtype are one span: the binding layer gives each
+     * span a storage of its own (torch.save refuses a storage viewed as two
+     * dtypes). The key sorts host-placed groups after all the others: their
+     * bytes end the chunk. */
+    for (uint32_t g = 0; g < ngroups; g++) {
+        const mtc_leaf *pr = &leaves[groups[g].proto];
+        sortkey[g] = ((uint64_t)((pr->flags & MTC_LEAF_HOST) != 0) << 48) | ((uint64_t)pr->dtype << 32) | g;
+    }
+    qsort(sortkey, ngroups, sizeof *sortkey, _u64_cmp);
     _layout L = {.p = p, .leaves = leaves, .shape = shape, .o = o};
     if ((rc = _new_chunk(&L))) goto out;
-    /* host-placed groups after all the others: their bytes end the chunk */
-    for (int host = 0; host < 2; host++)
-        for (uint32_t g = 0; g < ngroups; g++) {
-            if (!(leaves[groups[g].proto].flags & MTC_LEAF_HOST) != !host) continue;
-            rc = _place_group(&L, &order[groups[g].start], groups[g].count, groups[g].uniform);
-            if (rc) goto out;
-        }
+    for (uint32_t k2 = 0; k2 < ngroups; k2++) {
+        const _group *g = &groups[(uint32_t)sortkey[k2]];
+        if ((rc = _place_group(&L, &order[g->start], g->count, g->uniform))) goto out;
+    }
     rc = 0;
 out:
     free(table);
     free(groups);
     free(gof);
     free(order);
+    free(sortkey);
     if (rc) mtc_plan_free(p);
     return rc;
 }

@@ -12,11 +12,15 @@
  * (members at a fixed slot stride: as_strided + unbind), any other group is a
  * SPLIT segment (the segment viewed as (rows, *trailing), cut with one
  * split_with_sizes; members start on rows whose byte offset is aligned, and
- * the rows between them are padding). Every member's byte offset from the
+ * the rows between them are padding). Groups are placed by dtype, so that a
+ * chunk's bytes of one dtype are one span (host-placed groups after all the
+ * others): the binding layer gives each span a storage of its own (outputs.h,
+ * storage groups). Every member's byte offset from the
  * chunk's base is a multiple of round_up(max(min alignment, element size),
  * element size), the reference implementation's rule. The binding layer puts
- * each chunk at offset 0 of its own storage, so that this is also the offset
- * a user observes (data_ptr() - untyped_storage().data_ptr()).
+ * each span's first segment at offset 0 of its own storage, so that a user
+ * observes (data_ptr() - untyped_storage().data_ptr()) an offset on that rule
+ * too.
  *
  * Names starting with `_` are internal to plan.c. Functions return 0 or a
  * negative errno.

@@ -30,6 +30,8 @@
  *     the job fails with the driver's code and the step, returns (no hang),
  *     the pieces issued before the failure arrived intact, every slab went
  *     back to the pool, and the next job succeeds;
+ *   - the region op of an unpack (MTC_OP_H2D_REGION): one DMA per item that
+ *     has bytes, its `after` once after all of them, also when one fails;
  *   - at the end, with the pool trimmed, no page-locked memory and no event is left.
  *   - small pinned caps (one default slab but not two; two rings at once
  *     under 5 MiB; 160 KiB): the pieces shrink so that every copy completes
@@ -685,6 +687,73 @@ static void test_failures(void)
     fail_case("windows: pin 3 fails", &win, FAKE_FAIL_HOST_ALLOC, 3, 1, E, "allocating pinned staging memory", -1, 1);
 }
 
+/* The region op of a packed batch's unpack (MTC_OP_H2D_REGION): one DMA per
+ * item (a storage group of the region, each to its own device buffer), then
+ * the op's `after` once, after every DMA ran; a failed DMA still calls
+ * `after` once (after the stream drained), names the item's leaf, and the
+ * items after it are not copied. */
+static _Atomic int g_after_calls;
+static uint8_t **g_after_dev;
+static _Atomic int g_after_saw_bytes;
+
+static void region_after(void *arg)
+{
+    const src_spec *s = arg;
+    /* every DMA queued before on the stream has run: the last item's bytes are there */
+    int ok = s[2].n == 0 || memcmp(g_after_dev[2], g_src + s[2].off, s[2].n) == 0;
+    atomic_store(&g_after_saw_bytes, ok);
+    atomic_fetch_add(&g_after_calls, 1);
+}
+
+static void test_region_items(void)
+{
+    static const src_spec S[] = {{3, 40000}, {40003, 0}, {40003, 123457}};
+    snprintf(g_case, sizeof g_case, "region op of three items");
+    apply(&(cfg){.delay_min_us = 100, .delay_max_us = 300});
+    for (int fail_at = -1; fail_at < 2; fail_at++) {
+        uint8_t **dev = dev_alloc(S, 3);
+        dev_fill(S, 3, dev);
+        g_after_dev = dev;
+        atomic_store(&g_after_calls, 0);
+        atomic_store(&g_after_saw_bytes, 0);
+        mtc_job *j = mtc_job_new(1, 3);
+        CHECK(j != NULL);
+        j->target = 0;
+        j->staging = 0;
+        j->dev_mask = 1;
+        j->streams[0] = g_stream;
+        for (int k = 0; k < 3; k++)
+            j->items[k] = (mtc_item){.src = (uintptr_t)(g_src + S[k].off), .dst = (uintptr_t)dev[k],
+                                     .nbytes = (int64_t)S[k].n, .dev = -1, .leaf = k};
+        j->ops[0] = (mtc_op){.kind = MTC_OP_H2D_REGION, .dev = 0, .first = 0, .count = 3,
+                             .after = region_after, .after_arg = (void *)S};
+        j->nops = 1;
+        j->nitems = 3;
+        fake_cuda_stats f0, f1;
+        fk->get_stats(&f0);
+        /* the empty item issues no DMA: DMA 1 is the third item's */
+        if (fail_at >= 0) fk->fail(FAKE_FAIL_HTOD, (unsigned)fail_at, 1, 999);
+        mtc_job_run(j);
+        CHECK_EQ(mtc_job_wait(j, WAIT_NS), 0);
+        sync_stream(g_stream);
+        fk->clear_failures();
+        fk->get_stats(&f1);
+        CHECK_EQ(atomic_load(&g_after_calls), 1);
+        if (fail_at < 0) {
+            CHECK_EQ(j->err, 0);
+            CHECK_EQ(f1.htod_calls - f0.htod_calls, 2);
+            CHECK_EQ(atomic_load(&g_after_saw_bytes), 1);
+            for (int k = 0; k < 3; k++) check_bytes(S, k, dev, 0, S[k].n);
+        } else {
+            CHECK(j->err != 0);
+            CHECK_EQ(j->err_leaf, fail_at == 0 ? 0 : 2);
+            if (fail_at == 1) check_bytes(S, 0, dev, 0, S[0].n);
+        }
+        mtc_job_release(j);
+        dev_free(dev, 3);
+    }
+}
+
 /* A small pinned cap: the pieces shrink until two fit in a quarter of it, so
  * the copy completes with its bytes (want_err 0) instead of waiting forever
  * for room that only its own slabs take; or it fails at once with want_err. */
@@ -773,6 +842,7 @@ int main(void)
     test_back_to_back("back to back, windows, slow DMA",
                       &(cfg){.ring = "0", .piece = "65536", .delay_min_us = 500, .delay_max_us = 1500});
     test_failures();
+    test_region_items();
     test_small_cap("ring default, cap of 3 MiB", &(cfg){.delay_max_us = 20}, 3 * MIB, 0);
     test_small_cap("ring default, cap of 160 KiB", &(cfg){.delay_max_us = 20}, 160 << 10, 0);
     test_small_cap("windows, cap of 1.5 MiB", &(cfg){.ring = "0", .delay_max_us = 20}, 3 * MIB / 2, 0);
