@@ -1,0 +1,62 @@
+#!/bin/bash
+# This tree against another build, in pairs of processes on one machine (GPU), the pair's order
+# rotating (new old, old new, ...) so that a machine whose speed drifts favours neither build:
+# per arm, bench_train's launch-bound loops (launch4: the multi-camera loop under bf16 autocast,
+# launch) and its GPU-bound loop (gpu), ideal against PackedCollate + PrefetchLoader; the
+# reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(), and its
+# latency distribution); the GIL the prefetch service holds per batch (gil_held.py). Every arm
+# runs this tree's benchmarks and diagnostics with its own build's package on PYTHONPATH.
+# One line per pair, arm and figure in OUTDIR/ab.log; each process's full output beside it.
+# Usage: tools/diagnostics/ab_pairs_gpu.sh OLD FIRST LAST OUTDIR [DEADLINE_S]
+#   pairs FIRST..LAST (several calls can share the rotation); a pair that would start after
+#   DEADLINE_S seconds (default 540) is not started.
+set -u
+old=$(cd "${1:?the tree to compare with}" && pwd); first=${2:-1}; last=${3:-5}; out=${4:-/tmp/ab_pairs}
+deadline=${5:-540}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+(cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+TRAIN="bench/bench_train.py --config launch4 launch gpu --methods ideal packed --rounds 2 --batches 60"
+REF="bench/bench_reference.py --runs 3 --iters 1000 --warmup 100 --calls 1000 --baseline-calls 200 --only seed16"
+GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 150 --rounds 2 --workers 4"
+summary() {  # ARM PAIR DIR: the figures of one arm
+  python3 - "$@" <<'EOF'
+import json, sys
+arm, pair, d = sys.argv[1:4]
+try:
+    r = json.load(open(f"{d}/train/bench_train.json"))["results"]
+    for c in ("launch4", "launch", "gpu"):
+        p = r[c]["packed"]
+        print(f"pair {pair} {arm} train {c}: {100 * p['fraction_of_ideal']:.1f}% "
+              f"steady={100 * p['steady_fraction_of_ideal']:.1f}% next_steady_ms={p['next_steady_ms']:.3f} "
+              f"service_cpu_ms={p['prefetch_stats']['service_cpu_ms_per_batch']:.3f}")
+except Exception as e:
+    print(f"pair {pair} {arm} train: {e!r}")
+try:
+    r = json.load(open(f"{d}/ref/bench_reference.json"))
+    for m, v in r["harness"]["seed16_h2d"].items():
+        print(f"pair {pair} {arm} harness seed16 {m}: {v['mean_ms']:.3f} ms "
+              f"{v['speedup_vs_to_hardcoded']:.2f}x to_hardcoded")
+    for k, v in r["distribution"].items():
+        if k.endswith("_mtc"):
+            print(f"pair {pair} {arm} latency {k}: mean {v['mean_ms']:.3f} p50 {v['p50_ms']:.3f} "
+                  f"p99 {v['p99_ms']:.3f} max {v['max_ms']:.3f} ms")
+except Exception as e:
+    print(f"pair {pair} {arm} ref: {e!r}")
+EOF
+}
+t0=$SECONDS
+for i in $(seq "$first" "$last"); do
+  [ $((SECONDS - t0)) -gt "$deadline" ] && { echo "pair $i: not started (deadline)" | tee -a "$out/ab.log"; break; }
+  if [ $((i % 2)) = 1 ]; then order="new old"; else order="old new"; fi
+  for a in $order; do
+    root=$PWD; [ "$a" = old ] && root=$old
+    d="$out/$a$i"; mkdir -p "$d"
+    PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
+    PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
+    PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
+    { summary "$a" "$i" "$d"; grep -E "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
+    } | tee -a "$out/ab.log"
+    echo "pair $i $a: done at $((SECONDS - t0)) s" | tee -a "$out/ab.log"
+  done
+done
