@@ -2,7 +2,8 @@
 # This tree against another build, in pairs of processes on one machine (GPU), the pair's order
 # rotating (new old, old new, ...) so that a machine whose speed drifts favours neither build:
 # per arm, bench_train's launch-bound loops (launch4: the multi-camera loop under bf16 autocast,
-# launch) and its GPU-bound loop (gpu), ideal against PackedCollate + PrefetchLoader; the
+# launch), ideal against PackedCollate + PrefetchLoader, and in pair FIRST its GPU-bound loop
+# (gpu) too; the
 # reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(), and its
 # latency distribution); the GIL the prefetch service holds per batch (gil_held.py). Every arm
 # runs this tree's benchmarks and diagnostics with its own build's package on PYTHONPATH.
@@ -16,16 +17,21 @@ deadline=${5:-540}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-TRAIN="bench/bench_train.py --config launch4 launch gpu --methods ideal packed --rounds 2 --batches 60"
-REF="bench/bench_reference.py --runs 3 --iters 1000 --warmup 100 --calls 1000 --baseline-calls 200 --only seed16"
-GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 150 --rounds 2 --workers 4"
+TRAIN="bench/bench_train.py --config launch4 launch --methods ideal packed --rounds 2 --batches 60"
+GPU="bench/bench_train.py --config gpu --methods ideal packed --rounds 1 --batches 30"
+REF="bench/bench_reference.py --runs 2 --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
+GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 100 --rounds 2 --workers 4"
 summary() {  # ARM PAIR DIR: the figures of one arm
   python3 - "$@" <<'EOF'
 import json, sys
 arm, pair, d = sys.argv[1:4]
 try:
     r = json.load(open(f"{d}/train/bench_train.json"))["results"]
-    for c in ("launch4", "launch", "gpu"):
+    try:
+        r.update(json.load(open(f"{d}/gpu/bench_train.json"))["results"])
+    except OSError:
+        pass
+    for c in [c for c in ("launch4", "launch", "gpu") if c in r]:
         p = r[c]["packed"]
         print(f"pair {pair} {arm} train {c}: {100 * p['fraction_of_ideal']:.1f}% "
               f"steady={100 * p['steady_fraction_of_ideal']:.1f}% next_steady_ms={p['next_steady_ms']:.3f} "
@@ -53,6 +59,7 @@ for i in $(seq "$first" "$last"); do
     root=$PWD; [ "$a" = old ] && root=$old
     d="$out/$a$i"; mkdir -p "$d"
     PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
+    [ "$i" = "$first" ] && PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
     PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
     { summary "$a" "$i" "$d"; grep -E "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
