@@ -284,7 +284,7 @@ def test_cuda_leaf_under_on_host_is_refused_by_name():
 
 @requires_cuda
 @pytest.mark.cuda
-def test_cuda_device_leaves_share_one_chunk_host_leaves_another():
+def test_cuda_device_leaves_share_their_dtypes_tensor_host_leaves_another():
     pc = PackedCollate(list, arena_bytes=ARENA)
     batch = [make_sample(3)]
     pb = pc(batch)
@@ -292,9 +292,10 @@ def test_cuda_device_leaves_share_one_chunk_host_leaves_another():
     assert pb.to("cuda:0") is out
     torch.cuda.synchronize()
     check(out, batch, "cuda:0", arena_ranges())
-    dev = {out[0]["img"].untyped_storage().data_ptr(), out[0]["img_cl"].untyped_storage().data_ptr(),
-           out[0]["arr"].untyped_storage().data_ptr()}
-    assert len(dev) == 1  # one DMA into one chunk
+    f32 = {out[0]["img"].untyped_storage().data_ptr(), out[0]["img_cl"].untyped_storage().data_ptr()}
+    assert len(f32) == 1  # one tensor per dtype of the chunk: the float32 leaves share it
+    dev = f32 | {out[0]["arr"].untyped_storage().data_ptr()}
+    assert len(dev) == 2 and all(o.is_cuda for o in (out[0]["img"], out[0]["img_cl"], out[0]["arr"]))
     host = out[0]["cl"]
     assert host.device.type == "cpu" and host.is_contiguous(memory_format=torch.channels_last)
     assert out[0]["gt"][0].untyped_storage().data_ptr() not in dev
