@@ -95,3 +95,14 @@ def test_design_doc_draws_the_layers_the_tool_finds() -> None:
         if parts and parts[0].isdigit():
             drawn[int(parts[0])] = {p for p in parts[1:] if p.endswith(".c")}
     assert drawn == found, (drawn, found)
+
+
+def test_every_python_package_is_in_the_distribution() -> None:
+    """setup.cfg's ``packages`` names each folder of mtc_loader/ that holds an ``__init__.py``: a
+    subpackage left out installs from a checkout (editable) but is missing from the wheel."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = {p.strip() for p in cfg["options"]["packages"].replace("\n", ",").split(",") if p.strip()}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mtc_loader").rglob("__init__.py")}
+    assert found <= listed, f"setup.cfg's packages lacks {sorted(found - listed)}"

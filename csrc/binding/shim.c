@@ -8,6 +8,34 @@
 
 #include "env.h"
 
+/* 1 when the reader's getters read `sample`'s sizes, strides and data
+ * pointer as Python reads them, 0 when not, -1 with an exception. */
+static int _reader_reads_sample(const mtc_shim_reader *r, PyObject *sample)
+{
+    void *inside = (char *)sample + r->cdata;
+    int64_t dim, *sizes, *strides;
+    void *data;
+    int ok = r->dim(inside, &dim) == 0 && r->sizes(inside, &sizes) == 0 && r->strides(inside, &strides) == 0 &&
+             r->data_ptr(inside, &data) == 0;
+    PyObject *shape = ok ? PyObject_GetAttrString(sample, "shape") : NULL;
+    PyObject *stride = shape ? PyObject_CallMethod(sample, "stride", NULL) : NULL;
+    PyObject *ptr = stride ? PyObject_CallMethod(sample, "data_ptr", NULL) : NULL;
+    if (ok && !ptr) {
+        Py_XDECREF(shape);
+        Py_XDECREF(stride);
+        return -1;
+    }
+    ok = ok && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == dim && PyTuple_Check(stride) &&
+         PyTuple_GET_SIZE(stride) == dim && PyLong_AsVoidPtr(ptr) == data;
+    for (int64_t d = 0; ok && d < dim; d++)
+        ok = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == sizes[d] &&
+             PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d)) == strides[d];
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(ptr);
+    return PyErr_Occurred() ? -1 : ok;
+}
+
 /* The leaf reader (state.h's mtc_shim_reader): offered only where this torch
  * passes every check below on sample tensors, so that a torch whose layout
  * differs reads its leaves the DLPack or attribute way instead.
@@ -88,30 +116,7 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
         }
     }
     /* the sample's sizes, strides and data pointer as Python reads them */
-    if (ok) {
-        void *inside = (char *)sample + r->cdata;
-        int64_t dim, *sizes, *strides;
-        void *data;
-        ok = r->dim(inside, &dim) == 0 && r->sizes(inside, &sizes) == 0 && r->strides(inside, &strides) == 0 &&
-             r->data_ptr(inside, &data) == 0;
-        PyObject *shape = ok ? PyObject_GetAttrString(sample, "shape") : NULL;
-        PyObject *stride = shape ? PyObject_CallMethod(sample, "stride", NULL) : NULL;
-        PyObject *ptr = stride ? PyObject_CallMethod(sample, "data_ptr", NULL) : NULL;
-        if (ok && !ptr) {
-            Py_XDECREF(shape);
-            Py_XDECREF(stride);
-            return -1;
-        }
-        ok = ok && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == dim && PyTuple_Check(stride) &&
-             PyTuple_GET_SIZE(stride) == dim && PyLong_AsVoidPtr(ptr) == data;
-        for (int64_t d = 0; ok && d < dim; d++)
-            ok = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == sizes[d] &&
-                 PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d)) == strides[d];
-        Py_XDECREF(shape);
-        Py_XDECREF(stride);
-        Py_XDECREF(ptr);
-        if (PyErr_Occurred()) return -1;
-    }
+    if (ok && (ok = _reader_reads_sample(r, sample)) < 0) return -1;
     /* the lazy bits: plain, negative view, conjugate view */
     if (ok && r->is_neg) {
         const void *plain = (char *)PyTuple_GET_ITEM(bits, 0) + r->cdata;
