@@ -85,7 +85,8 @@ def routes() -> dict[str, Any]:
     def not_offered(python_why: Optional[str], c_why: Optional[str], lib: Optional[str]) -> str:
         if python_why is not None:
             return python_why
-        return f"{c_why} ({lib})" if lib else str(c_why)
+        why = c_why or "this torch's tensors failed the check on sample tensors at import"
+        return f"{why} ({lib})" if lib else why
 
     lib = _SHIM[0] if _SHIM is not None else None
     shim = None if on else turned_off("_use_shim") if offered else not_offered(_SHIM_WHY, parts["shim_why"], lib)
@@ -102,7 +103,7 @@ def routes() -> dict[str, Any]:
     elif not offered:
         reader = f"this torch's shim is not used: {shim}"
     else:
-        reader = f"{parts['reader_why']} ({lib})"
+        reader = not_offered(None, parts["reader_why"], lib)
     dlpack = (None if parts["dlpack_on"] else "mtc_loader._engine._use_dlpack(False) turned it off"
               if parts["dlpack"] else parts["dlpack_why"])
     return {"maker": "shim" if on else "split", "reason": shim, "wrap": bool(on and parts["wrap_on"]),

@@ -37,9 +37,8 @@ def plain_import():
 
 @pytest.mark.parametrize("how", sorted(_UNDER))
 def test_import_under_a_default_device_or_mode_builds_the_same_tables(plain_import, how):
-    """Under a meta default device or a FakeTensorMode the dtype table used to be whatever
-    probing on meta found (41 entries: int1..7 among them), and the shim and DLPack readers
-    were off for the whole process."""
+    """Under a meta default device or a FakeTensorMode the import builds the same dtype table
+    (no int1..7 probed on meta) and turns on the same readers as a plain import."""
     under = run_child(_UNDER[how] + _REPORT)
     assert under["dtypes"] == plain_import["dtypes"]
     assert under["table"] == plain_import["table"]
@@ -88,8 +87,8 @@ print(json.dumps({"batches": out, "stats": mtc_loader.stats(), "reader": mtc_loa
 
 
 def test_spawn_workers_round_trip_small_integer_dtypes_when_the_main_process_imported_under_meta():
-    """uint8 came back as int6 and int8 as int3 (the main process's codes were meta's probe's),
-    and int16 / int64 leaves failed as a forged descriptor."""
+    """uint8, int8, int16 and int64 leaves come back as themselves through spawn workers when the
+    main process imported under meta: a dtype's code means the same dtype in every process."""
     got = run_child(_ROUND_TRIP)
     want = [torch.uint8, torch.int8, torch.int16, torch.int64, torch.float32]
     assert len(got["batches"]) == 2
@@ -207,8 +206,8 @@ print(json.dumps({"info": _engine._shim_info(), "routes": mtc_loader.output_make
 
 @pytest.mark.skipif(not _engine._shim_info()[0], reason="this torch has no AOTInductor C shim")
 def test_shim_is_found_through_the_loaded_libraries_when_torch_lib_has_none():
-    """The shim was looked for only as torch/lib/libtorch_cpu.so, and was silently off
-    elsewhere."""
+    """The shim is found through the process's loaded libraries wherever torch keeps them (not
+    only as torch/lib/libtorch_cpu.so)."""
     got = run_child(_ELSEWHERE)
     assert got["info"] == [True, True]
     assert got["routes"]["maker"] == "shim" and got["routes"]["reasons"]["shim"] is None

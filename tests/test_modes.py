@@ -1,6 +1,6 @@
 """torch's modes around a copy. The engine allocates its outputs with ``torch.empty`` and writes
 them from C: under a ``TorchDispatchMode`` that fakes them (``FakeTensorMode``) it must raise a
-clear error, never write through the fake tensor's null data pointer (which killed the
+clear error, never write through the fake tensor's null data pointer (which would kill the
 interpreter), and a packed batch is still consumed (its arena region freed). A mode that hands
 out ordinary tensors (a flop counter, a logging mode) is copied under as before. Each case runs
 in a fresh interpreter, where a crash fails the test instead of killing pytest.

@@ -90,8 +90,8 @@ def test_unpack_cpu_saves_loads_and_pickles(shim):
 
 @pytest.mark.parametrize("shim", MAKERS)
 def test_outputs_of_one_dtype_may_share_a_storage(shim):
-    """Saving works because of the dtype split, not because nothing is shared any more: the
-    float32 leaves of one chunk still share one storage (one allocation per dtype)."""
+    """Saving works because of the dtype split, not because nothing is shared: the float32 leaves
+    of one chunk share one storage (one allocation per dtype)."""
     pc = mtc_loader.PackedCollate(list, arena_bytes=4 << 20)
     with maker(shim):
         out = pc(mixed()).unpack("cpu")

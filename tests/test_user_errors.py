@@ -608,7 +608,7 @@ def test_a_dtensor_says_full_tensor_or_to_local():
 
 
 def test_a_lazy_view_of_freed_storage_is_refused_before_it_is_resolved():
-    """Resolving a conj/neg view reads its storage: over a freed one, that crashed the process
+    """Resolving a conj/neg view reads its storage: over a freed one it would read freed memory
     (run in a child, so that a crash fails this test only)."""
     from conftest import run_child
     got = run_child("""

@@ -1,6 +1,6 @@
 /*
  * arenaobj.h - the _engine.Arena type over a shared memfd arena (arena.c),
- * used by pack and unpack (collate.c) and created by module.c. GIL held;
+ * used by pack (collate.c) and unpack (unpack.c) and created by module.c. GIL held;
  * functions return a new reference, or NULL with an exception set, unless
  * said otherwise.
  */

@@ -4,7 +4,7 @@
  * keep alive until the job completes, and the result (or the error every
  * get() raises).
  *
- * Created by the start_copy pipeline (copy.c) and by unpack (collate.c);
+ * Created by the start_copy pipeline (copy.c) and by unpack (unpack.c);
  * get() waits for the job with the GIL released, in slices so that Ctrl-C
  * interrupts the wait. GIL held in every function here.
  */

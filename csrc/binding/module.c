@@ -3,8 +3,8 @@
  * calls into it. Its state (state.h), method table and multi-phase init, _setup() (the torch objects and Python helpers the engine
  * uses), stats(), configure/trim/shutdown. The work lives elsewhere, one file
  * per stage (docs/design.md, "Where to find what"): copy.c (start_copy),
- * handle.c (get/ready), outputs.c (torch outputs and views), collate.c (the
- * packed-batch side).
+ * handle.c (get/ready), outputs.c (torch outputs and views), collate.c and
+ * unpack.c (the packed-batch side).
  */
 #include "state.h"
 

@@ -166,11 +166,12 @@ typedef struct mtc_counters {
      * (layout decode, the DMA or memcpy set-up, views, skeleton and rebuild) */
     uint64_t unpacks, ns_unpack_decode, ns_unpack_copy, ns_unpack_views, ns_unpack_rebuild;
     uint64_t shim_views;         /* output views made through torch's C shim (shim.h) */
-    /* a packed batch's chunks (collate.c): from torch's allocator through the shim with the
-     * GIL released, or with torch.empty from Python (no shim, or a device's first chunk) */
+    /* the tensors a packed batch lands in, one per dtype of its chunk (unpack.c): from torch's
+     * allocator through the shim with the GIL released, or with torch.empty from Python (no
+     * shim, or a device's first batch) */
     uint64_t unpack_chunks_shim, unpack_chunks_python;
-    /* ... of which the CUDA chunks whose DMA was issued in the same GIL-free window as their
-     * allocation (collate.c's _unpack_dma) */
+    /* the CUDA batches whose DMA was issued in the same GIL-free window as their tensors'
+     * allocation (unpack.c's _unpack_via_shim) */
     uint64_t unpack_dma_in_alloc_window;
     /* the prefetch service's batches (CUDA targets) finished by Handle.finish (the wait, the
      * copy stream's event recorded in C) and handed out by _engine.hand_out (the current stream

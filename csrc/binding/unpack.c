@@ -174,20 +174,26 @@ static int _unpack_via_shim(mtc_state *st, mtc_handle *h, mtc_job *job, const ui
         h->job = job;
         mtc_cnt.unpack_dma_in_alloc_window++;
     }
-    int rc = 0;
-    for (uint32_t g = 0; g < ngroups; g++) {
-        /* mtc_shim_wrap takes the handle over, also when it fails */
-        if (!rc && !(group_t[g] = mtc_shim_wrap(st, th[g]))) rc = -1;
-        else if (rc) mtc_shim_release(st, th[g]);
+    uint32_t g = 0;
+    for (; g < ngroups; g++) {
+        /* torch's wrapper moves from the handle; it is released only after
+         * that (mtc_shim_wrap's order), here after the wait below where the
+         * wrapper failed */
+        if (!(group_t[g] = st->shim_wrap(th[g]))) break;
+        mtc_shim_release(st, th[g]);
     }
-    if (rc && job) {
-        /* a tensor went back to the caching allocator's pool of the stream
-         * the DMA is issued on: wait, GIL held (no Python caller allocates
-         * from that pool meanwhile), until the DMA is issued, so that
-         * whoever reuses the memory there is ordered after it */
+    if (g == ngroups) return 0;
+    if (job) {
+        /* the handles left go back to the caching allocator's pool of the
+         * stream the DMA is issued on: first wait (GIL released) until the
+         * DMA is issued, so that whoever reuses that memory there is
+         * ordered after it */
+        Py_BEGIN_ALLOW_THREADS
         mtc_job_wait(job, -1);
+        Py_END_ALLOW_THREADS
     }
-    return rc;
+    for (; g < ngroups; g++) mtc_shim_release(st, th[g]);
+    return -1;
 }
 
 /* The tensors that receive the region (outputs.h's storage groups: one per
@@ -428,8 +434,10 @@ PyObject *mtc_collate_unpack(PyObject *module, PyObject *const *args, Py_ssize_t
 
 error:
     if (region_owned) mtc_arena_free(a, off, owner);
+    /* the handle first: its dealloc waits (GIL released) for a job already
+     * issued, before the groups' tensors can go back to torch's pool */
+    Py_XDECREF(h);
     _unpack_release(groups, ngroups, group_t);
     mtc_layout_free(&L);
-    Py_XDECREF(h);
     return NULL;
 }

@@ -514,9 +514,10 @@ int mtc_h2d_region(mtc_run *r, const mtc_op *op)
     MTC_COUNT(items_copied, op->count);
     if (!rc && op->after) rc = mtc_cu_rc(mtc_cu.cuLaunchHostFunc(s, op->after, op->after_arg));
     if (rc && op->after) {
-        /* not queued: once the stream drained nothing reads the region */
-        mtc_cu.cuStreamSynchronize(s);
-        op->after(op->after_arg);
+        /* not queued: once the stream drained nothing reads the region; a
+         * stream that cannot be drained may still read it, so the region is
+         * then kept (in use until the arena goes) rather than reused */
+        if (mtc_cu_rc(mtc_cu.cuStreamSynchronize(s)) == 0) op->after(op->after_arg);
         mtc_run_fail(r, rc, leaf0, "queueing the release of an arena region");
     }
     return rc;

@@ -145,9 +145,9 @@ class _Service:
         it = take = None
         # the copies this thread starts keep their temporary views for the hand-out to drop
         # (SideCopy._keep; a copy started on any other thread drops them as it goes). They
-        # keep the early collection and the staging of small jobs on this thread: a service
-        # thread that skipped both measured no faster in the launch-bound training benchmark
-        # (docs/profiler.md), and without the early collection its batches met full collections
+        # keep the early collection and the staging of small jobs on this thread: skipping both
+        # does not make the launch-bound training benchmark faster (docs/profiler.md), and
+        # without the early collection the batches meet full collections
         _engine.keep_temporaries(True)
         try:
             self._wait_for_previous()

@@ -131,7 +131,7 @@ class SideCopy:
                 _PYTHON_WAYS["side_finish_python"] += 1
         if index >= 0 and consumer is not None:
             # Tensor.record_stream has no entry in torch's C shim: it stays a Python call, one per
-            # buffer (the batch's device chunk, not each output)
+            # buffer (one tensor per dtype of the batch's chunk, not each output)
             for buf in self._buffers:
                 buf.record_stream(consumer)
             self._recorded = int(consumer.cuda_stream)
