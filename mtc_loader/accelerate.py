@@ -2,7 +2,7 @@
 
 Packed batches need no integration: with ``DataLoader(..., collate_fn=mtc_loader.PackedCollate())``
 the loader that ``accelerator.prepare`` returns moves each batch with ``send_to_device``, which
-calls :meth:`~mtc_loader.PackedBatch.to` (one DMA from the arena). :func:`prefetch` adds the
+calls :meth:`~mtc_loader.PackedBatch.to` (one DMA per dtype from the arena). :func:`prefetch` adds the
 prefetch service, so that batch k+1 is copied (on the device's copy stream) while step k trains::
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

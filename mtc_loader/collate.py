@@ -284,7 +284,7 @@ class PackedBatch:
     def start_copy(self, device: Any, *, use_background_thread: bool = True, use_pinned_staging: bool = True,
                    pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
                    max_packed_chunk_bytes: int = 33554432) -> AsyncCopyHandle:
-        """Start the copy of the batch to ``device``: one DMA from the arena for a CUDA target (no
+        """Start the copy of the batch to ``device``: one DMA per dtype from the arena for a CUDA target (no
         host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle.
 
         Takes :func:`~mtc_loader.start_copy`'s keywords; only ``use_background_thread`` applies
@@ -312,7 +312,7 @@ class PackedBatch:
         (``send_to_device``) call on any batch object that has a ``to`` method, so that a
         ``PackedCollate`` batch moves inside their loops with no other change.
 
-        The first call unpacks the batch (:meth:`unpack`: one DMA from the page-locked arena
+        The first call unpacks the batch (:meth:`unpack`: one DMA per dtype from the page-locked arena
         for a CUDA device, no host copy). The batch remembers the result: a second ``to`` with
         the same device returns the same structure (a framework that moves a batch twice costs
         nothing), and one with another device copies that structure there with

@@ -2,7 +2,7 @@
 
 Packed batches need no integration: with ``DataLoader(..., collate_fn=mtc_loader.PackedCollate())``
 Lightning's device placement calls :meth:`~mtc_loader.PackedBatch.to`, which unpacks the batch
-with one DMA from the arena. :class:`PrefetchCallback` adds the prefetch service, so that batch
+with one DMA per dtype from the arena. :class:`PrefetchCallback` adds the prefetch service, so that batch
 k+1 is copied (on the device's copy stream) while step k trains::
 
     trainer = L.Trainer(callbacks=[mtc_loader.lightning.PrefetchCallback()])
@@ -44,7 +44,7 @@ class PrefetchCallback(Callback):
     and ``on_after_batch_transfer`` run as usual; ``on_before_batch_transfer`` receives the
     prefetched batch (an object whose ``batch`` attribute is the structure on the device).
 
-    Works with packed batches (:class:`~mtc_loader.PackedCollate`: one DMA from the arena) and
+    Works with packed batches (:class:`~mtc_loader.PackedCollate`: one DMA per dtype from the arena) and
     with plain ones (copied by :func:`~mtc_loader.start_copy`). :meth:`stats` gives the
     training loader's :meth:`~mtc_loader.PrefetchLoader.stats`.
 

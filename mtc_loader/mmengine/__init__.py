@@ -1,4 +1,4 @@
-"""OpenMMLab's mmengine: data samples packed, one DMA per batch, and the prefetch service, with a
+"""OpenMMLab's mmengine: data samples packed, one DMA per dtype of a batch, and the prefetch service, with a
 config change.
 
 Importing this module (it needs ``mmengine``; ``import mtc_loader`` never imports it):
@@ -13,7 +13,7 @@ Importing this module (it needs ``mmengine``; ``import mtc_loader`` never import
   (:class:`~mtc_loader.PackedCollate`);
 - registers :class:`MTCDataPreprocessor` in ``MODELS``: wraps the model's data preprocessor (any
   ``BaseDataPreprocessor``, e.g. mmdet3d's ``Det3DDataPreprocessor``); a packed batch is moved
-  with one DMA before the wrapped preprocessor runs, whose own ``cast_data`` then has nothing
+  with one DMA per dtype before the wrapped preprocessor runs, whose own ``cast_data`` then has nothing
   left to do;
 - registers :class:`MTCEpochBasedTrainLoop` and :class:`MTCIterBasedTrainLoop` in ``LOOPS``:
   mmengine's loops with the batches prefetched by :class:`~mtc_loader.PrefetchLoader` (batch k+1

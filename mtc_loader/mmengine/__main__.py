@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python3 -m mtc_loader.mmengine",
-        description="Train an OpenMMLab config with mtc_loader's switch (packed batches, one DMA each, "
+        description="Train an OpenMMLab config with mtc_loader's switch (packed batches, one DMA per dtype each, "
                     "prefetched), the config file left as it is.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(

@@ -60,7 +60,7 @@ class _Prefetching:
 
 def _unpacked(data_batch: Any, runner: Any) -> Any:
     """What hooks, the model and evaluators receive for a batch of the loader: a
-    :class:`~mtc_loader.PackedBatch` unpacked on the model's device (one DMA) and marked for
+    :class:`~mtc_loader.PackedBatch` unpacked on the model's device (one DMA per dtype) and marked for
     :class:`MTCDataPreprocessor` as moved; any other batch as it is."""
     if not isinstance(data_batch, PackedBatch):
         return data_batch
@@ -128,7 +128,7 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
     """mmengine's ``EpochBasedTrainLoop`` with the batches prefetched on the model's device by
     :class:`~mtc_loader.PrefetchLoader` (batch k+1 copied on the copy stream while step k
     trains). Hooks and the model receive each batch on the device. Works with packed batches
-    (``mtc_packed_collate``: one DMA each) and with plain ones.
+    (``mtc_packed_collate``: one DMA per dtype each) and with plain ones.
 
     Resuming: over a stateful DataLoader (torchdata's ``StatefulDataLoader``, passed to the
     Runner as ``train_dataloader=StatefulDataLoader(...)``), every checkpoint holds the position
@@ -287,7 +287,7 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
 @LOOPS.register_module()
 class MTCValLoop(ValLoop):  # type: ignore[misc]
     """mmengine's ``ValLoop`` for a loader whose batches are packed (``mtc_packed_collate``):
-    each :class:`~mtc_loader.PackedBatch` is unpacked on the model's device (one DMA) before
+    each :class:`~mtc_loader.PackedBatch` is unpacked on the model's device (one DMA per dtype) before
     the hooks run, so that hooks (``before_val_iter``, ``after_val_iter``), the model and the
     evaluator's metrics (``process(data_batch, data_samples)``) all receive the batch's
     structure. Other batches go through as with ``ValLoop``.

@@ -74,7 +74,7 @@ def _wrapped_config(preprocessor: Union[str, dict[str, Any], BaseDataPreprocesso
 @MODELS.register_module()
 class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     """Wraps a model's data preprocessor: a :class:`~mtc_loader.PackedBatch` (from
-    ``mtc_packed_collate``) is moved to the preprocessor's device with one DMA from the arena, a
+    ``mtc_packed_collate``) is moved to the preprocessor's device with one DMA per dtype from the arena, a
     batch that :class:`MTCEpochBasedTrainLoop` prefetched is on the device already; then the
     wrapped preprocessor runs as usual (normalisation, padding, voxelisation, ...) with its
     ``cast_data`` a no-op. Any other batch goes through the wrapped preprocessor unchanged.
@@ -141,7 +141,7 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
         return data, False
 
     def cast_data(self, data: Any) -> Any:
-        """A packed batch unpacked on the device (one DMA), a prefetched one as it is, anything
+        """A packed batch unpacked on the device (one DMA per dtype), a prefetched one as it is, anything
         else through the wrapped preprocessor's ``cast_data``."""
         data, moved = self._move(data)
         if moved:

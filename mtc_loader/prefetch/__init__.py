@@ -4,7 +4,7 @@ dedicated copy stream of the device and builds it, so the training loop never wa
 :class:`PrefetchLoader` wraps any iterable of batches. For each epoch it starts one thread that
 pulls batches from the iterable as soon as they are produced (at most ``depth`` finished batches
 wait for the caller), and for each one starts the copy (:meth:`~mtc_loader.PackedBatch.start_copy`
-for a packed batch: one DMA from the arena; :func:`~mtc_loader.start_copy` otherwise) with the
+for a packed batch: one DMA per dtype from the arena; :func:`~mtc_loader.start_copy` otherwise) with the
 device's **copy stream** current, waits until the copy is enqueued and the output structure is
 built (the GIL released while it waits), and records an event on the copy stream. The caller's
 ``__next__`` only takes a finished batch: its current stream waits for that event on the GPU (no
