@@ -10,16 +10,17 @@
 # One line per pair, arm and figure in OUTDIR/ab.log; each process's full output beside it.
 # Usage: tools/diagnostics/ab_pairs_gpu.sh OLD FIRST LAST OUTDIR [DEADLINE_S]
 #   pairs FIRST..LAST (several calls can share the rotation); a pair that would start after
-#   DEADLINE_S seconds (default 540) is not started.
+#   DEADLINE_S seconds (default 540) is not started. The arms' size: AB_TRAIN_ROUNDS (2) rounds of
+#   bench_train, AB_REF_RUNS (2) runs of the harness; AB_GPU=0 leaves the GPU-bound loop out.
 set -u
 old=$(cd "${1:?the tree to compare with}" && pwd); first=${2:-1}; last=${3:-5}; out=${4:-/tmp/ab_pairs}
 deadline=${5:-540}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-TRAIN="bench/bench_train.py --config launch4 launch --methods ideal packed --rounds 2 --batches 60"
+TRAIN="bench/bench_train.py --config launch4 launch --methods ideal packed --rounds ${AB_TRAIN_ROUNDS:-2} --batches 60"
 GPU="bench/bench_train.py --config gpu --methods ideal packed --rounds 1 --batches 30"
-REF="bench/bench_reference.py --runs 2 --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
+REF="bench/bench_reference.py --runs ${AB_REF_RUNS:-2} --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
 GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 100 --rounds 2 --workers 4"
 summary() {  # ARM PAIR DIR: the figures of one arm
   python3 - "$@" <<'EOF'
@@ -59,7 +60,7 @@ for i in $(seq "$first" "$last"); do
     root=$PWD; [ "$a" = old ] && root=$old
     d="$out/$a$i"; mkdir -p "$d"
     PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
-    [ "$i" = "$first" ] && PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
+    [ "$i" = "$first" ] && [ "${AB_GPU:-1}" != 0 ] && PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
     PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
     { summary "$a" "$i" "$d"; grep -E "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
