@@ -106,6 +106,10 @@ def child_config(arm: str, model: Model, base: str, data_root: str, args: argpar
 
     parent = Config.fromfile(base)
     values = model.values(data_root, args.batch_size, args.workers, parent, args.quick)
+    if arm == "switched" and model.arena_bytes is not None:  # what the arena's error asks for
+        values.setdefault("model", {})["data_preprocessor"] = dict(
+            type="MTCDataPreprocessor", preprocessor=parent.model.data_preprocessor.type,
+            arena_bytes=model.arena_bytes)
     lines = [
         f"_base_ = [{base!r}]",
         "",

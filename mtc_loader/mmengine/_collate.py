@@ -144,7 +144,7 @@ class PackedPseudoCollate:
             if _ARENA_HINT not in str(e):
                 raise
             raise RuntimeError(str(e).replace(_ARENA_HINT, _ARENA_HINT_MM).replace(
-                "PrefetchLoader depth", "the train loop's prefetch_depth")) from None
+                "the PrefetchLoader depth", "the train loop's prefetch_depth")) from None
         finally:
             _COPY_METAINFO.on = False
 
