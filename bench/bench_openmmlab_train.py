@@ -12,7 +12,9 @@ Usage::
 The models (``--model``), each the config shipped inside the installed package, inherited by two
 child configs written into the output folder, ``plain.py`` and ``switched.py``, which differ by the
 recipe's two lines only (``custom_imports`` of ``mtc_loader.mmengine`` and
-``runner_type = 'MTCRunner'``), at the config's own batch size and workers:
+``runner_type = 'MTCRunner'``), at the config's own batch size and workers; for ``mvfcos3d``, whose
+89 MiB batches the default 256 MiB arena cannot hold, also the arena's size (``MTCDataPreprocessor``
+with ``arena_bytes=1 << 30``, what the arena's error asks for):
 
 - ``yolov3``: mmdet's ``yolo/yolov3_d53_8xb8-ms-608-273e_coco.py`` (Darknet-53, multi-scale
   320..608, batch 8, 4 workers) on a synthetic COCO set of JPEGs of real sizes (640x480 to

@@ -57,11 +57,16 @@ def _configs(tmp_path, name: str, quick: bool = True) -> dict:
     return cfgs
 
 
-def _only_the_switch_differs(cfgs: dict) -> dict:
+def _only_the_switch_differs(cfgs: dict, arena_bytes: int | None = None) -> dict:
     plain, switched = cfgs["plain"], dict(cfgs["switched"])
     # the recipe's two lines for a child config, nothing else
     assert switched.pop("custom_imports") == dict(imports=["mtc_loader.mmengine"], allow_failed_imports=False)
     assert switched.pop("runner_type") == "MTCRunner"
+    if arena_bytes is not None:  # and the arena the model's batches need, as the arena's error asks
+        pre = dict(switched["model"]["data_preprocessor"])
+        switched["model"] = dict(switched["model"], data_preprocessor=plain["model"]["data_preprocessor"])
+        wrapped = plain["model"]["data_preprocessor"]
+        assert pre == dict(wrapped, type="MTCDataPreprocessor", preprocessor=wrapped["type"], arena_bytes=arena_bytes)
     assert "runner_type" not in plain
     assert plain == switched
     assert plain["randomness"] == dict(seed=0, deterministic=True)
@@ -94,7 +99,7 @@ def test_mmdet3d_configs_differ_by_the_switch_alone_and_keep_the_real_model(tmp_
     assert sweeps["sweeps_num"] == 9
     sampler = next(s for s in steps if s["type"] == "ObjectSample")["db_sampler"]
     assert sampler["info_path"] == str(tmp_path / "cp" / "data" / "nuscenes_dbinfos_train.pkl")
-    mv = _only_the_switch_differs(_configs(tmp_path / "mv", "mvfcos3d", quick=False))
+    mv = _only_the_switch_differs(_configs(tmp_path / "mv", "mvfcos3d", quick=False), arena_bytes=1 << 30)
     assert mv["model"]["type"] == "MultiViewDfM" and mv["model"]["backbone"]["depth"] == 101
     assert mv["model"]["backbone"]["dcn"]["type"] == "DCNv2" and mv["model"]["backbone"]["init_cfg"] is None
     assert mv["train_dataloader"]["dataset"]["load_interval"] == 5
