@@ -701,7 +701,49 @@ def test_arena_too_small_names_what_mmengine_users_set():
     with pytest.raises(RuntimeError, match=r"MTCDataPreprocessor\(arena_bytes=\.\.\.\)") as e:
         pc(batch)
     assert "PackedCollate(arena_bytes" not in str(e.value)
+    assert "model = dict(data_preprocessor=dict(arena_bytes=...))" in str(e.value)
     pc.arena.close() if hasattr(pc.arena, "close") else None
+
+
+def test_arena_is_replaced_when_a_later_model_asks_for_more():
+    """A model rebuilt in the same process with a larger arena_bytes (what the arena's message
+    asks for) gets an arena of that size while no batch is in the old one; while one is, a clear
+    error; a call that asks for no more keeps the arena."""
+    pc = mm.PackedPseudoCollate()
+    small = pc.arm(1 << 20)
+    assert pc.arm(1 << 19) is small and pc.arm(None) is small and pc.arm(1 << 20) is small
+    held = pc([{"inputs": torch.arange(4.)}])
+    with pytest.raises(RuntimeError, match=r"shared arena \(1048576 bytes\) cannot be replaced by one of "
+                                           r"arena_bytes=4194304: it holds packed batches \(1 slots in use\)"):
+        pc.arm(4 << 20)
+    assert pc.arena is small
+    del held
+    large = pc.arm(4 << 20)
+    assert large is not small and large.stats()["bytes"] == 4 << 20
+    batch = pc([{"inputs": torch.zeros(3 << 20, dtype=torch.uint8)}])  # too big for the old one
+    assert batch.unpack("cpu")["inputs"][0].shape == (3 << 20,)
+    with pytest.raises(ValueError, match="arena_bytes must be positive, got -1"):
+        pc.arm(-1)
+
+
+def test_a_config_arena_line_reaches_the_wrapper_not_the_wrapped(tmp_path):
+    """model = dict(data_preprocessor=dict(arena_bytes=...)) in a child config: the switch gives
+    it to MTCDataPreprocessor, and the base's preprocessor is built without it."""
+    pytest.importorskip("mmdet", reason="needs mmdet (README: OpenMMLab's stack)")
+    cfg = child(tmp_path, RETINANET, THREE_LINES + "model = dict(data_preprocessor=dict(arena_bytes=8 << 20))\n")
+    pre = mm.switch_config(cfg).model.data_preprocessor
+    assert pre.type == "MTCDataPreprocessor" and pre.arena_bytes == 8 << 20
+    assert pre.preprocessor.type == "DetDataPreprocessor" and "arena_bytes" not in pre.preprocessor
+    assert cfg.model.data_preprocessor.arena_bytes == 8 << 20  # the config itself is left as it was
+    # over a base that names no preprocessor: the line alone, and the default preprocessor
+    (tmp_path / "base.py").write_text(README_BASE)
+    (tmp_path / "one.py").write_text('_base_ = ["./base.py"]\n' + THREE_LINES
+                                     + "model = dict(data_preprocessor=dict(arena_bytes=8 << 20))\n")
+    pre = mm.switch_config(Config.fromfile(str(tmp_path / "one.py"))).model.data_preprocessor
+    assert pre == dict(type="MTCDataPreprocessor", arena_bytes=8 << 20)
+    built = mm.MTCDataPreprocessor(**{k: v for k, v in pre.items() if k != "type"})
+    assert type(built.preprocessor).__name__ == "BaseDataPreprocessor"
+    assert mm.packed_collate.arena.stats()["bytes"] >= 8 << 20
 
 
 # ------------------------------------------------------------------------- metainfo copies

@@ -14,8 +14,9 @@ from mmengine.structures import BaseDataElement
 from torch.utils.data import get_worker_info
 
 from .. import _tree
+from .._options import positive_int
 from .._tree import OnHost
-from ..collate import Arena, PackedBatch, PackedCollate
+from ..collate import _MAX_ARENA_BYTES, Arena, PackedBatch, PackedCollate
 from ._elements import _COPY_METAINFO
 
 __all__ = ["PackedPseudoCollate", "packed_collate"]
@@ -58,8 +59,10 @@ class _PlacedAsCastData:
 
 # what an arena too small tells PackedCollate's users, and what mmengine's configure
 _ARENA_HINT = "PackedCollate(arena_bytes=...)"
-_ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...) in the model's config (model=dict(data_preprocessor="
-                  "dict(type='MTCDataPreprocessor', ..., arena_bytes=...)), or switch_config(cfg, arena_bytes=...))")
+_ARENA_HINT_MM = ("MTCDataPreprocessor(arena_bytes=...): a line model = dict(data_preprocessor=dict("
+                  "arena_bytes=...)) in the config (the switch hands it to MTCDataPreprocessor, not to the "
+                  "preprocessor it wraps), switch_config(cfg, arena_bytes=...), or python3 -m mtc_loader.mmengine "
+                  "train's --arena-bytes,")
 
 
 # what a PackedBatch read as its structure (by a hook of mmengine's own loops) tells the user
@@ -93,9 +96,29 @@ class PackedPseudoCollate:
         self._lock = threading.Lock()
 
     def arm(self, arena_bytes: Optional[int] = None) -> Arena:
-        """Creates the arena (``arena_bytes``, default 256 MiB) unless it exists; returns it. The
-        first call sizes it. Call it in the process that trains, before the DataLoader starts."""
+        """Creates the arena (``arena_bytes``, default 256 MiB) unless it exists; returns it. Call
+        it in the process that trains, before the DataLoader starts. A later call that asks for
+        more than the arena holds (a model rebuilt with a larger ``arena_bytes`` in the same
+        process, as in a notebook) replaces it with one of that size while no batch is in it, and
+        raises while one is (the loader that packed it still runs); one that asks for no more
+        keeps it."""
         with self._lock:
+            if self.arena is not None and arena_bytes is not None and get_worker_info() is None:
+                try:
+                    want = positive_int("arena_bytes", arena_bytes, _MAX_ARENA_BYTES)
+                except TypeError as e:  # a ValueError, as Arena raises it
+                    raise ValueError(str(e)) from None
+                have = self.arena.stats()
+                if want > have["bytes"]:
+                    if have["slots_in_use"]:
+                        raise RuntimeError(
+                            f"mtc_loader: mtc_packed_collate's shared arena ({have['bytes']} bytes) cannot "
+                            f"be replaced by one of arena_bytes={want}: it holds packed batches "
+                            f"({have['slots_in_use']} slots in use) of a loader that still runs. Finish that loader (or delete it "
+                            "and its iterator, which stops its workers) before building the model with the "
+                            "larger arena, or restart the process")
+                    self.arena = None
+                    self._packers.clear()  # each held the arena it packed into
             if self.arena is None:
                 if get_worker_info() is not None:
                     raise RuntimeError(

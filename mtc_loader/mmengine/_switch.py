@@ -89,6 +89,13 @@ def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
         pre = model.get("data_preprocessor", cfg.get("data_preprocessor"))
         if not (isinstance(pre, dict) and _name(pre.get("type")) == _PRE):
             wrapper: dict[str, Any] = dict(type=_PRE)
+            if isinstance(pre, dict) and "arena_bytes" in pre:
+                # a config's own arena line (model=dict(data_preprocessor=dict(arena_bytes=...)),
+                # merged into its base's preprocessor) is the wrapper's: no preprocessor of
+                # mmengine's or OpenMMLab's takes it
+                pre = copy.copy(pre)
+                wrapper["arena_bytes"] = pre.pop("arena_bytes")
+                pre = pre or None  # the line alone, over a base that names no preprocessor
             if pre is not None:
                 wrapper["preprocessor"] = pre
             model["data_preprocessor"] = wrapper
