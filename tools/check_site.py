@@ -1,5 +1,5 @@
 """Checks the built docs site (``mkdocs build``) for what a reader must not see: Sphinx roles left
-as text (``:class:`` / ``:meth:`` / ``:func:`` ... from docstrings that griffe_sphinx_roles.py did
+as text (``:class:`` / ``:meth:`` / ``:func:`` ... from docstrings that griffe_extensions.py did
 not convert), reST's literal-block marker ``::`` left at the end of a sentence, a docstring's
 Returns description cut into several rows (its continuation lines were not indented), a class or
 function heading of the reference without its signature (``PackedCollate`` where

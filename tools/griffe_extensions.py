@@ -1,15 +1,54 @@
-"""A griffe extension for the docs site (mkdocs.yml): the docstrings use Sphinx roles
-(``:class:`AsyncCopyHandle```, ``:meth:`~AsyncCopyHandle.get```, ``:func:`start_copy```), which
+"""The griffe extensions of the docs site (mkdocs.yml), each named there as
+``tools/griffe_extensions.py:NAME``.
+
+``SphinxRoles``: the docstrings use Sphinx roles (``:class:`AsyncCopyHandle```, ``:meth:`~AsyncCopyHandle.get```, ``:func:`start_copy```), which
 mkdocstrings would print as text. Each becomes a link to the object's entry on the Reference page
 where it has one (an optional autorefs cross-reference), and inline code otherwise (``torch``'s
 names, private helpers). ``~`` shows the last part of the name, as in Sphinx; functions and
-methods get ``()``."""
+methods get ``()``.
+
+``PrivateParameters``: the signatures the Reference page shows leave out parameters whose names start with ``_`` (``Arena(nbytes, *, _engine_arena, _token)``
+is how the package builds an arena from one it received; a user passes ``nbytes``). Classes
+show their ``__init__``'s parameters (``merge_init_into_class``); ``inspect.signature`` still
+shows every parameter.
+"""
 from __future__ import annotations
 
 import re
 from typing import Any
 
 import griffe
+
+
+class _Walk(griffe.Extension):
+    """Visits every object of the loaded package once (aliases left out)."""
+
+    def on_package(self, *, pkg: Any, **kwargs: Any) -> None:
+        self._walk(pkg, set())
+
+    # griffe < 1.0 name for the same event
+    def on_package_loaded(self, *, pkg: Any, **kwargs: Any) -> None:
+        self._walk(pkg, set())
+
+    def _walk(self, obj: Any, seen: set[int]) -> None:
+        if id(obj) in seen or getattr(obj, "is_alias", False):
+            return
+        seen.add(id(obj))
+        self.visit(obj)
+        for member in getattr(obj, "members", {}).values():
+            self._walk(member, seen)
+
+    def visit(self, obj: Any) -> None:
+        raise NotImplementedError
+
+
+class PrivateParameters(_Walk):
+    def visit(self, obj: Any) -> None:
+        params = getattr(obj, "parameters", None)
+        if getattr(obj, "is_function", False) and params is not None:
+            for name in [p.name for p in params if p.name.startswith("_")]:
+                del params[name]
+
 
 ROLE = re.compile(r":(?:py:)?(class|meth|func|mod|attr|exc|obj|data|const):`(!?~?)([^`<]+?)(?:\s*<([^>]+)>)?`")
 
@@ -32,23 +71,11 @@ def _resolve(obj: Any, target: str) -> str:
     return f"mtc_loader.{target}"
 
 
-class SphinxRoles(griffe.Extension):
-    def on_package(self, *, pkg: Any, **kwargs: Any) -> None:
-        self._walk(pkg, set())
-
-    # griffe < 1.0 name for the same event
-    def on_package_loaded(self, *, pkg: Any, **kwargs: Any) -> None:
-        self._walk(pkg, set())
-
-    def _walk(self, obj: Any, seen: set[int]) -> None:
-        if id(obj) in seen or getattr(obj, "is_alias", False):
-            return
-        seen.add(id(obj))
+class SphinxRoles(_Walk):
+    def visit(self, obj: Any) -> None:
         doc = getattr(obj, "docstring", None)
         if doc is not None and ":" in doc.value:
             doc.value = ROLE.sub(lambda m: self._replace(obj, m), doc.value)
-        for member in getattr(obj, "members", {}).values():
-            self._walk(member, seen)
 
     @staticmethod
     def _replace(obj: Any, m: "re.Match[str]") -> str:
