@@ -52,7 +52,15 @@ collate_samples)`` over the same dataset, except ``ideal``:
   in ``mtc_loader.PrefetchLoader(loader, device)``; the arena holds (workers * prefetch_factor +
   depth + 4) batches;
 - ``packed_align1`` (only with ``--methods``): the same with ``min_packed_alignment_bytes=1`` (no
-  gaps between the tensors of a group: each group's segment is cut with one split).
+  gaps between the tensors of a group: each group's segment is cut with one split);
+- ``ideal_beside_loader`` and ``ideal_beside_service`` (only with ``--methods``): where ``packed``
+  loses against ``ideal``. The step trains on the preloaded batch, as in ``ideal``, while a thread
+  takes one batch per step (at most ``depth`` ahead) from ``packed``'s DataLoader and drops it
+  (``_loader``: the workers and the receive of each descriptor) or from ``packed``'s whole
+  ``PrefetchLoader`` (``_service``: also the copy to the device and the hand-out, made on that
+  thread). ``ideal`` to ``ideal_beside_loader`` is what the workers and the receive cost the
+  step, on to ``ideal_beside_service`` the copy, on to ``packed`` the step's own use of the
+  batches it is handed.
 
 The dataset pre-generates a pool of samples (``--pool``, default 4 batches) in ``__init__`` and
 serves index i from ``pool[i % pool]``: the images as they are (the collate copies them into a new
@@ -97,6 +105,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -116,7 +125,7 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1"]
+EXTRA_METHODS = ["packed_align1", "ideal_beside_loader", "ideal_beside_service"]
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
     "plain": "DataLoader(pin_memory) + .to(nb)",
@@ -126,6 +135,8 @@ LABELS = {
     "packed": "PackedCollate + PrefetchLoader",
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
     "packed_align1": "  same, min_packed_alignment_bytes=1",
+    "ideal_beside_loader": "ideal + packed's loader beside",
+    "ideal_beside_service": "ideal + packed's service beside",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
@@ -375,6 +386,47 @@ class SideStreamPrefetcher:
             yield batch
 
 
+class Beside:
+    """``ideal_beside_*``: the preloaded batch for every step, while a thread takes one batch of
+    ``background`` per step handed out (at most ``PREFETCH_DEPTH`` ahead) and drops it: what
+    running that loader costs the step when the step does not use its batches."""
+
+    def __init__(self, preloaded: Preloaded, background: Iterable):
+        self.preloaded, self.background = preloaded, background
+        if hasattr(background, "stats"):  # a PrefetchLoader: its service's counters in the report
+            self.stats, self.reset_stats = background.stats, background.reset_stats
+
+    def __iter__(self) -> Iterator[Any]:
+        tokens, stop = threading.Semaphore(PREFETCH_DEPTH), threading.Event()
+
+        def drain() -> None:
+            it = iter(self.background)
+            try:
+                while True:
+                    tokens.acquire()
+                    if stop.is_set():
+                        return
+                    try:
+                        next(it)  # dropped at once: its arena region (or device memory) goes back
+                    except StopIteration:
+                        return
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+
+        t = threading.Thread(target=drain, name="bench-beside", daemon=True)
+        t.start()
+        try:
+            for batch in self.preloaded:
+                tokens.release()
+                yield batch
+        finally:
+            stop.set()
+            tokens.release()
+            t.join()
+
+
 def arena_bytes_for(ref_batch: Any, workers: int) -> int:
     """Room for (workers * prefetch_factor + depth + 4) batches, with alignment and slot slack."""
     n, nbytes = count_tensors(ref_batch)
@@ -414,6 +466,12 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers),
                                           min_packed_alignment_bytes=1)
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
+        elif name in ("ideal_beside_loader", "ideal_beside_service"):
+            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
+            background: Iterable = loader(collate_fn=pc)
+            if name == "ideal_beside_service":
+                background = mtc_loader.PrefetchLoader(background, device, depth=PREFETCH_DEPTH)
+            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), background)
         elif name == "packed_gil5ms":  # the service without its GIL switch-interval setting
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
@@ -643,7 +701,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=0, help="distinct samples in the dataset (default 4 batches)")
     p.add_argument("--warmup-steps", type=int, default=0, help="model warm-up steps (default 10; --quick 1)")
     p.add_argument("--methods", nargs="+", choices=METHODS + EXTRA_METHODS, default=METHODS,
-                   help="(ideal is always run; packed_align1 only when named)")
+                   help="(ideal is always run; packed_align1 and ideal_beside_* only when named)")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
