@@ -114,9 +114,9 @@ class PackedPseudoCollate:
                         raise RuntimeError(
                             f"mtc_loader: mtc_packed_collate's shared arena ({have['bytes']} bytes) cannot "
                             f"be replaced by one of arena_bytes={want}: it holds packed batches "
-                            f"({have['slots_in_use']} slots in use) of a loader that still runs. Finish that loader (or delete it "
-                            "and its iterator, which stops its workers) before building the model with the "
-                            "larger arena, or restart the process")
+                            f"({have['slots_in_use']} slots in use) of a loader that still runs. Finish that "
+                            "loader (or delete it and its iterator, which stops its workers) before building "
+                            "the model with the larger arena, or restart the process")
                     self.arena = None
                     self._packers.clear()  # each held the arena it packed into
             if self.arena is None:
