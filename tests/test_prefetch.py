@@ -663,12 +663,12 @@ def test_gil_held_spin_sees_the_time_another_thread_holds_the_gil():
                 pass
             busy.append(time.perf_counter() - t0)
 
-    _, alone_gaps = gil_held.spin(0.3, 3e-6)
+    _, alone_gaps = gil_held.spin(0.5, 3e-6)
     t = threading.Thread(target=holder, daemon=True)
     t.start()
     time.sleep(0.01)
     busy.clear()
-    _, gaps = gil_held.spin(0.3, 3e-6)
+    _, gaps = gil_held.spin(0.5, 3e-6)
     held = sum(busy)
     stop.set()
     t.join()
