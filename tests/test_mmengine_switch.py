@@ -707,23 +707,46 @@ def test_arena_too_small_names_what_mmengine_users_set():
 
 def test_arena_is_replaced_when_a_later_model_asks_for_more():
     """A model rebuilt in the same process with a larger arena_bytes (what the arena's message
-    asks for) gets an arena of that size while no batch is in the old one; while one is, a clear
-    error; a call that asks for no more keeps the arena."""
+    asks for) gets an arena of that size; a batch already in the old one unpacks as before (the
+    old arena is kept while it holds one); None, or no more than the arena holds, keeps it."""
     pc = mm.PackedPseudoCollate()
     small = pc.arm(1 << 20)
     assert pc.arm(1 << 19) is small and pc.arm(None) is small and pc.arm(1 << 20) is small
     held = pc([{"inputs": torch.arange(4.)}])
-    with pytest.raises(RuntimeError, match=r"shared arena \(1048576 bytes\) cannot be replaced by one of "
-                                           r"arena_bytes=4194304: it holds packed batches \(1 slots in use\)"):
-        pc.arm(4 << 20)
-    assert pc.arena is small
-    del held
     large = pc.arm(4 << 20)
-    assert large is not small and large.stats()["bytes"] == 4 << 20
+    assert large is not small and large.stats()["bytes"] == 4 << 20 and pc.arena is large
     batch = pc([{"inputs": torch.zeros(3 << 20, dtype=torch.uint8)}])  # too big for the old one
     assert batch.unpack("cpu")["inputs"][0].shape == (3 << 20,)
+    token = small.token
+    del small
+    assert mtc_loader.collate._ARENAS.get(token) is not None  # kept for the batch in it
+    assert torch.equal(held.unpack("cpu")["inputs"][0], torch.arange(4.))
+    del held
+    pc.arm(None)  # drops the old arena now that it is empty
+    gc.collect()
+    assert mtc_loader.collate._ARENAS.get(token) is None and pc._retired == []
     with pytest.raises(ValueError, match="arena_bytes must be positive, got -1"):
         pc.arm(-1)
+    assert pc.arm(4 << 20) is large
+
+
+def test_the_preprocessors_default_keeps_the_arena_of_an_earlier_model():
+    """MTCDataPreprocessor() after a model that asked for a smaller arena than 256 MiB keeps that
+    arena (the default asks for no size); an explicit larger one replaces it."""
+    pc = mm.packed_collate
+    before = pc.arena
+    try:
+        pc.arena = None
+        mm.MTCDataPreprocessor(arena_bytes=2 << 20)
+        first = pc.arena
+        assert first.stats()["bytes"] == 2 << 20
+        mm.MTCDataPreprocessor()
+        assert pc.arena is first
+        mm.MTCDataPreprocessor(arena_bytes=3 << 20)
+        assert pc.arena is not first and pc.arena.stats()["bytes"] == 3 << 20
+    finally:
+        pc.arena = before
+        pc._packers.clear()
 
 
 def test_a_config_arena_line_reaches_the_wrapper_not_the_wrapped(tmp_path):

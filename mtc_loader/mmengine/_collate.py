@@ -93,30 +93,27 @@ class PackedPseudoCollate:
         self.arena: Optional[Arena] = None
         self.arena_bytes = 256 << 20
         self._packers: dict[Any, PackedCollate] = {}
+        self._retired: list[Arena] = []  # replaced by a larger one, with batches still in them
         self._lock = threading.Lock()
 
     def arm(self, arena_bytes: Optional[int] = None) -> Arena:
-        """Creates the arena (``arena_bytes``, default 256 MiB) unless it exists; returns it. Call
-        it in the process that trains, before the DataLoader starts. A later call that asks for
-        more than the arena holds (a model rebuilt with a larger ``arena_bytes`` in the same
-        process, as in a notebook) replaces it with one of that size while no batch is in it, and
-        raises while one is (the loader that packed it still runs); one that asks for no more
-        keeps it."""
+        """Creates the arena (``arena_bytes``; ``None``: 256 MiB) unless it exists; returns it. Call
+        it in the process that trains, before the DataLoader starts. A later call with an
+        ``arena_bytes`` larger than the arena (a model rebuilt with a larger one in the same
+        process, as in a notebook after the arena's message) replaces it with one of that size for
+        the loaders started from then on; batches already in the old one unpack as before (it is
+        kept while they are in it). ``None``, or no more than the arena holds, keeps it."""
         with self._lock:
+            if self._retired:
+                self._retired = [a for a in self._retired if a.stats()["slots_in_use"]]
             if self.arena is not None and arena_bytes is not None and get_worker_info() is None:
                 try:
                     want = positive_int("arena_bytes", arena_bytes, _MAX_ARENA_BYTES)
                 except TypeError as e:  # a ValueError, as Arena raises it
                     raise ValueError(str(e)) from None
-                have = self.arena.stats()
-                if want > have["bytes"]:
-                    if have["slots_in_use"]:
-                        raise RuntimeError(
-                            f"mtc_loader: mtc_packed_collate's shared arena ({have['bytes']} bytes) cannot "
-                            f"be replaced by one of arena_bytes={want}: it holds packed batches "
-                            f"({have['slots_in_use']} slots in use) of a loader that still runs. Finish that "
-                            "loader (or delete it and its iterator, which stops its workers) before building "
-                            "the model with the larger arena, or restart the process")
+                if want > self.arena.stats()["bytes"]:
+                    if self.arena.stats()["slots_in_use"]:
+                        self._retired.append(self.arena)  # its batches in flight still unpack
                     self.arena = None
                     self._packers.clear()  # each held the arena it packed into
             if self.arena is None:

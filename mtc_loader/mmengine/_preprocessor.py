@@ -3,7 +3,7 @@ model's own."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from mmengine.model import BaseDataPreprocessor
 from mmengine.registry import MODELS
@@ -93,7 +93,9 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
             that trains, before the DataLoader starts): ``num_workers * prefetch_factor + 1``
             batches, plus ``depth`` on a GPU (the train loop's ``prefetch_depth``); an
             ``MTCIterBasedTrainLoop`` that validates inside a pass adds the validation loader's
-            ``num_workers * prefetch_factor + 1``.
+            ``num_workers * prefetch_factor + 1``. ``None``: 256 MiB, or the arena an earlier
+            model of this process created. A size larger than that arena replaces it for the
+            loaders started from then on.
         non_blocking: As ``BaseDataPreprocessor``'s, for batches that are not packed (also
             passed on with the inherited arguments, when set).
         **inherited: Arguments of the wrapped preprocessor (those a child config inherits from
@@ -101,7 +103,7 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     """
 
     def __init__(self, preprocessor: Union[str, dict[str, Any], BaseDataPreprocessor, None] = None,
-                 arena_bytes: int = 256 << 20, non_blocking: bool = False, **inherited: Any) -> None:
+                 arena_bytes: Optional[int] = None, non_blocking: bool = False, **inherited: Any) -> None:
         super().__init__(non_blocking)
         preprocessor = _wrapped_config(preprocessor, inherited, non_blocking)
         if isinstance(preprocessor, dict):
