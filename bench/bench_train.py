@@ -89,6 +89,15 @@ outside the timed region). Per epoch, from ``iter()`` to the synchronization aft
 - ``thread ms``: for the PrefetchLoader methods, the CPU time of its prefetch thread per batch
   (``PrefetchLoader.stats()`` over the timed epochs: an upper bound on the GIL it holds).
 
+A second table (Linux) gives what drifts less with the host's speed than the step's time: the
+step's time off the CPU (``step ms`` less the thread's CPU time: autograd's backward, which the
+training thread waits for, and every wait for the GIL) and the context switches per batch of each
+kind of thread, voluntary / involuntary (``/proc/self/task/*/status``, read after batch 2 and
+every 16 batches: the rate between the first and the last reading). A voluntary switch of the
+training thread is a block: its backward (one per step in ``ideal``) or a wait for the GIL that
+another thread took (the prefetch service, the DataLoader's index-queue feeder threads); each such
+wait costs the step a hand-over of the GIL and back.
+
 Outputs (in ``--out``, default ``bench/results``): ``bench_train.json`` (machine info, config,
 every epoch's samples and per-batch times, ``PrefetchLoader.stats()``, the arena's counters),
 ``bench_train.png`` (fraction of the ideal and next ms per method; skipped with a notice without
@@ -491,9 +500,70 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+SWITCH_EVERY = 16  # batches between two readings of the threads' context switches (after batch 2)
+
+
+def thread_switches() -> dict[int, tuple[int, int]]:
+    """Native thread id -> (voluntary, involuntary) context switches of each thread of this process,
+    from /proc (Linux); {} where it cannot be read. A voluntary switch is a block (a lock, the GIL,
+    a condition, a syscall that waits); an involuntary one, the scheduler taking the CPU away."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                text = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        v = n = -1
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                v = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                n = int(line.split()[1])
+        if v >= 0 and n >= 0:
+            out[int(tid)] = (v, n)
+    return out
+
+
+def switch_group(tid: int, names: dict[int, str], trainer: int) -> str:
+    """The kind of thread a native id is: the training thread, a Python thread by its name (the
+    prefetch service, the DataLoader's index-queue feeders, ...), or ``native`` (threads Python does
+    not know: the engine's transfer thread, autograd's and CUDA's)."""
+    if tid == trainer:
+        return "training"
+    return names.get(tid, "native")
+
+
+def switches_per_batch(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], batches: int,
+                       trainer: int, names: dict[int, str]) -> dict[str, list[float]]:
+    """Per kind of thread (switch_group, ``names``: the Python threads' names by native id):
+    [voluntary, involuntary] context switches per batch between two readings, over the threads
+    alive at both."""
+    out: dict[str, list[float]] = {}
+    for tid, (v1, n1) in after.items():
+        if tid not in before:
+            continue
+        v0, n0 = before[tid]
+        g = out.setdefault(switch_group(tid, names, trainer), [0.0, 0.0])
+        g[0] += (v1 - v0) / batches
+        g[1] += (n1 - n0) / batches
+    return out
+
+
 def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: torch.device, batch_size: int,
               check: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """One epoch, synchronized at its end only; the training thread's time in next() and the step."""
+    """One epoch, synchronized at its end only; the training thread's time in next() and the step.
+
+    The threads' context switches are read after batch 2 and every SWITCH_EVERY batches after it
+    (the same readings for every method, about 0.3 ms each): ``switches`` is the rate between the
+    first and the last reading, per kind of thread, while every thread of the loader is alive."""
+    trainer = threading.get_native_id()
+    sw_first: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
+    sw_last: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
     next_ms: list[float] = []
     next_cpu_ms: list[float] = []
     step_ms: list[float] = []
@@ -522,6 +592,14 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
             next_cpu_ms.append((c1 - c0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)
             step_cpu_ms.append((c2 - c1) * 1e3)
+            k = len(step_ms)
+            if k >= 2 and (k - 2) % SWITCH_EVERY == 0:
+                names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+                reading = (k, thread_switches(), names)
+                if sw_first is None:
+                    sw_first = reading
+                else:
+                    sw_last = reading
         synchronize(device)
         t_end = time.perf_counter()
     del it
@@ -536,6 +614,8 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
         "step_ms": step_ms,
         "step_cpu_ms": step_cpu_ms,
         "loss": float(loss) if loss is not None else None,
+        "switches": (switches_per_batch(sw_first[1], sw_last[1], sw_last[0] - sw_first[0], trainer, sw_last[2])
+                     if sw_first is not None and sw_last is not None else {}),
     }
 
 
@@ -574,6 +654,14 @@ def summarize(res: dict[str, dict[str, dict]]) -> None:
             # the step's time off the CPU (blocked in a launch on a full queue, or waiting for the
             # GIL): for ideal, time the GIL is free for other threads at no cost to the loop
             r["step_cpu_ms"] = statistics.median(sum(e["step_cpu_ms"]) / e["batches"] for e in eps)
+            # the step's time off the CPU (waiting for the GIL, for autograd's backward, a full
+            # launch queue): less sensitive to the host's speed than the step's time, which
+            # drifts with it
+            r["step_off_cpu_ms"] = statistics.median((sum(e["step_ms"]) - sum(e["step_cpu_ms"])) / e["batches"]
+                                                     for e in eps)
+            groups = sorted({g for e in eps for g in e.get("switches", {})})
+            r["switches"] = {g: [statistics.median(e.get("switches", {}).get(g, [0.0, 0.0])[i] for e in eps)
+                                 for i in (0, 1)] for g in groups}
         ideal = methods.get("ideal")
         for r in methods.values():
             if ideal is None:
@@ -608,6 +696,29 @@ def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> 
         off = f", the ideal step off the CPU {ideal['step_ms'] - ideal['step_cpu_ms']:.3f} ms" if ideal else ""
         print(f"{'':<7} ({c.height}x{c.width} images, width {c.channels}{', bf16 autocast on a GPU' if c.amp else ''}{off})")
         print()
+
+
+SWITCH_COLUMNS = (("training", "training"), ("mtc_loader-prefetch", "service"), ("QueueFeederThread", "feeders"),
+                  ("bench-beside", "beside"), ("native", "native"))
+
+
+def print_switches(res: dict[str, dict[str, dict]]) -> None:
+    """Per method: the training step's time off the CPU, and the context switches per batch
+    (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
+    if not any(r.get("switches") for methods in res.values() for r in methods.values()):
+        return
+    print("the step off the CPU (ms per batch) and context switches per batch, voluntary/involuntary, by "
+          "thread (training: the loop's; service: the prefetch thread; feeders: the DataLoader's "
+          "index-queue feeder threads; native: threads Python does not know)")
+    header = f"{'config':<7} {'method':<36} {'off-CPU':>8}" + "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS)
+    print(header)
+    print("-" * len(header))
+    for cfg, methods in res.items():
+        for name, r in methods.items():
+            sw = r.get("switches", {})
+            cells = "".join(f" {sw[g][0]:>5.2f}/{sw[g][1]:<5.2f}" if g in sw else f" {'-':>11}" for g, _ in SWITCH_COLUMNS)
+            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f}{cells}")
+    print()
 
 
 def targets(res: dict[str, dict[str, dict]], device: torch.device, quick: bool) -> list[dict]:
@@ -782,6 +893,7 @@ def main(argv: list[str] | None = None) -> int:
     summarize(res)
     print()
     print_table(res, configs)
+    print_switches(res)
     ts = targets(res, device, args.quick)
     print_targets(ts)
 

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_train  # noqa: E402
@@ -77,3 +79,51 @@ def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread switch counts are read from Linux's /proc")
+def test_switches_per_batch_counts_the_blocks_of_each_kind_of_thread():
+    """A thread that blocks on an event once per round shows about one voluntary switch per round
+    between two readings, under its name; the caller's thread is ``training``."""
+    go, done, leave = threading.Event(), threading.Event(), threading.Event()
+    rounds = 40
+
+    def waiter():
+        for _ in range(rounds):
+            go.wait()
+            go.clear()
+            done.set()
+        leave.wait()  # alive at the second reading
+
+    t = threading.Thread(target=waiter, name="QueueFeederThread", daemon=True)
+    t.start()
+    time.sleep(0.05)
+    before = bench_train.thread_switches()
+    for _ in range(rounds):
+        done.clear()
+        go.set()
+        done.wait()
+    after = bench_train.thread_switches()
+    leave.set()
+    t.join()
+    names = {t.native_id: t.name}
+    got = bench_train.switches_per_batch(before, after, rounds, threading.get_native_id(), names)
+    assert 0.5 <= got["QueueFeederThread"][0] <= 3, got  # its wait on `go`, once per round
+    assert 0.5 <= got["training"][0] <= 3, got  # the caller's wait on `done`
+    assert all(g in ("training", "QueueFeederThread", "native") for g in got), got
+
+
+def test_bench_train_prints_the_step_off_the_cpu_and_the_switches(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
+                        "--config", "launch4", "--methods", "ideal", "packed", "--batches", "20", "--rounds", "1",
+                        "--workers", "2", "--out", str(tmp_path)],
+                       cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
+    for m in ("ideal", "packed"):
+        assert res[m]["step_off_cpu_ms"] >= -1.0, m  # the step's time less its CPU time (clock grain)
+        if os.path.isdir("/proc/self/task"):
+            assert res[m]["switches"]["training"][0] >= 0, m
+    if os.path.isdir("/proc/self/task"):
+        assert "context switches per batch" in r.stdout
+        assert res["packed"]["switches"]["mtc_loader-prefetch"][0] > 0  # the service blocks (room, data)
