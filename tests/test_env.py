@@ -36,6 +36,7 @@ VARIABLES = {
     "MTC_URING_MAX_IO": ("4096", "4 KiB"),
     "MTC_TORCH_SHIM": ("0", "sometimes"),
     "MTC_C_HANDOFF": ("off", "C"),
+    "MTC_QUIET_PIPES": ("no", "quiet"),
 }
 
 _CHILD = """

@@ -17,6 +17,7 @@
 #include "cuda.h"
 #include "env.h"
 #include "files.h"
+#include "pipes.h"
 #include "handle.h"
 #include "hostcopy.h"
 #include "skeleton.h"
@@ -308,6 +309,8 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("unpack_chunks_shim", mtc_cnt.unpack_chunks_shim); P("unpack_chunks_python", mtc_cnt.unpack_chunks_python);
     P("unpack_dma_in_alloc_window", mtc_cnt.unpack_dma_in_alloc_window);
     P("side_finish_c", mtc_cnt.side_finish_c); P("hand_out_c", mtc_cnt.hand_out_c);
+    P("pipe_reads_quiet", mtc_cnt.pipe_reads_quiet); P("pipe_reads_waited", mtc_cnt.pipe_reads_waited);
+    P("pipe_writes_quiet", mtc_cnt.pipe_writes_quiet);
     P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
     P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
     P("jobs_taken_back", e.jobs_taken_back);
@@ -660,6 +663,11 @@ static PyMethodDef engine_methods[] = {
      "pack(arena, data, align, timeout_s) -> (offset, nbytes, layout, skeleton)"},
     {"unpack", (PyCFunction)(void (*)(void))engine_unpack, METH_FASTCALL,
      "unpack(arena, offset, nbytes, owner, layout, skeleton, target, background, atoms) -> mtc_handle"},
+    {"pipe_take", mtc_pipes_take, METH_O,
+     "pipe_take(fd) -> bytes or None: the pipe's next multiprocessing message when its header is there."},
+    {"pipe_put", (PyCFunction)(void (*)(void))mtc_pipes_put, METH_FASTCALL,
+     "pipe_put(fd, payload) -> bool: the message written at once, or False with nothing written."},
+    {"_quiet_pipes", mtc_pipes_on, METH_NOARGS, "_quiet_pipes() -> bool: MTC_QUIET_PIPES (default on)."},
     {"nvtx_push", engine_nvtx_push, METH_O, "nvtx_push(name): push an NVTX range in the mtc_loader domain."},
     {"nvtx_pop", engine_nvtx_pop, METH_NOARGS, "Pop the calling thread's innermost NVTX range."},
     {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},

@@ -177,6 +177,10 @@ typedef struct mtc_counters {
      * copy stream's event recorded in C) and handed out by _engine.hand_out (the current stream
      * read through the shim's getter, the wait and the event's release in C) */
     uint64_t side_finish_c, hand_out_c;
+    /* the DataLoader results the prefetch service took from their pipe without giving up the GIL
+     * (whole there) / after waiting for the rest GIL-free, and the indices it wrote to a worker's
+     * pipe without giving it up (pipes.c) */
+    uint64_t pipe_reads_quiet, pipe_reads_waited, pipe_writes_quiet;
     uint64_t gc_early;           /* middle-generation collections run before a batch's outputs (collector.h) */
 } mtc_counters;
 extern mtc_counters mtc_cnt;

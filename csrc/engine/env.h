@@ -35,6 +35,7 @@ typedef enum {
     MTC_ENV_URING_MAX_IO,
     MTC_ENV_TORCH_SHIM,
     MTC_ENV_C_HANDOFF,
+    MTC_ENV_QUIET_PIPES,
     MTC_ENV_COUNT
 } mtc_env_id;
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import _engine, _trace
 from ..collate import _ARENAS, PackedBatch, _consumes
+from ._pipes import standins
 from ._resume import _NO_STATE, _FailedSnapshot
 from ._side import SideCopy, _copy_stream, _start
 
@@ -406,7 +407,16 @@ def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
 def _dataloader_next(dl: Any) -> Any:
     if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
         return next(dl)
-    data = dl._next_data()
+    quiet = standins(dl)
+    if quiet is None:
+        data = dl._next_data()
+    else:  # its pipes read and written without giving up the GIL where nothing waits (_pipes.py)
+        data_queue, index_queues = dl._data_queue, dl._index_queues
+        dl._data_queue, dl._index_queues = quiet
+        try:
+            data = dl._next_data()
+        finally:
+            dl._data_queue, dl._index_queues = data_queue, index_queues
     dl._num_yielded += 1
     return data
 
