@@ -214,6 +214,8 @@ def test_prefetch_over_a_dataloader_gives_the_same_batches_through_the_standins(
 
 
 def test_the_iterator_keeps_its_own_queues_between_and_after_calls():
+    """The stand-ins are the iterator's queues only inside the service's call, and it gets its own
+    back when that call raises."""
     loader = _loader(persistent_workers=True)
     it = iter(loader)
     data, indices = it._data_queue, it._index_queues
@@ -222,20 +224,21 @@ def test_the_iterator_keeps_its_own_queues_between_and_after_calls():
     for _ in range(5):
         _dataloader_next(it)
         assert it._data_queue is data and it._index_queues is indices
-    it._data_queue = _Broken(data)  # a get that raises: the queues are put back all the same
-    with pytest.raises(RuntimeError, match="broken on purpose"):
-        _dataloader_next(it)
-    assert isinstance(it._data_queue, _Broken)
-    it._data_queue = data
-    del it
+    seen = []
 
-
-class _Broken:
-    def __init__(self, q):
-        self.q = q
-
-    def get(self, *a, **k):
+    def broken():
+        seen.append((type(it._data_queue).__name__, [type(q).__name__ for q in it._index_queues]))
         raise RuntimeError("broken on purpose")
+
+    it._next_data = broken
+    try:
+        with pytest.raises(RuntimeError, match="broken on purpose"):
+            _dataloader_next(it)
+    finally:
+        del it._next_data  # (the function refers to the iterator)
+    assert seen == [("_Results", ["_Indices", "_Indices"])]
+    assert it._data_queue is data and it._index_queues is indices
+    del it
 
 
 def test_no_standins_where_a_pin_memory_thread_reads_the_results_or_no_workers():

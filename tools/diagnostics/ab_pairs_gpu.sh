@@ -34,9 +34,13 @@ try:
         pass
     for c in [c for c in ("launch4", "launch", "gpu") if c in r]:
         p = r[c]["packed"]
+        i = r[c]["ideal"]
+        sw = lambda m: m.get("switches", {}).get("training", [float("nan")])[0]
+        off = lambda m: m.get("step_off_cpu_ms", float("nan"))
         print(f"pair {pair} {arm} train {c}: {100 * p['fraction_of_ideal']:.1f}% "
               f"steady={100 * p['steady_fraction_of_ideal']:.1f}% next_steady_ms={p['next_steady_ms']:.3f} "
-              f"service_cpu_ms={p['prefetch_stats']['service_cpu_ms_per_batch']:.3f}")
+              f"service_cpu_ms={p['prefetch_stats']['service_cpu_ms_per_batch']:.3f} "
+              f"off_cpu_ms={off(p):.3f}/{off(i):.3f} training_switches={sw(p):.2f}/{sw(i):.2f} (packed/ideal)")
 except Exception as e:
     print(f"pair {pair} {arm} train: {e!r}")
 try:
