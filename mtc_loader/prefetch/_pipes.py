@@ -86,16 +86,18 @@ class _Indices:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         q = self.q
         # a task (the DataLoader's (index, indices)); the feeder started and holding nothing
-        if type(obj) is tuple and not q._closed and q._thread is not None and not q._buffer and q._sem.acquire(False):
-            sent = False
-            if q._wlock.acquire(False):
-                try:
-                    sent = _PIPE_PUT(q._writer.fileno(), _DUMPS(obj))
-                finally:
-                    q._wlock.release()
-            if sent:
-                return
-            q._sem.release()  # put takes it again
+        if type(obj) is tuple and not q._closed and q._thread is not None and not q._buffer:
+            payload = _DUMPS(obj)  # (before any lock: a failure leaves nothing held)
+            if q._sem.acquire(False):
+                sent = False
+                if q._wlock.acquire(False):
+                    try:
+                        sent = _PIPE_PUT(q._writer.fileno(), payload)
+                    finally:
+                        q._wlock.release()
+                if sent:
+                    return
+                q._sem.release()  # put takes it again
         q.put(obj, block, timeout)
 
     def __getattr__(self, name: str) -> Any:

@@ -412,8 +412,8 @@ def _dataloader_next(dl: Any) -> Any:
         data = dl._next_data()
     else:  # its pipes read and written without giving up the GIL where nothing waits (_pipes.py)
         data_queue, index_queues = dl._data_queue, dl._index_queues
-        dl._data_queue, dl._index_queues = quiet
         try:
+            dl._data_queue, dl._index_queues = quiet
             data = dl._next_data()
         finally:
             dl._data_queue, dl._index_queues = data_queue, index_queues
