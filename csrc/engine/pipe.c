@@ -1,7 +1,9 @@
 /*
  * pipe.c - see pipe.h.
  */
-#define _GNU_SOURCE
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* F_GETPIPE_SZ */
+#endif
 #include "pipe.h"
 
 #include <errno.h>
