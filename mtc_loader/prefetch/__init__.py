@@ -14,6 +14,7 @@ loop.
 
 The package's rooms: ``_side`` (the copy streams and one batch's copy on them: SideCopy,
 start_side_copy), ``_service`` (the daemon thread of an epoch and the switch interval),
+``_pipes`` (a DataLoader's pipes read and written by that thread without giving up the GIL),
 ``_handout`` (the caller's ``__next__``), ``_resume`` (the position the caller has reached),
 ``_stats`` (where the time went) and ``_loader`` (PrefetchLoader itself).
 """

@@ -86,13 +86,14 @@ class _Indices:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         q = self.q
         # a task (the DataLoader's (index, indices)); the feeder started and holding nothing
-        if type(obj) is tuple and not q._closed and q._thread is not None and not q._buffer:
+        if type(obj) is tuple and not q._closed and q._thread is not None and not q._buffer and not q._writer.closed:
+            fd = q._writer.fileno()
             payload = _DUMPS(obj)  # (before any lock: a failure leaves nothing held)
             if q._sem.acquire(False):
                 sent = False
                 if q._wlock.acquire(False):
                     try:
-                        sent = _PIPE_PUT(q._writer.fileno(), payload)
+                        sent = _PIPE_PUT(fd, payload)
                     finally:
                         q._wlock.release()
                 if sent:
