@@ -106,7 +106,7 @@ class _Indices:
 
 
 def _is_mp_queue(q: Any) -> bool:
-    return isinstance(q, _MP_QUEUE) and all(hasattr(q, a) for a in _QUEUE_ATTRS) and q._wlock is not None
+    return isinstance(q, _MP_QUEUE) and all(hasattr(q, a) for a in _QUEUE_ATTRS) and getattr(q, "_wlock") is not None
 
 
 # per DataLoader iterator: (its result queue, its list of index queues, and their stand-ins)
