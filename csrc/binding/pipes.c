@@ -10,12 +10,6 @@
 #include "env.h"
 #include "pipe.h"
 
-static int _fd_of(PyObject *obj)
-{
-    int fd = PyObject_AsFileDescriptor(obj);
-    return fd;
-}
-
 /* The OSError of a failed read: EOFError at end of file before the message
  * (as Connection.recv_bytes raises it), OSError otherwise. NULL. */
 static PyObject *_read_error(int err)
@@ -35,7 +29,7 @@ static PyObject *_read_error(int err)
 PyObject *mtc_pipes_take(PyObject *module, PyObject *fdobj)
 {
     (void)module;
-    int fd = _fd_of(fdobj);
+    int fd = PyObject_AsFileDescriptor(fdobj);
     if (fd < 0) return NULL;
     int64_t waiting = mtc_pipe_waiting(fd);
     if (waiting < 4) Py_RETURN_NONE; /* no header yet (or not a pipe): nothing read */
@@ -89,7 +83,7 @@ PyObject *mtc_pipes_put(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "mtc_loader: pipe_put(fd, payload) takes 2 arguments");
         return NULL;
     }
-    int fd = _fd_of(args[0]);
+    int fd = PyObject_AsFileDescriptor(args[0]);
     if (fd < 0) return NULL;
     Py_buffer b;
     if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) return NULL;
