@@ -60,19 +60,20 @@ PyObject *mtc_pipes_take(PyObject *module, PyObject *fdobj)
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
     if (!out) return NULL;
     char *p = PyBytes_AS_STRING(out);
-    if (waiting >= len) {
+    int whole = waiting >= len;
+    if (whole) {
         rc = mtc_pipe_read_exact(fd, p, (size_t)len); /* all there: no wait */
-        mtc_cnt.pipe_reads_quiet++;
     } else { /* the writer is part-way through: its rest arrives soon */
         Py_BEGIN_ALLOW_THREADS
         rc = mtc_pipe_read_exact(fd, p, (size_t)len);
         Py_END_ALLOW_THREADS
-        mtc_cnt.pipe_reads_waited++;
     }
     if (rc) {
         Py_DECREF(out);
         return _read_error(rc == -EPIPE ? -EIO : rc);
     }
+    if (whole) mtc_cnt.pipe_reads_quiet++;
+    else mtc_cnt.pipe_reads_waited++;
     return out;
 }
 
