@@ -654,9 +654,7 @@ def summarize(res: dict[str, dict[str, dict]]) -> None:
             # the step's time off the CPU (blocked in a launch on a full queue, or waiting for the
             # GIL): for ideal, time the GIL is free for other threads at no cost to the loop
             r["step_cpu_ms"] = statistics.median(sum(e["step_cpu_ms"]) / e["batches"] for e in eps)
-            # the step's time off the CPU (waiting for the GIL, for autograd's backward, a full
-            # launch queue): less sensitive to the host's speed than the step's time, which
-            # drifts with it
+            # (per epoch, then the median: it drifts less with the host's speed than the step's time)
             r["step_off_cpu_ms"] = statistics.median((sum(e["step_ms"]) - sum(e["step_cpu_ms"])) / e["batches"]
                                                      for e in eps)
             groups = sorted({g for e in eps for g in e.get("switches", {})})

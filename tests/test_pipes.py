@@ -213,6 +213,24 @@ def test_prefetch_over_a_dataloader_gives_the_same_batches_through_the_standins(
                                                                       + before["pipe_reads_waited"])
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return iter([torch.tensor([i]) for i in range(info.id, 40, info.num_workers)])
+
+
+def test_an_iterable_dataset_goes_through_the_standins_too():
+    """An iterable-style dataset (its batches through the DataLoader's own ``__next__``): the
+    workers' ends and every batch arrive as without the stand-ins, and the pipes are read quietly."""
+    before = _engine.stats()
+    loader = DataLoader(_Stream(), batch_size=2, num_workers=2, collate_fn=mtc_loader.PackedCollate())
+    got = sorted(int(x) for b in mtc_loader.PrefetchLoader(loader, "cpu") for x in b)
+    assert got == list(range(40))
+    after = _engine.stats()
+    assert after["pipe_reads_quiet"] + after["pipe_reads_waited"] > (before["pipe_reads_quiet"]
+                                                                      + before["pipe_reads_waited"])
+
+
 def test_the_iterator_keeps_its_own_queues_between_and_after_calls():
     """The stand-ins are the iterator's queues only inside the service's call, and it gets its own
     back when that call raises."""

@@ -9,7 +9,8 @@ and takes it back, and the feeder takes it twice. Beside a training thread that 
 seven waits per batch, measured as its context switches (``bench/bench_train.py``'s second
 table), where the copy itself needs two or three.
 
-Here the service's calls into the iterator (``_service._dataloader_next``) see the iterator's
+Here the service's calls into a DataLoader iterator (``_service._dataloader_next``: its
+``__next__``, or its ``_next_data`` where the service skips the profiler range) see the iterator's
 queues through two stand-ins, for that call only:
 
 - the result queue's ``get`` takes a message that is already in the pipe with one C call that

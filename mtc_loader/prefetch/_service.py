@@ -386,7 +386,8 @@ _MAP = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", None), "Map"
 
 def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
     """The function the service calls for each batch of ``it``: ``it.__next__``, except for a
-    DataLoader iterator over a map-style dataset while no profiler runs.
+    DataLoader iterator (whose queues the call reads and writes through ``_pipes``' stand-ins)
+    over a map-style dataset while no profiler runs.
 
     A DataLoader's ``__next__`` opens a ``record_function`` range around the batch. With no
     profiler attached the range records nothing, and yet it is entered through ``torch.ops`` once
@@ -405,18 +406,23 @@ def _next_of(it: Iterator[Any]) -> Callable[[], Any]:
 
 
 def _dataloader_next(dl: Any) -> Any:
-    if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
-        return next(dl)
+    """The next batch of a DataLoader iterator, its queues replaced for the call by the stand-ins
+    that read and write their pipes without giving up the GIL where nothing waits (_pipes.py)."""
     quiet = standins(dl)
     if quiet is None:
-        data = dl._next_data()
-    else:  # its pipes read and written without giving up the GIL where nothing waits (_pipes.py)
-        data_queue, index_queues = dl._data_queue, dl._index_queues
-        try:
-            dl._data_queue, dl._index_queues = quiet
-            data = dl._next_data()
-        finally:
-            dl._data_queue, dl._index_queues = data_queue, index_queues
+        return _dataloader_batch(dl)
+    data_queue, index_queues = dl._data_queue, dl._index_queues
+    try:
+        dl._data_queue, dl._index_queues = quiet
+        return _dataloader_batch(dl)
+    finally:
+        dl._data_queue, dl._index_queues = data_queue, index_queues
+
+
+def _dataloader_batch(dl: Any) -> Any:
+    if _trace.profiling() or dl._sampler_iter is None or dl._dataset_kind != _MAP:
+        return next(dl)
+    data = dl._next_data()
     dl._num_yielded += 1
     return data
 
