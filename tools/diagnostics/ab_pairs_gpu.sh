@@ -1,9 +1,9 @@
 #!/bin/bash
 # This tree against another build, in pairs of processes on one machine (GPU), the pair's order
 # rotating (new old, old new, ...) so that a machine whose speed drifts favours neither build:
-# per arm, bench_train's launch-bound loops (launch4: the multi-camera loop under bf16 autocast,
-# launch), ideal against PackedCollate + PrefetchLoader, and in pair FIRST its GPU-bound loop
-# (gpu) too; the
+# per arm, bench_train's launch-bound loops (AB_CONFIGS, default launch4: the multi-camera loop
+# under bf16 autocast, and launch), ideal against PackedCollate + PrefetchLoader, and its
+# GPU-bound loop (gpu: in every pair, AB_GPU=first only in pair FIRST, AB_GPU=0 in none); the
 # reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(), and its
 # latency distribution); the GIL the prefetch service holds per batch (gil_held.py). Every arm
 # runs this tree's benchmarks and diagnostics with its own build's package on PYTHONPATH.
@@ -11,14 +11,14 @@
 # Usage: tools/diagnostics/ab_pairs_gpu.sh OLD FIRST LAST OUTDIR [DEADLINE_S]
 #   pairs FIRST..LAST (several calls can share the rotation); a pair that would start after
 #   DEADLINE_S seconds (default 540) is not started. The arms' size: AB_TRAIN_ROUNDS (2) rounds of
-#   bench_train, AB_REF_RUNS (2) runs of the harness; AB_GPU=0 leaves the GPU-bound loop out.
+#   bench_train, AB_REF_RUNS (2) runs of the harness.
 set -u
 old=$(cd "${1:?the tree to compare with}" && pwd); first=${2:-1}; last=${3:-5}; out=${4:-/tmp/ab_pairs}
 deadline=${5:-540}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-TRAIN="bench/bench_train.py --config launch4 launch --methods ideal packed --rounds ${AB_TRAIN_ROUNDS:-2} --batches 60"
+TRAIN="bench/bench_train.py --config ${AB_CONFIGS:-launch4 launch} --methods ideal packed --rounds ${AB_TRAIN_ROUNDS:-2} --batches 60"
 GPU="bench/bench_train.py --config gpu --methods ideal packed --rounds 1 --batches 30"
 REF="bench/bench_reference.py --runs ${AB_REF_RUNS:-2} --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
 GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 100 --rounds 2 --workers 4"
@@ -32,15 +32,21 @@ try:
         r.update(json.load(open(f"{d}/gpu/bench_train.json"))["results"])
     except OSError:
         pass
-    for c in [c for c in ("launch4", "launch", "gpu") if c in r]:
+    for c in [c for c in ("launch4", "launch5", "launch", "gpu") if c in r]:
         p = r[c]["packed"]
         i = r[c]["ideal"]
         sw = lambda m: m.get("switches", {}).get("training", [float("nan")])[0]
         off = lambda m: m.get("step_off_cpu_ms", float("nan"))
-        print(f"pair {pair} {arm} train {c}: {100 * p['fraction_of_ideal']:.1f}% "
+        print(f"pair {pair} {arm} train {c}: {100 * p['fraction_of_ideal']:.1f}% ideal_step_ms={i['step_ms']:.2f} "
               f"steady={100 * p['steady_fraction_of_ideal']:.1f}% next_steady_ms={p['next_steady_ms']:.3f} "
               f"service_cpu_ms={p['prefetch_stats']['service_cpu_ms_per_batch']:.3f} "
               f"off_cpu_ms={off(p):.3f}/{off(i):.3f} training_switches={sw(p):.2f}/{sw(i):.2f} (packed/ideal)")
+        for m in ("packed", "ideal"):  # tails over the arm's rounds (collector on); next: each
+            for k, skip in (("step_ms", 0), ("next_ms", 1)):  # epoch's first batch left out
+                v = sorted(x for e in r[c][m]["epochs"] for x in e[k][skip:])
+                if v:
+                    print(f"pair {pair} {arm} tails {c} {m} {k}{'_steady' * skip}: median {v[len(v) // 2]:.3f} mean "
+                          f"{sum(v) / len(v):.3f} p99 {v[min(len(v) - 1, int(0.99 * len(v)))]:.3f} max {v[-1]:.3f}")
 except Exception as e:
     print(f"pair {pair} {arm} train: {e!r}")
 try:
@@ -64,7 +70,8 @@ for i in $(seq "$first" "$last"); do
     root=$PWD; [ "$a" = old ] && root=$old
     d="$out/$a$i"; mkdir -p "$d"
     PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
-    [ "$i" = "$first" ] && [ "${AB_GPU:-1}" != 0 ] && PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
+    gpu=${AB_GPU:-each}
+    { [ "$gpu" = each ] || { [ "$gpu" = first ] && [ "$i" = "$first" ]; }; } && PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
     PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
     { summary "$a" "$i" "$d"; grep -E "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
