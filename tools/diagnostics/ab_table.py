@@ -1,0 +1,103 @@
+"""The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build,
+the pairs in order, their median and range.
+
+Usage::
+
+    python3 tools/diagnostics/ab_table.py OUTDIR/ab.log [more ab.log ...] [--markdown]
+
+Several logs (calls that shared one rotation, ``FIRST..LAST``) are read as one; a line that
+appears in two of them counts once. A figure an arm did not measure is left out of its row.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from collections import defaultdict
+from typing import Optional
+
+NUM = r"(-?[\d.]+|nan)"
+# (figure, regular expression over one line of ab.log, group of the value)
+PATTERNS: list[tuple[str, str]] = [
+    ("{c} % of preloaded", rf"train (?P<c>\S+): {NUM}%"),
+    ("{c} steady %", rf"train (?P<c>\S+): .* steady={NUM}%"),
+    ("{c} preloaded step ms", rf"train (?P<c>\S+): .* ideal_step_ms={NUM}"),
+    ("{c} __next__ steady ms", rf"train (?P<c>\S+): .* next_steady_ms={NUM}"),
+    ("{c} service CPU ms/batch", rf"train (?P<c>\S+): .* service_cpu_ms={NUM}"),
+    ("{c} training thread's blocks/step", rf"train (?P<c>\S+): .* training_switches={NUM}/"),
+    ("{c} packed step p99 ms", rf"tails (?P<c>\S+) packed step_ms: .* p99 {NUM}"),
+    ("{c} packed step max ms", rf"tails (?P<c>\S+) packed step_ms: .* max {NUM}"),
+    ("GIL held by the service ms/batch (median)", rf"gil +med +{NUM}"),
+    ("gil_held __next__ ms", rf"gil +med +\S+ +\S+ +{NUM}"),
+    ("harness seed16 start_copy ms", rf"harness seed16 mtc: {NUM} ms"),
+    ("harness seed16 x .to()", rf"harness seed16 mtc: \S+ ms {NUM}x"),
+    ("H2D latency mean ms", rf"latency seed16_H2D_mtc: mean {NUM}"),
+    ("H2D latency p50 ms", rf"latency seed16_H2D_mtc: .* p50 {NUM}"),
+    ("H2D latency p99 ms", rf"latency seed16_H2D_mtc: .* p99 {NUM}"),
+    ("H2D latency max ms", rf"latency seed16_H2D_mtc: .* max {NUM}"),
+    ("H2D latency: slowest CPU loop / median", rf"latency seed16_H2D_mtc: .* machine {NUM}x"),
+]
+LINE = re.compile(r"pair (\d+) (new|old) (.*)")
+
+
+def read(paths: list[str]) -> dict[tuple[str, str], dict[int, float]]:
+    """{(figure, arm): {pair: value}} over the logs' lines."""
+    seen: set[str] = set()
+    rows: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if line in seen:
+                    continue
+                seen.add(line)
+                m = LINE.match(line)
+                if not m:
+                    continue
+                pair, arm, rest = int(m.group(1)), m.group(2), m.group(3)
+                for name, pattern in PATTERNS:
+                    f_ = re.match(pattern, rest)
+                    if f_:
+                        figure = name.format(c=f_.groupdict().get("c", ""))
+                        rows[(figure, arm)][pair] = float(f_.groups()[-1])
+    return rows
+
+
+def fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}" if abs(v) < 20 else f"{v:.1f}"
+
+
+def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
+    pairs = sorted({p for v in rows.values() for p in v})
+    figures = list(dict.fromkeys(f for f, _ in rows))
+    out = []
+    if markdown:
+        out.append("| figure | this build, pairs " + " ".join(map(str, pairs)) + " (median) | "
+                   "the other, pairs " + " ".join(map(str, pairs)) + " (median) |")
+        out.append("|---|---|---|")
+    for figure in figures:
+        cells = []
+        for arm in ("new", "old"):
+            v = rows.get((figure, arm), {})
+            vals = [v[p] for p in pairs if p in v]
+            med = statistics.median(vals) if vals else None
+            cells.append(" ".join(fmt(v.get(p)) for p in pairs) + f" ({fmt(med)})")
+        if markdown:
+            out.append(f"| {figure} | {cells[0]} | {cells[1]} |")
+        else:
+            out.append(f"{figure:44s} new {cells[0]}\n{'':44s} old {cells[1]}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+", help="ab.log files of ab_pairs_gpu.sh")
+    ap.add_argument("--markdown", action="store_true", help="a Markdown table")
+    args = ap.parse_args()
+    print(table(read(args.logs), args.markdown))
+
+
+if __name__ == "__main__":
+    main()
