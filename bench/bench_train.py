@@ -25,12 +25,16 @@ Configurations (``--config``):
   launch-bound: the training thread's ~250 kernel launches per step take longer than the GPU's
   work, so every microsecond the loader costs the training thread shows;
 - ``launch5``: the ``launch`` images with conv width 16 and a light meta-data target (``meta_sums``:
-  about 15 kernels per batch), for a step of at most about 5 ms on an H100, still launch-bound, and workers that make every sample (``__getitem__`` draws the meta-data of index i and a new
-  image tensor): the service's CPU per batch shows in full;
+  about 15 kernels per batch), and workers that make every sample (``__getitem__`` draws the
+  meta-data of index i and a new image tensor): the service's CPU per batch shows in full. A
+  step of about 4.3 ms on an H100, of which the preloaded loop's training thread spends about
+  1.3 ms off the CPU, waiting for its backward with the GIL released (the second table's
+  ``off-CPU``): other threads take the GIL in that window at no cost to the loop;
 - ``launch4``: the multi-camera loop of a user's report: the ``launch`` images, conv width 16,
   workers that make every sample, the full meta-data target (``meta_targets``: every meta tensor
   read, ~22 kernels per sample) and the forward and loss under bf16 autocast: a step of about
-  4 ms on an H200, launch-bound, no host sync in the step;
+  4 ms on an H200 and 8-10 ms on an H100 host whose launches take more CPU time, launch-bound
+  (off the CPU for about 1.3 ms of it), no host sync in the step;
 - ``gpu``: 512x896 images (66 MB per batch), width 128: tens of ms per step (about 55 on an
   H100), the GPU is the bottleneck, and what counts is that the copies overlap the kernels.
 
