@@ -17,6 +17,7 @@ if os.environ.get("MTC_TEST_INSTALLED"):
     if "site-packages" not in mtc_loader.__file__:
         raise RuntimeError(f"mtc_loader: MTC_TEST_INSTALLED is set but mtc_loader comes from {mtc_loader.__file__}")
 
+
 def package_parent() -> str:
     """The sys.path entry the mtc_loader under test comes from: the source tree, or the
     site-packages of the installed wheel (MTC_TEST_INSTALLED)."""
@@ -220,6 +221,40 @@ _CONFIG: list = []  # the session's pytest config (pytest_configure), for progre
 
 def pytest_configure(config):
     _CONFIG[:] = [config]
+
+
+# The runner's own pid. Tests fork (os.fork, DataLoader workers) and the children end with
+# os._exit; should the runner itself call it (a child's path taken in the parent), the session
+# would end with no summary and its output captured: the call is reported on the terminal first,
+# with every thread's stack and the test that was running.
+_RUNNER = os.getpid()
+_os_exit = os._exit
+
+
+def _exit_reported(code: int) -> None:
+    if os.getpid() == _RUNNER:
+        import sys
+        import traceback
+        try:
+            lines = [f"tests: os._exit({code}) in the test runner (pid {_RUNNER}) during "
+                     f"{os.environ.get('PYTEST_CURRENT_TEST', 'no test')}"]
+            for tid, frame in sys._current_frames().items():
+                lines.append(f"-- thread {tid}\n{''.join(traceback.format_stack(frame))}")
+            config = _CONFIG[0] if _CONFIG else None
+            capture = config and config.pluginmanager.getplugin("capturemanager")
+            if capture is not None:
+                with capture.global_and_fixture_disabled():
+                    sys.stderr.write("\n".join(lines) + "\n")
+                    sys.stderr.flush()
+            else:
+                sys.stderr.write("\n".join(lines) + "\n")
+                sys.stderr.flush()
+        except BaseException:
+            pass
+    _os_exit(code)
+
+
+os._exit = _exit_reported
 
 
 def progress(line: str) -> None:
