@@ -7,7 +7,7 @@
 #          preloaded loop against PackedCollate + PrefetchLoader; add ideal_beside_loader for the
 #          share of the DataLoader's workers), AB_TRAIN_ROUNDS (2) rounds of 60 batches;
 #   gpu:   the GPU-bound loop, AB_GPU_BATCHES (60) batches, in every pair (AB_GPU=first: only in
-#          pair FIRST). The whole-epoch figure carries the epoch's first batch (a wait no loader
+#          pair FIRST; AB_GPU=0: in none). The whole-epoch figure carries the epoch's first batch (a wait no loader
 #          avoids); over 30 batches of this 47 ms step that alone is about 1.3%;
 #   ref:   the reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(),
 #          AB_REF_RUNS (2) runs, and its latency distribution);
@@ -86,7 +86,7 @@ for i in $(seq "$first" "$last"); do
     d="$out/$a$i"; mkdir -p "$d"
     parts=" ${AB_PARTS:-train gpu ref gil} "; gpu=${AB_GPU:-each}
     [[ $parts == *" train "* ]] && PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
-    [[ $parts == *" gpu "* ]] && { [ "$gpu" = each ] || [ "$i" = "$first" ]; } &&
+    [[ $parts == *" gpu "* ]] && { [ "$gpu" = each ] || { [ "$gpu" = first ] && [ "$i" = "$first" ]; }; } &&
       PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     [[ $parts == *" ref "* ]] && PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
     [[ $parts == *" gil "* ]] && PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
@@ -95,4 +95,4 @@ for i in $(seq "$first" "$last"); do
     echo "pair $i $a: done at $((SECONDS - t0)) s" | tee -a "$out/ab.log"
   done
 done
-(cd "$out" && tar czf arms.tgz --exclude=arms.tgz --exclude=ab.log .)
+tgz=$(mktemp) && (cd "$out" && tar czf "$tgz" --exclude=./arms.tgz --exclude=./ab.log .) && mv "$tgz" "$out/arms.tgz"
