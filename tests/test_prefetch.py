@@ -646,34 +646,46 @@ def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
 def test_gil_held_spin_sees_the_time_another_thread_holds_the_gil():
     """gil_held.py's spin counts as held what another Python thread ran while it wanted the GIL: a
     thread that holds it in known slices (each timed by itself) beside a spinning thread is seen
-    within a wide margin of the slices' sum, and nothing like it is seen alone."""
+    within a wide margin of the slices' sum, against the spin alone just before. Other processes
+    that take the CPU from the spin (a loaded machine) add gaps to either run: the pair is measured
+    again, up to three times, before the test fails."""
     import importlib.util
     import threading
     from conftest import ROOT
     spec = importlib.util.spec_from_file_location("gil_held", os.path.join(ROOT, "tools", "diagnostics", "gil_held.py"))
     gil_held = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gil_held)
-    stop, busy = threading.Event(), []
 
-    def holder():
-        while not stop.is_set():
-            time.sleep(0.002)  # GIL released
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 0.001:  # 1 ms in Python: the GIL held
-                pass
-            busy.append(time.perf_counter() - t0)
+    def measure() -> tuple[float, float, float, int]:
+        stop, busy = threading.Event(), []
 
-    _, alone_gaps = gil_held.spin(0.5, 3e-6)
-    t = threading.Thread(target=holder, daemon=True)
-    t.start()
-    time.sleep(0.01)
-    busy.clear()
-    _, gaps = gil_held.spin(0.5, 3e-6)
-    held = sum(busy)
-    stop.set()
-    t.join()
-    assert held > 0.02, busy
-    assert 0.5 * held < gaps - alone_gaps < 2.0 * held + 0.02, (gaps, alone_gaps, held, len(busy))
+        def holder():
+            while not stop.is_set():
+                time.sleep(0.002)  # GIL released
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < 0.001:  # 1 ms in Python: the GIL held
+                    pass
+                busy.append(time.perf_counter() - t0)
+
+        _, alone_gaps = gil_held.spin(0.5, 3e-6)
+        t = threading.Thread(target=holder, daemon=True)
+        t.start()
+        time.sleep(0.01)
+        busy.clear()
+        _, gaps = gil_held.spin(0.5, 3e-6)
+        held = sum(busy)
+        stop.set()
+        t.join()
+        return gaps, alone_gaps, held, len(busy)
+
+    runs = []
+    for _ in range(3):
+        gaps, alone_gaps, held, n = measure()
+        runs.append((gaps, alone_gaps, held, n))
+        if held > 0.02 and 0.5 * held < gaps - alone_gaps < 2.0 * held + 0.02:
+            break
+    else:
+        pytest.fail(f"(gaps, alone gaps, held, slices) of each run: {runs}")
 
 
 class _SlowNumbers(torch.utils.data.Dataset):
