@@ -33,7 +33,7 @@ Configurations (``--config``):
 - ``launch4``: the multi-camera loop of a user's report: the ``launch`` images, conv width 16,
   workers that make every sample, the full meta-data target (``meta_targets``: every meta tensor
   read, ~22 kernels per sample) and the forward and loss under bf16 autocast: a step of about
-  4 ms on an H200 and 8-10 ms on an H100 host whose launches take more CPU time, launch-bound
+  4 ms on an H200 and 8-11 ms on an H100 host whose launches take more CPU time, launch-bound
   (off the CPU for about 1.3 ms of it), no host sync in the step;
 - ``gpu``: 512x896 images (66 MB per batch), width 128: tens of ms per step (about 55 on an
   H100), the GPU is the bottleneck, and what counts is that the copies overlap the kernels.
