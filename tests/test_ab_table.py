@@ -90,3 +90,25 @@ def test_a_figure_an_arm_did_not_measure_is_left_out(tmp_path):
                          ("GIL held by the service ms/batch (median)", "old"), ("gil_held __next__ ms", "old")}
     text = table.table(rows, markdown=False)
     assert "0.300 (0.300)" in text and " - (-)" in text
+
+
+def test_a_third_arm_and_the_stage_profile_get_their_own_column(tmp_path):
+    """Pairs with AB_PREV: the arm "prev" is a column of its own, after new and old, and the
+    seed16 line of profile_stages.py (as the script copies it into ab.log) is read per stage."""
+    stage = ("seed16             gc on     281.4 us/call    980 ns/leaf | traverse=41.0 plan=6.2 "
+             "outputs=30.1 views=70.3 get_wait=80.9 queue=0.0 stage=12.5 dma_issue=14.2 sync=0.0 | "
+             "per leaf: traverse 143 views 245 ns | DMA calls 3.0\n")
+    log = tmp_path / "ab.log"
+    log.write_text(f"pair 1 prev stages {stage}"
+                   f"pair 1 new stages {stage.replace('DMA calls 3.0', 'DMA calls 1.0')}"
+                   "pair 2 old latency seed16_H2D_mtc: mean 0.300 p50 0.270 p99 0.350 max 0.400 ms machine 1.02x\n")
+    table = _load_table()
+    rows = table.read([str(log)])
+    assert rows[("seed16 DMA calls/call", "prev")] == {1: 3.0}
+    assert rows[("seed16 DMA calls/call", "new")] == {1: 1.0}
+    assert rows[("seed16 outputs us/call", "new")] == {1: 30.1}
+    assert rows[("seed16 start_copy + get us/call (stages)", "prev")] == {1: 281.4}
+    md = table.table(rows, markdown=True)
+    assert md.splitlines()[0].startswith("| figure | this build, pairs 1 2 (median) | the other, pairs 1 2")
+    assert "the build before, pairs 1 2 (median) |" in md.splitlines()[0]
+    assert "| seed16 DMA calls/call | 1.00 - (1.00) | - - (-) | 3.00 - (3.00) |" in md

@@ -11,7 +11,11 @@
 #          avoids); over 30 batches of this 47 ms step that alone is about 1.3%;
 #   ref:   the reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(),
 #          AB_REF_RUNS (2) runs, and its latency distribution);
-#   gil:   the GIL the prefetch service holds per batch (gil_held.py).
+#   gil:   the GIL the prefetch service holds per batch (gil_held.py);
+#   stages: where one start_copy's time goes (profile_stages.py: the engine's stage counters and
+#          its driver calls per call), collector on.
+# AB_PREV=TREE adds a third arm, "prev" (say the build before this change, beside the older
+# build OLD that a target names); the three arms' order rotates from pair to pair.
 # Every arm runs this tree's benchmarks and diagnostics with its own build's package on
 # PYTHONPATH. One line per pair, arm and figure in OUTDIR/ab.log; each process's output in
 # OUTDIR/arms.tgz (one file, for machines that send few files back);
@@ -25,10 +29,16 @@ deadline=${5:-540}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+prev=
+if [ -n "${AB_PREV:-}" ]; then
+  prev=$(cd "$AB_PREV" && pwd)
+  (cd "$prev" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
+fi
 TRAIN="bench/bench_train.py --config ${AB_CONFIGS:-launch4 launch} --methods ${AB_METHODS:-ideal packed} --rounds ${AB_TRAIN_ROUNDS:-2} --batches 60"
 GPU="bench/bench_train.py --config gpu --methods ideal packed --rounds 1 --batches ${AB_GPU_BATCHES:-60}"
 REF="bench/bench_reference.py --runs ${AB_REF_RUNS:-2} --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
 GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 100 --rounds 2 --workers 4"
+STAGES="tools/diagnostics/profile_stages.py --device cuda:0 --calls 300 --gc on"
 summary() {  # ARM PAIR DIR: the figures of one arm
   python3 - "$@" <<'EOF'
 import json, sys
@@ -80,9 +90,11 @@ EOF
 t0=$SECONDS
 for i in $(seq "$first" "$last"); do
   [ $((SECONDS - t0)) -gt "$deadline" ] && { echo "pair $i: not started (deadline)" | tee -a "$out/ab.log"; break; }
-  if [ $((i % 2)) = 1 ]; then order="new old"; else order="old new"; fi
+  if [ -n "$prev" ]; then
+    arms=(new old prev); k=$(( (i - 1) % 3 )); order="${arms[*]:k} ${arms[*]:0:k}"
+  elif [ $((i % 2)) = 1 ]; then order="new old"; else order="old new"; fi
   for a in $order; do
-    root=$PWD; [ "$a" = old ] && root=$old
+    root=$PWD; [ "$a" = old ] && root=$old; [ "$a" = prev ] && root=$prev
     d="$out/$a$i"; mkdir -p "$d"
     parts=" ${AB_PARTS:-train gpu ref gil} "; gpu=${AB_GPU:-each}
     [[ $parts == *" train "* ]] && PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
@@ -90,7 +102,9 @@ for i in $(seq "$first" "$last"); do
       PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     [[ $parts == *" ref "* ]] && PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
     [[ $parts == *" gil "* ]] && PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
+    [[ $parts == *" stages "* ]] && PYTHONPATH=$root python3 $STAGES > "$d/stages.log" 2>&1
     { summary "$a" "$i" "$d"; grep -sE "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
+      grep -sE "^seed16 +gc" "$d/stages.log" | sed "s/^/pair $i $a stages /"
     } | tee -a "$out/ab.log"
     echo "pair $i $a: done at $((SECONDS - t0)) s" | tee -a "$out/ab.log"
   done

@@ -1,5 +1,5 @@
-"""The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build,
-the pairs in order, their median and range.
+"""The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build
+(new, old, and prev where the pairs had a third arm), the pairs in order, their median.
 
 Usage::
 
@@ -36,8 +36,16 @@ PATTERNS: list[tuple[str, str]] = [
     ("H2D latency p99 ms", rf"latency seed16_H2D_mtc: .* p99 {NUM}"),
     ("H2D latency max ms", rf"latency seed16_H2D_mtc: .* max {NUM}"),
     ("H2D latency: slowest CPU loop / median", rf"latency seed16_H2D_mtc: .* machine {NUM}x"),
+    ("seed16 start_copy + get us/call (stages)", rf"stages seed16 +gc on +{NUM} us/call"),
+    ("seed16 outputs us/call", rf"stages seed16 .* outputs={NUM}"),
+    ("seed16 views us/call", rf"stages seed16 .* views={NUM}"),
+    ("seed16 get wait us/call", rf"stages seed16 .* get_wait={NUM}"),
+    ("seed16 staging us/call", rf"stages seed16 .* stage={NUM}"),
+    ("seed16 DMA issue us/call", rf"stages seed16 .* dma_issue={NUM}"),
+    ("seed16 DMA calls/call", rf"stages seed16 .* DMA calls {NUM}"),
 ]
-LINE = re.compile(r"pair (\d+) (new|old) (.*)")
+ARMS = ("new", "old", "prev")  # this build, the one a target names, the build before this change
+LINE = re.compile(r"pair (\d+) (new|old|prev) (.*)")
 
 
 def read(paths: list[str]) -> dict[tuple[str, str], dict[int, float]]:
@@ -72,22 +80,25 @@ def fmt(v: Optional[float]) -> str:
 def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
     pairs = sorted({p for v in rows.values() for p in v})
     figures = list(dict.fromkeys(f for f, _ in rows))
+    arms = [a for a in ARMS if any(arm == a for _, arm in rows)] or ["new", "old"]
+    titles = {"new": "this build", "old": "the other", "prev": "the build before"}
     out = []
     if markdown:
-        out.append("| figure | this build, pairs " + " ".join(map(str, pairs)) + " (median) | "
-                   "the other, pairs " + " ".join(map(str, pairs)) + " (median) |")
-        out.append("|---|---|---|")
+        out.append("| figure | " + " | ".join(f"{titles[a]}, pairs " + " ".join(map(str, pairs)) + " (median)"
+                                            for a in arms) + " |")
+        out.append("|---" * (len(arms) + 1) + "|")
     for figure in figures:
         cells = []
-        for arm in ("new", "old"):
+        for arm in arms:
             v = rows.get((figure, arm), {})
             vals = [v[p] for p in pairs if p in v]
             med = statistics.median(vals) if vals else None
             cells.append(" ".join(fmt(v.get(p)) for p in pairs) + f" ({fmt(med)})")
         if markdown:
-            out.append(f"| {figure} | {cells[0]} | {cells[1]} |")
+            out.append(f"| {figure} | " + " | ".join(cells) + " |")
         else:
-            out.append(f"{figure:44s} new {cells[0]}\n{'':44s} old {cells[1]}")
+            out.append("\n".join(f"{figure if k == 0 else '':44s} {a:4s} {c}"
+                                 for k, (a, c) in enumerate(zip(arms, cells))))
     return "\n".join(out)
 
 

@@ -5,7 +5,7 @@
 For each workload: wall time per call (start_copy + get + synchronize), and per call the
 calling thread's stages (traverse, plan, outputs, views + rebuild, waiting in get) and the
 transfer thread's (queueing, staging memcpy, issuing DMAs, synchronizing), in us per call and
-in ns per leaf (is the cost per tensor flat in the number of tensors?), with Python's garbage
+in ns per leaf, and the driver's copy calls per call (is the cost per tensor flat in the number of tensors?), with Python's garbage
 collector on (as in a training loop) and off.
 """
 from __future__ import annotations
@@ -43,10 +43,11 @@ def profile(name, data, device, calls, gc_on=True, **opts):
     gc.enable()
     leaves = (after["leaves"] - before["leaves"]) / calls
     per = {k: (after[k] - before[k]) / calls / 1e3 for k in STAGES}
+    dma = (after["dma_calls"] - before["dma_calls"]) / calls
     print(f"{name:18s} gc {'on ' if gc_on else 'off'} {wall:8.1f} us/call {wall * 1e3 / leaves:6.0f} ns/leaf | "
           + " ".join(f"{k[3:]}={v:.1f}" for k, v in per.items())
           + " | per leaf: traverse " + f"{per['ns_traverse'] * 1e3 / leaves:.0f}"
-          + f" views {per['ns_views'] * 1e3 / leaves:.0f} ns")
+          + f" views {per['ns_views'] * 1e3 / leaves:.0f} ns | DMA calls {dma:.1f}")
 
 
 def main():
