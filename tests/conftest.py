@@ -3,10 +3,19 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 
 import numpy as np
 import pytest
 import torch
+
+# A background job of a non-interactive shell (`(cmd &)`, `nohup cmd &` in a script) starts with
+# SIGINT ignored, and so does every process it starts: Ctrl-C would then never reach the tests
+# that check what it does (a KeyboardInterrupt in get(), in a full arena's wait, in a prefetched
+# loop), which would fail as if the package ignored it. The runner takes Python's own handler
+# back; the processes it starts then get the default disposition, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
