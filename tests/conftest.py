@@ -230,6 +230,12 @@ _CONFIG: list = []  # the session's pytest config (pytest_configure), for progre
 
 def pytest_configure(config):
     _CONFIG[:] = [config]
+    # the process tools/diagnostics/exit_trap.c watches (when preloaded): the runner, until it ends
+    os.environ["MTC_EXIT_TRAP_PID"] = str(os.getpid())
+
+
+def pytest_unconfigure(config):
+    os.environ.pop("MTC_EXIT_TRAP_PID", None)
 
 
 # The runner's own pid. Tests fork (os.fork, DataLoader workers) and the children end with
