@@ -42,7 +42,7 @@ def trap(tmp_path_factory):
         pytest.skip("needs a C compiler on Linux")
     so = str(tmp_path_factory.mktemp("trap") / "exit_trap.so")
     subprocess.run([cc, "-O2", "-fPIC", "-shared", "-o", so,
-                    os.path.join(_ROOT, "tools", "diagnostics", "exit_trap.c"), "-ldl"], check=True)
+                    os.path.join(_ROOT, "tools", "diagnostics", "exit_trap.c"), "-ldl"], check=True, timeout=120)
     return so
 
 
