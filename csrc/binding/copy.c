@@ -292,6 +292,8 @@ static int _alloc_chunks(_copy *c)
         op->dev = c->o.target;
         op->dst = base;
         op->nbytes = gr->hi - gr->lo;
+        op->chunk = gr->chunk;
+        op->chunk_off = gr->lo;
         op->first = c->ii;
         for (uint32_t s = gr->seg0; s < gr->seg0 + gr->nsegs; s++)
             for (uint32_t m = 0; m < p->segs[s].count; m++) {

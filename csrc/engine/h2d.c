@@ -1,6 +1,6 @@
 /*
  * h2d.c - host -> device op runners (see runner.h): packed chunks staged
- * into one pinned slab and one DMA, large leaves cut into pieces that the
+ * into one pinned slab, one DMA per storage group of the chunk, large leaves cut into pieces that the
  * helpers stage while earlier pieces' DMAs run, and DMAs straight from
  * page-locked arena regions.
  */
@@ -98,35 +98,57 @@ static int _release_after(mtc_run *r, mtc_slab_pool *pool, mtc_slab *slab, CUstr
     return 0;
 }
 
-int mtc_h2d_chunk(mtc_run *r, const mtc_op *op)
+/* Stages the items of ops[0..nops) into base, each op's at its offset in
+ * the chunk less off0, reads their file-backed items, and issues one DMA per
+ * op from there to the op's own tensor. 0, or the failure recorded. */
+static int _chunk_to(mtc_run *r, const mtc_op *ops, uint32_t nops, char *base, CUstream s)
 {
     mtc_job *j = r->job;
-    const mtc_item *items = &j->items[op->first];
-    CUstream s = j->streams[op->dev];
-    int32_t leaf0 = op->count ? items[0].leaf : -1;
-    int rc = mtc_run_use_dev(r, op->dev);
+    int64_t off0 = ops[0].chunk_off;
+    for (uint32_t k = 0; k < nops; k++) {
+        const mtc_op *op = &ops[k];
+        char *at = base + (op->chunk_off - off0);
+        const mtc_item *items = &j->items[op->first];
+        _stage_items(at, items, op->count, op->nbytes);
+        int rc = mtc_run_read_files(r, (uintptr_t)at, items, op->count);
+        if (rc) return rc;
+    }
+    for (uint32_t k = 0; k < nops; k++) {
+        const mtc_op *op = &ops[k];
+        int rc = _dma_h2d(r, op->dst, base + (op->chunk_off - off0), (size_t)op->nbytes, s,
+                          op->count ? j->items[op->first].leaf : -1);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+int mtc_h2d_chunk(mtc_run *r, const mtc_op *ops, uint32_t nops)
+{
+    mtc_job *j = r->job;
+    const mtc_op *last = &ops[nops - 1];
+    CUstream s = j->streams[ops[0].dev];
+    int32_t leaf0 = ops[0].count ? j->items[ops[0].first].leaf : -1;
+    /* the chunk's bytes from its first group's start to its last group's end */
+    size_t span = (size_t)(last->chunk_off + last->nbytes - ops[0].chunk_off);
+    int rc = mtc_run_use_dev(r, ops[0].dev);
     if (rc) return mtc_run_fail(r, rc, leaf0, "selecting the device");
     MTC_COUNT(chunks, 1);
-    MTC_COUNT(items_copied, op->count);
+    for (uint32_t k = 0; k < nops; k++) MTC_COUNT(items_copied, ops[k].count);
     if (!j->staging) {
         /* Pageable staging buffer: the driver copies it out before the call returns. */
-        char *buf = malloc(op->nbytes ? (size_t)op->nbytes : 1);
+        char *buf = malloc(span ? span : 1);
         if (!buf) return mtc_run_fail(r, -ENOMEM, leaf0, "allocating a staging buffer");
-        _stage_items(buf, items, op->count, op->nbytes);
-        rc = mtc_run_read_files(r, (uintptr_t)buf, items, op->count);
-        if (!rc) rc = _dma_h2d(r, op->dst, buf, (size_t)op->nbytes, s, leaf0);
+        rc = _chunk_to(r, ops, nops, buf, s);
         free(buf);
         return rc;
     }
-    mtc_slab_pool *pool = mtc_pinned_pool(op->dev, &rc);
+    mtc_slab_pool *pool = mtc_pinned_pool(ops[0].dev, &rc);
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
     mtc_slab *slab;
-    if ((rc = mtc_slab_alloc(pool, (size_t)op->nbytes, &slab)))
-        return mtc_run_fail(r, rc, leaf0, "allocating pinned staging memory");
-    _stage_items(slab->ptr, items, op->count, op->nbytes);
-    if ((rc = mtc_run_read_files(r, (uintptr_t)slab->ptr, items, op->count)) ||
-        (rc = _dma_h2d(r, op->dst, slab->ptr, (size_t)op->nbytes, s, leaf0))) {
-        mtc_slab_release(pool, slab, 0);
+    if ((rc = mtc_slab_alloc(pool, span, &slab))) return mtc_run_fail(r, rc, leaf0, "allocating pinned staging memory");
+    if ((rc = _chunk_to(r, ops, nops, slab->ptr, s))) {
+        /* the groups' DMAs issued before the failure may still read the slab */
+        _release_after(r, pool, slab, s, leaf0);
         return rc;
     }
     return _release_after(r, pool, slab, s, leaf0);

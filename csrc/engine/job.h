@@ -34,7 +34,8 @@
 
 enum {
     MTC_OP_HOST_COPY = 1, /* host -> host, each item to its own dst */
-    MTC_OP_H2D_CHUNK,     /* items packed at their dst offsets, one DMA of the chunk */
+    MTC_OP_H2D_CHUNK,     /* items packed at their dst offsets, one DMA of the chunk; consecutive
+                             ops of one `chunk` share one staging slab and its fence */
     MTC_OP_H2D,           /* one item, contiguous host source -> device */
     MTC_OP_D2H_CHUNK,     /* items (device) -> host chunk at their dst offsets */
     MTC_OP_D2H,           /* one item, device -> host */
@@ -63,6 +64,8 @@ typedef struct mtc_op {
     int32_t dev;            /* device the op's copies run on (target, or the source for D2H) */
     uintptr_t dst;          /* chunk ops: base of the chunk (device or host) */
     int64_t nbytes;         /* chunk ops: payload bytes */
+    uint32_t chunk;         /* H2D_CHUNK: the planned chunk this op is a storage group of */
+    int64_t chunk_off;      /* H2D_CHUNK: where its bytes start in that chunk (staged there) */
     uint32_t first, count;  /* items[first .. first+count) */
     void (*after)(void *);  /* MTC_OP_H2D_REGION: called once the DMA completed (any thread) */
     void *after_arg;

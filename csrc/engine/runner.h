@@ -24,8 +24,10 @@
 #include "cuda.h"
 #include "job.h"
 
-/* h2d.c: H2D_CHUNK; a run of nops consecutive H2D ops to one device; H2D_REGION. */
-int mtc_h2d_chunk(mtc_run *r, const mtc_op *op);
+/* h2d.c: a run of nops consecutive H2D_CHUNK ops of one chunk (its storage
+ * groups, in chunk order); a run of nops consecutive H2D ops to one device;
+ * H2D_REGION. */
+int mtc_h2d_chunk(mtc_run *r, const mtc_op *ops, uint32_t nops);
 int mtc_h2d_large(mtc_run *r, const mtc_op *ops, uint32_t nops);
 int mtc_h2d_region(mtc_run *r, const mtc_op *op);
 

@@ -104,7 +104,16 @@ int mtc_job_run(mtc_job *j)
         mtc_nvtx_push(MTC_NVTX_OP);
         switch (op->kind) {
         case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
-        case MTC_OP_H2D_CHUNK: mtc_h2d_chunk(&r, op); break;
+        case MTC_OP_H2D_CHUNK: {
+            /* the storage groups of one chunk share its staging slab */
+            uint32_t e = i + 1;
+            while (e < j->nops && j->ops[e].kind == MTC_OP_H2D_CHUNK && j->ops[e].dev == op->dev &&
+                   j->ops[e].chunk == op->chunk && j->ops[e].chunk_off >= j->ops[e - 1].chunk_off + j->ops[e - 1].nbytes)
+                e++;
+            mtc_h2d_chunk(&r, op, e - i);
+            i = e - 1;
+            break;
+        }
         case MTC_OP_H2D: {
             /* a run of large copies to one device shares one staging pipeline */
             uint32_t e = i + 1;

@@ -32,6 +32,8 @@
  *     back to the pool, and the next job succeeds;
  *   - the region op of an unpack (MTC_OP_H2D_REGION): one DMA per item that
  *     has bytes, its `after` once after all of them, also when one fails;
+ *   - packed chunks (MTC_OP_H2D_CHUNK): a chunk's storage groups staged in
+ *     one slab, fenced once, a DMA per group, also when one fails;
  *   - at the end, with the pool trimmed, no page-locked memory and no event is left.
  *   - small pinned caps (one default slab but not two; two rings at once
  *     under 5 MiB; 160 KiB): the pieces shrink so that every copy completes
@@ -754,6 +756,88 @@ static void test_region_items(void)
     }
 }
 
+/* Packed chunks (MTC_OP_H2D_CHUNK): the storage groups of one chunk, each a
+ * device buffer of its own, are staged into one pinned slab at their offsets
+ * in the chunk and fenced once; one DMA per group. Two chunks of three groups
+ * and one group: 4 DMAs, 2 slabs, 2 fences, every byte where its item
+ * belongs; a DMA that fails names its group's first leaf, the groups before
+ * it arrived, the slab goes back, and the next job succeeds. (Without pinned
+ * staging the driver copies a pageable source out before the call returns,
+ * which the fake does not model.) */
+typedef struct chunk_item { int src; size_t dst; } chunk_item; /* source index, offset in its group */
+
+static void test_chunk_groups(void)
+{
+    /* sources: odd sizes at odd offsets */
+    static const src_spec S[] = {{5, 1000}, {2001, 24}, {3003, 300}, {4007, 41}, {5009, 7}, {6011, 70000}};
+    /* chunk 0: groups at chunk offsets 0 (items 0, 1), 1024 (item 2), 1536 (items 3, 4); chunk 1: item 5 */
+    static const struct { uint32_t chunk; int64_t off, nbytes; uint32_t first, count; } G[] = {
+        {0, 0, 1024, 0, 2}, {0, 1024, 304, 2, 1}, {0, 1536, 56, 3, 2}, {1, 0, 70000, 5, 1}};
+    static const chunk_item I[] = {{0, 0}, {1, 1000}, {2, 0}, {3, 0}, {4, 48}, {5, 0}};
+    const int NG = 4, NI = 6;
+    apply(&(cfg){.delay_min_us = 50, .delay_max_us = 200});
+    const int staging = 1;
+    {
+        for (int fail_at = -1; fail_at < 4; fail_at++) {
+            snprintf(g_case, sizeof g_case, "chunk groups, DMA %d fails", fail_at);
+            uint8_t *dev[4];
+            for (int g = 0; g < NG; g++) {
+                CHECK((dev[g] = malloc((size_t)G[g].nbytes)) != NULL);
+                memset(dev[g], 0x5A, (size_t)G[g].nbytes);
+            }
+            mtc_job *j = mtc_job_new((uint32_t)NG, (uint32_t)NI);
+            CHECK(j != NULL);
+            j->target = 0;
+            j->staging = staging;
+            j->dev_mask = 1;
+            j->streams[0] = g_stream;
+            for (int i = 0; i < NI; i++)
+                j->items[i] = (mtc_item){.src = (uintptr_t)(g_src + S[I[i].src].off), .dst = I[i].dst,
+                                         .nbytes = (int64_t)S[I[i].src].n, .dev = -1, .leaf = 10 + i};
+            for (int g = 0; g < NG; g++)
+                j->ops[g] = (mtc_op){.kind = MTC_OP_H2D_CHUNK, .dev = 0, .dst = (uintptr_t)dev[g],
+                                     .nbytes = G[g].nbytes, .chunk = G[g].chunk, .chunk_off = G[g].off,
+                                     .first = G[g].first, .count = G[g].count};
+            j->nops = (uint32_t)NG;
+            j->nitems = (uint32_t)NI;
+            fk->reset_stats();
+            mtc_engine_stats e0, e1;
+            mtc_engine_get_stats(&e0);
+            if (fail_at >= 0) fk->fail(FAKE_FAIL_HTOD, (unsigned)fail_at, 1, 999);
+            run_job(j, fail_at & 1);
+            sync_stream(g_stream);
+            fk->clear_failures();
+            fake_cuda_stats f;
+            fk->get_stats(&f);
+            mtc_engine_get_stats(&e1);
+            check_driver_clean(&f);
+            check_pool_idle();
+            /* the groups whose DMA ran: every item at its offset in its group's buffer */
+            int ran = fail_at < 0 ? NG : fail_at;
+            for (int g = 0; g < ran; g++)
+                for (uint32_t i = G[g].first; i < G[g].first + G[g].count; i++) {
+                    const src_spec *sp = &S[I[i].src];
+                    if (memcmp(dev[g] + I[i].dst, g_src + sp->off, sp->n))
+                        FAILF("group %d: item %u's bytes differ", g, i);
+                }
+            if (fail_at < 0) {
+                CHECK_EQ(j->err, 0);
+                CHECK_EQ(f.htod_calls, NG);
+                CHECK_EQ(e1.chunks - e0.chunks, 2);
+                CHECK_EQ(e1.bytes_h2d - e0.bytes_h2d, 1024 + 304 + 56 + 70000);
+                CHECK_EQ(f.event_records, 2); /* one fence per chunk */
+            } else {
+                CHECK_EQ(j->err, MTC_CUDA_ERR(999));
+                CHECK_EQ(j->err_leaf, 10 + (int)G[fail_at].first);
+                CHECK(strstr(j->err_where, "host-to-device copy") != NULL);
+            }
+            mtc_job_release(j);
+            for (int g = 0; g < NG; g++) free(dev[g]);
+        }
+    }
+    printf("  %-60s ok\n", "chunk groups: one slab and one fence per chunk");
+}
+
 /* A small pinned cap: the pieces shrink until two fit in a quarter of it, so
  * the copy completes with its bytes (want_err 0) instead of waiting forever
  * for room that only its own slabs take; or it fails at once with want_err. */
@@ -843,6 +927,7 @@ int main(void)
                       &(cfg){.ring = "0", .piece = "65536", .delay_min_us = 500, .delay_max_us = 1500});
     test_failures();
     test_region_items();
+    test_chunk_groups();
     test_small_cap("ring default, cap of 3 MiB", &(cfg){.delay_max_us = 20}, 3 * MIB, 0);
     test_small_cap("ring default, cap of 160 KiB", &(cfg){.delay_max_us = 20}, 160 << 10, 0);
     test_small_cap("windows, cap of 1.5 MiB", &(cfg){.ring = "0", .delay_max_us = 20}, 3 * MIB / 2, 0);
