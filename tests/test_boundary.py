@@ -160,38 +160,40 @@ def test_walk_keeps_results_right_when_user_code_drops_an_ancestor():
 # ------------------------------------------------------------------ 12: the walk is linear
 
 
-def _walk_time(n: int, generic: bool, deep: bool) -> float:
-    """Best of 3 copies of n containers holding one tensor: nested n deep, or side by side."""
+def _nested(n: int, generic: bool, deep: bool) -> list:
+    """n containers holding one tensor: each inside the last (deep), or side by side."""
     L = type("L", (list,), {}) if generic else list
     if deep:
         d = torch.ones(1)
         for _ in range(n):
             d = L([d])
-    else:
-        d = L([L() for _ in range(n - 1)] + [L([torch.ones(1)])])
-    best = float("inf")
-    # the collector off: a full collection that lands inside one timed copy (hundreds of
-    # thousands of fresh containers) says nothing about the walk's cost
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            start_copy(d, "cpu").get()
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    return best
+        return d
+    return L([L() for _ in range(n - 1)] + [L([torch.ones(1)])])
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["list", "list_subclass"])
 def test_deep_walk_is_linear_in_depth(generic):
     # the same number of containers nested or side by side costs about the same; a cycle check
-    # that scans the stack per level made 200k levels ~100x slower than 200k siblings
+    # that scans the stack per level made 200k levels ~100x slower than 200k siblings. The two
+    # are timed alternately, best of five each, so that a slow phase of a shared machine lands
+    # on both; the bound (8x) sits far below the quadratic walk's ~100x.
     n = 150_000 if generic else 200_000
-    wide = _walk_time(n, generic, deep=False)
-    deep = _walk_time(n, generic, deep=True)
-    assert deep < 4 * max(wide, 1e-3), (wide, deep)
+    data = {"wide": _nested(n, generic, deep=False), "deep": _nested(n, generic, deep=True)}
+    best = {k: float("inf") for k in data}
+    # the collector off: a full collection that lands inside one timed copy (hundreds of
+    # thousands of fresh containers) says nothing about the walk's cost
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            for k, d in data.items():
+                t0 = time.perf_counter()
+                start_copy(d, "cpu").get()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    wide, deep = best["wide"], best["deep"]
+    assert deep < 8 * max(wide, 1e-3), (wide, deep)
 
 
 def test_deep_structure_round_trips_and_deep_cycle_is_found():
