@@ -272,6 +272,25 @@ def _exit_reported(code: int) -> None:
 os._exit = _exit_reported
 
 
+_TERMINAL_STDERR: list = []
+
+
+def terminal_stderr() -> int:
+    """A descriptor of the runner's own stderr, the terminal's, which pytest's capture does not
+    redirect: for what must be seen even where the run ends before pytest shows the captured
+    output (faulthandler's dump of a hung test that then ends the run). Outside a pytest run,
+    or without its capture, stderr's descriptor."""
+    if not _TERMINAL_STDERR:
+        config = _CONFIG[0] if _CONFIG else None
+        capture = config and config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                _TERMINAL_STDERR.append(os.dup(2))
+        else:
+            _TERMINAL_STDERR.append(os.dup(2))
+    return _TERMINAL_STDERR[0]
+
+
 def progress(line: str) -> None:
     """Writes ``line`` to the terminal at once, while the test runs and its output is captured,
     as pytest's live logging does: for the tests that run for minutes (the C unit tests and

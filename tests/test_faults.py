@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import mtc_loader
-from conftest import assert_tree_bitwise, package_parent, requires_cuda, seed_batch, subprocess_env, tree_to
+from conftest import (assert_tree_bitwise, package_parent, requires_cuda, seed_batch, subprocess_env, terminal_stderr,
+                      tree_to)
 from mtc_loader import PackedBatch, PackedCollate, PrefetchLoader, start_copy
 
 
@@ -131,10 +132,11 @@ def expected(i0: int, n: int) -> list:
 @pytest.fixture(autouse=True)
 def _restore_pinned_cap_and_guard_hangs():
     """Restores the pinned cap; a test that hangs (a deadlock is a possible outcome of fault
-    injection) dumps every thread's stack and ends the run instead of hanging it."""
+    injection) dumps every thread's stack on the terminal (past pytest's capture, which the
+    run's end would discard) and ends the run instead of hanging it."""
     import faulthandler
     cap = mtc_loader.stats()["pinned_cap_bytes"]
-    faulthandler.dump_traceback_later(240, exit=True)
+    faulthandler.dump_traceback_later(240, exit=True, file=terminal_stderr())
     yield
     faulthandler.cancel_dump_traceback_later()
     mtc_loader.configure(pinned_cap_bytes=cap)
@@ -825,7 +827,11 @@ class Big(torch.utils.data.Dataset):
 
 if __name__ == "__main__":
     pc = mtc_loader.PackedCollate(arena_bytes=1 << 20, timeout=-1)  # room for 4 batches: workers wait
-    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=sys.argv[1])
+    # in_order=False: the batches kept are whichever came first (in order, a worker's later
+    # batches could fill the arena before the one the loop waits for, which then never comes);
+    # prefetch_factor=4: each worker has indices left once the arena is full, so both wait for room
+    dl = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=pc, multiprocessing_context=sys.argv[1],
+                    prefetch_factor=4, in_order=False)
     it = iter(dl)
     kept = [next(it) for _ in range(3)]  # held: the arena stays full
     print(" ".join(str(w.pid) for w in it._workers), flush=True)
