@@ -73,7 +73,7 @@ def test_the_table_carries_each_pairs_figures(tmp_path):
     assert rows[("H2D latency mean ms", "new")] == {1: 0.29, 2: 0.30, 3: 0.31}
     assert rows[("harness seed16 x .to()", "old")][3] == 19.5
     md = table.table(rows, markdown=True)
-    assert "| launch4 % of preloaded | 95.0 93.0 97.0 (95.0) | 90.0 91.0 89.0 (90.0) |" in md
+    assert "| launch4 % of preloaded | 95.0 93.0 97.0 (95.0) | 90.0 91.0 89.0 (90.0) | +5.00 (3/3 higher) |" in md
     assert "| H2D latency mean ms | 0.290 0.300 0.310 (0.300) |" in md
 
 
@@ -111,4 +111,18 @@ def test_a_third_arm_and_the_stage_profile_get_their_own_column(tmp_path):
     md = table.table(rows, markdown=True)
     assert md.splitlines()[0].startswith("| figure | this build, pairs 1 2 (median) | the other, pairs 1 2")
     assert "the build before, pairs 1 2 (median) |" in md.splitlines()[0]
-    assert "| seed16 DMA calls/call | 1.00 - (1.00) | - - (-) | 3.00 - (3.00) |" in md
+    assert "| seed16 DMA calls/call | 1.00 - (1.00) | - - (-) | 3.00 - (3.00) | - |" in md
+
+
+def test_the_pairs_are_compared_only_where_both_builds_ran():
+    """The paired column: new less old in each pair that has both (a pair that lost an arm to the
+    deadline is left out), their median, and in how many of them new came out higher."""
+    table = _load_table()
+    assert table.paired({1: 90.0, 2: 80.0, 3: 70.0}, {2: 85.0, 3: 71.0, 4: 60.0}) == (-3.0, 0, 2)
+    assert table.paired({1: 2.0, 2: 5.0, 3: 1.0}, {1: 1.0, 2: 1.0, 3: 3.0}) == (1.0, 2, 3)
+    assert table.paired({1: 1.0}, {2: 1.0}) is None
+    rows = {("launch4 % of preloaded", "new"): {1: 82.0, 2: 96.2, 3: 74.4},
+            ("launch4 % of preloaded", "old"): {1: 88.4, 2: 92.5, 3: 91.2}}
+    text = table.table(rows, markdown=False)
+    assert text.splitlines()[-1].split() == ["new-old", "paired", "-6.40", "(1/3", "higher)"]
+    assert "| -6.40 (1/3 higher) |" in table.table(rows, markdown=True)

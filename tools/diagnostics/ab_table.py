@@ -1,5 +1,10 @@
 """The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build
-(new, old, and prev where the pairs had a third arm), the pairs in order, their median.
+(new, old, and prev where the pairs had a third arm), the pairs in order, their median; and the
+pairs compared: new less old within each pair that has both, the median of those differences and
+in how many pairs new came out higher. The processes of one pair ran one after the other, so the
+paired difference drifts less with the machine than the difference of the two medians; where
+the machine moves a figure from process to process, as it does the launch-bound loops', a
+difference of medians that half the pairs contradict is no difference.
 
 Usage::
 
@@ -77,6 +82,22 @@ def fmt(v: Optional[float]) -> str:
     return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}" if abs(v) < 20 else f"{v:.1f}"
 
 
+def paired(new: dict[int, float], old: dict[int, float]) -> Optional[tuple[float, int, int]]:
+    """(median of new - old over the pairs that have both, pairs where new is higher, pairs
+    compared), or None where no pair has both."""
+    diffs = [new[p] - old[p] for p in sorted(set(new) & set(old))]
+    if not diffs:
+        return None
+    return statistics.median(diffs), sum(d > 0 for d in diffs), len(diffs)
+
+
+def fmt_paired(d: Optional[tuple[float, int, int]]) -> str:
+    if d is None:
+        return "-"
+    med, higher, n = d
+    return f"{'+' if med >= 0 else ''}{fmt(med)} ({higher}/{n} higher)"
+
+
 def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
     pairs = sorted({p for v in rows.values() for p in v})
     figures = list(dict.fromkeys(f for f, _ in rows))
@@ -85,8 +106,8 @@ def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
     out = []
     if markdown:
         out.append("| figure | " + " | ".join(f"{titles[a]}, pairs " + " ".join(map(str, pairs)) + " (median)"
-                                            for a in arms) + " |")
-        out.append("|---" * (len(arms) + 1) + "|")
+                                            for a in arms) + " | this build less the other, paired: median |")
+        out.append("|---" * (len(arms) + 2) + "|")
     for figure in figures:
         cells = []
         for arm in arms:
@@ -94,11 +115,12 @@ def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
             vals = [v[p] for p in pairs if p in v]
             med = statistics.median(vals) if vals else None
             cells.append(" ".join(fmt(v.get(p)) for p in pairs) + f" ({fmt(med)})")
+        diff = fmt_paired(paired(rows.get((figure, "new"), {}), rows.get((figure, "old"), {})))
         if markdown:
-            out.append(f"| {figure} | " + " | ".join(cells) + " |")
+            out.append(f"| {figure} | " + " | ".join(cells) + f" | {diff} |")
         else:
-            out.append("\n".join(f"{figure if k == 0 else '':44s} {a:4s} {c}"
-                                 for k, (a, c) in enumerate(zip(arms, cells))))
+            lines = [f"{figure if k == 0 else '':44s} {a:4s} {c}" for k, (a, c) in enumerate(zip(arms, cells))]
+            out.append("\n".join(lines + [f"{'':44s} {'new-old paired':4s} {diff}"]))
     return "\n".join(out)
 
 
