@@ -4,7 +4,7 @@ Usage::
 
     python3 bench/bench_train.py [--device cuda:0] [--config launch gpu] [--workers 4]
                                  [--batches N] [--rounds N] [--batch-size 8] [--methods ...]
-                                 [--quick] [--out DIR]
+                                 [--beside-ms 0.4] [--quick] [--out DIR]
 
 The loop: a small conv model trains on the 6 camera images of each sample, and the loss reads
 the sample's meta-data on the device. A sample is ``{"images": uint8 (6, 3, H, W), "meta":
@@ -65,6 +65,12 @@ collate_samples)`` over the same dataset, except ``ideal``:
   thread). ``ideal`` to ``ideal_beside_loader`` is what the workers and the receive cost the
   step, on to ``ideal_beside_service`` the copy, on to ``packed`` the step's own use of the
   batches it is handed.
+- ``ideal_beside_spin`` and ``ideal_beside_nogil`` (only with ``--methods``): yardsticks for
+  those. The step trains on the preloaded batch while a thread spends ``--beside-ms`` of CPU per
+  step (default 0.4 ms, about the prefetch service's CPU per batch): spinning in Python, the GIL
+  held throughout (``_spin``), or hashing 16 KiB blocks with ``hashlib``, which releases the GIL
+  while it hashes (``_nogil``). The first is what a thread costs the loop through the GIL for that
+  much work; the second what it costs through the machine alone (shared cores, caches, memory).
 
 The dataset pre-generates a pool of samples (``--pool``, default 4 batches) in ``__init__`` and
 serves index i from ``pool[i % pool]``: the images as they are (the collate copies them into a new
@@ -113,6 +119,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import itertools
 import json
 import os
@@ -138,7 +145,8 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "ideal_beside_loader", "ideal_beside_service"]
+EXTRA_METHODS = ["packed_align1", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
+                 "ideal_beside_nogil"]
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
     "plain": "DataLoader(pin_memory) + .to(nb)",
@@ -150,6 +158,8 @@ LABELS = {
     "packed_align1": "  same, min_packed_alignment_bytes=1",
     "ideal_beside_loader": "ideal + packed's loader beside",
     "ideal_beside_service": "ideal + packed's service beside",
+    "ideal_beside_spin": "ideal + a thread's CPU beside, GIL held",
+    "ideal_beside_nogil": "ideal + a thread's CPU beside, no GIL",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
@@ -440,6 +450,31 @@ class Beside:
             t.join()
 
 
+class BusyWork:
+    """``ideal_beside_spin`` / ``_nogil``'s background: endless items, each costing ``ms`` of CPU
+    time on the thread that takes it, in a Python loop (the GIL held; the interpreter's forced
+    switches aside) or in ``hashlib`` over 16 KiB blocks (the GIL released while hashing)."""
+
+    BLOCK = bytes(range(256)) * 64  # 16 KiB: hashlib releases the GIL above 2047 bytes
+
+    def __init__(self, ms: float, gil: bool):
+        self.ms, self.gil = ms, gil
+
+    def one(self) -> None:
+        end = time.thread_time() + self.ms / 1e3
+        if self.gil:
+            while time.thread_time() < end:
+                pass
+        else:
+            while time.thread_time() < end:
+                hashlib.sha256(self.BLOCK).digest()
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            self.one()
+            yield None
+
+
 def arena_bytes_for(ref_batch: Any, workers: int) -> int:
     """Room for (workers * prefetch_factor + depth + 4) batches, with alignment and slot slack."""
     n, nbytes = count_tensors(ref_batch)
@@ -449,7 +484,7 @@ def arena_bytes_for(ref_batch: Any, workers: int) -> int:
 
 
 def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: int, device: torch.device,
-                 preloaded: Any, ref_batch: Any) -> tuple[dict[str, Iterable], dict[str, Any]]:
+                 preloaded: Any, ref_batch: Any, beside_ms: float = 0.4) -> tuple[dict[str, Iterable], dict[str, Any]]:
     """The methods' iterables, and the PackedCollate of ``packed`` (for its arena's counters)."""
     common: dict[str, Any] = dict(batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0)
 
@@ -485,6 +520,9 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             if name == "ideal_beside_service":
                 background = mtc_loader.PrefetchLoader(background, device, depth=PREFETCH_DEPTH)
             out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), background)
+        elif name in ("ideal_beside_spin", "ideal_beside_nogil"):
+            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
+                               BusyWork(beside_ms, gil=name == "ideal_beside_spin"))
         elif name == "packed_gil5ms":  # the service without its GIL switch-interval setting
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
@@ -815,10 +853,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0, help="model warm-up steps (default 10; --quick 1)")
     p.add_argument("--methods", nargs="+", choices=METHODS + EXTRA_METHODS, default=METHODS,
                    help="(ideal is always run; packed_align1 and ideal_beside_* only when named)")
+    p.add_argument("--beside-ms", type=float, default=0.4,
+                   help="ideal_beside_spin / _nogil: the thread's CPU time per step, ms (default 0.4)")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
     args = p.parse_args(argv)
+    if not args.beside_ms > 0:
+        p.error(f"--beside-ms must be a positive number of milliseconds, got {args.beside_ms}")
     args.batches = args.batches or (6 if args.quick else 100)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.pool = args.pool or 4 * args.batch_size
@@ -866,7 +908,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{cfg_name}] preloaded step: {(time.perf_counter() - t0) * 1e3 / args.warmup_steps:.2f} ms",
               flush=True)
 
-        methods, extra = make_methods(args.methods, ds, args.workers, args.batch_size, device, preloaded, ref)
+        methods, extra = make_methods(args.methods, ds, args.workers, args.batch_size, device, preloaded, ref,
+                                      args.beside_ms)
         res[cfg_name] = {m: {"epochs": []} for m in args.methods}
         check = make_checker(ref)
         for m, iterable in methods.items():  # warm-up epoch; its first batch checked bitwise

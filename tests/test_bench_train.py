@@ -71,14 +71,34 @@ def test_beside_ends_when_the_background_loader_ends_first():
 def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
                         "--config", "launch4", "--methods", "ideal", "ideal_beside_loader", "ideal_beside_service",
-                        "packed", "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
+                        "packed", "ideal_beside_spin", "ideal_beside_nogil", "--beside-ms", "0.2",
+                        "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
                        cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
-    for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed"):
+    for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "ideal_beside_spin",
+              "ideal_beside_nogil"):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
+    assert "ideal + a thread's CPU beside, GIL held" in r.stdout and "ideal + a thread's CPU beside, no GIL" in r.stdout
+
+
+@pytest.mark.parametrize("gil", [True, False], ids=["spin", "nogil"])
+def test_busy_work_spends_its_cpu_time_per_item_on_the_thread_that_takes_it(gil):
+    work = bench_train.BusyWork(5.0, gil=gil)
+    it = iter(work)
+    for _ in range(3):
+        t0 = time.thread_time()
+        assert next(it) is None
+        spent = time.thread_time() - t0
+        assert 0.005 <= spent < 0.5, spent  # at least its 5 ms; the loop checks the clock often
+
+
+def test_beside_ms_must_be_positive():
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--beside-ms", "0"])
+    assert bench_train.parse_args(["--beside-ms", "0.25"]).beside_ms == 0.25
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread switch counts are read from Linux's /proc")
