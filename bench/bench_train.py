@@ -158,8 +158,8 @@ LABELS = {
     "packed_align1": "  same, min_packed_alignment_bytes=1",
     "ideal_beside_loader": "ideal + packed's loader beside",
     "ideal_beside_service": "ideal + packed's service beside",
-    "ideal_beside_spin": "ideal + a thread's CPU beside, GIL held",
-    "ideal_beside_nogil": "ideal + a thread's CPU beside, no GIL",
+    "ideal_beside_spin": "ideal + busy thread beside, GIL held",
+    "ideal_beside_nogil": "ideal + busy thread beside, no GIL",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
