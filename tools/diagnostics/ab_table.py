@@ -120,7 +120,7 @@ def table(rows: dict[tuple[str, str], dict[int, float]], markdown: bool) -> str:
             out.append(f"| {figure} | " + " | ".join(cells) + f" | {diff} |")
         else:
             lines = [f"{figure if k == 0 else '':44s} {a:4s} {c}" for k, (a, c) in enumerate(zip(arms, cells))]
-            out.append("\n".join(lines + [f"{'':44s} {'new-old paired':4s} {diff}"]))
+            out.append("\n".join(lines + [f"{'':44s} new-old paired {diff}"]))
     return "\n".join(out)
 
 
