@@ -146,7 +146,8 @@ import mtc_loader  # noqa: E402
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
 EXTRA_METHODS = ["packed_align1", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
-                 "ideal_beside_nogil"]
+                 "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
+BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
     "plain": "DataLoader(pin_memory) + .to(nb)",
@@ -160,6 +161,9 @@ LABELS = {
     "ideal_beside_service": "ideal + packed's service beside",
     "ideal_beside_spin": "ideal + busy thread beside, GIL held",
     "ideal_beside_nogil": "ideal + busy thread beside, no GIL",
+    "ideal_beside_stream": "ideal + memcpy thread beside",
+    "ideal_beside_dma": "ideal + batch-sized DMA beside",
+    "ideal_beside_dma_fn": "ideal + DMA and host function beside",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
@@ -451,18 +455,33 @@ class Beside:
 
 
 class BusyWork:
-    """``ideal_beside_spin`` / ``_nogil``'s background: endless items, each costing ``ms`` of CPU
-    time on the thread that takes it, in a Python loop (the GIL held; the interpreter's forced
-    switches aside) or in ``hashlib`` over 16 KiB blocks (the GIL released while hashing)."""
+    """``ideal_beside_spin`` / ``_nogil`` / ``_stream``'s background: endless items, each costing
+    the thread that takes it ``ms`` of CPU time in a Python loop (``spin``: the GIL held, the
+    interpreter's forced switches aside) or in ``hashlib`` over 16 KiB blocks (``nogil``: the GIL
+    released while hashing, the data in the core's own cache), or copying ``nbytes`` from one
+    buffer to another (``stream``: numpy's copy, the GIL released; the bytes go through the
+    memory and the shared cache, as a worker's collate and pack write a batch)."""
 
     BLOCK = bytes(range(256)) * 64  # 16 KiB: hashlib releases the GIL above 2047 bytes
 
-    def __init__(self, ms: float, gil: bool):
-        self.ms, self.gil = ms, gil
+    def __init__(self, ms: float, kind: str, nbytes: int = 0):
+        if kind not in ("spin", "nogil", "stream"):
+            raise ValueError(f"BusyWork: kind must be spin, nogil or stream, not {kind!r}")
+        self.ms, self.kind, self.nbytes = ms, kind, nbytes
+        if kind == "stream":
+            import numpy as np
+
+            self.src = np.full(max(nbytes, 1), 7, dtype=np.uint8)
+            self.dst = np.empty_like(self.src)
 
     def one(self) -> None:
+        if self.kind == "stream":
+            import numpy as np
+
+            np.copyto(self.dst, self.src)  # numpy releases the GIL for a copy of plain numbers
+            return
         end = time.thread_time() + self.ms / 1e3
-        if self.gil:
+        if self.kind == "spin":
             while time.thread_time() < end:
                 pass
         else:
@@ -470,6 +489,47 @@ class BusyWork:
                 hashlib.sha256(self.BLOCK).digest()
 
     def __iter__(self) -> Iterator[None]:
+        while True:
+            self.one()
+            yield None
+
+
+class DmaWork:
+    """``ideal_beside_dma`` / ``_dma_fn``'s background: endless items, each one host-to-device
+    copy of ``nbytes`` from page-locked memory on a stream of its own (torch's ``copy_(...,
+    non_blocking=True)``: a few microseconds of Python, then the DMA engine's), and for ``_fn``
+    also a host function queued behind it (``cuLaunchHostFunc`` with the C library's ``free`` of
+    NULL: nothing runs but the driver's own callback machinery), as a packed batch's copy frees
+    its arena region. What the copies themselves cost a launch-bound loop, without the service."""
+
+    def __init__(self, nbytes: int, device: torch.device, host_fn: bool):
+        if device.type != "cuda":
+            raise ValueError("ideal_beside_dma / ideal_beside_dma_fn copy to a CUDA device: run them with "
+                             "--device cuda:N")
+        self.device, self.host_fn = device, host_fn
+        self.src = torch.empty(max(nbytes, 1), dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device)
+        self._launch = self._free = None
+        if host_fn:
+            import ctypes
+
+            cuda = ctypes.CDLL("libcuda.so.1")
+            self._launch = cuda.cuLaunchHostFunc
+            self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            self._launch.restype = ctypes.c_int
+            self._free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+
+    def one(self) -> None:
+        with torch.cuda.stream(self.stream):
+            self.dst.copy_(self.src, non_blocking=True)
+        if self._launch is not None:
+            rc = self._launch(self.stream.cuda_stream, self._free, None)
+            if rc:
+                raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {rc}")
+
+    def __iter__(self) -> Iterator[None]:
+        torch.cuda.set_device(self.device)
         while True:
             self.one()
             yield None
@@ -520,9 +580,12 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             if name == "ideal_beside_service":
                 background = mtc_loader.PrefetchLoader(background, device, depth=PREFETCH_DEPTH)
             out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), background)
-        elif name in ("ideal_beside_spin", "ideal_beside_nogil"):
+        elif name in BUSY_KINDS:
             out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
-                               BusyWork(beside_ms, gil=name == "ideal_beside_spin"))
+                               BusyWork(beside_ms, BUSY_KINDS[name], count_tensors(ref_batch)[1]))
+        elif name in ("ideal_beside_dma", "ideal_beside_dma_fn"):
+            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
+                               DmaWork(count_tensors(ref_batch)[1], device, host_fn=name == "ideal_beside_dma_fn"))
         elif name == "packed_gil5ms":  # the service without its GIL switch-interval setting
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
@@ -596,13 +659,56 @@ def switches_per_batch(before: dict[int, tuple[int, int]], after: dict[int, tupl
     return out
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a sysfs list such as ``0-3,8,10-11``."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """The logical CPUs that share ``cpu``'s core (itself included), from sysfs; ``{cpu}`` where
+    the topology is not known."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return parse_cpu_list(f.read()) | {cpu}
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def loop_placement(spec: str | None) -> tuple[set[int], set[int]] | None:
+    """``--pin-loop``: (the training thread's CPUs, everything else's), or None. The training thread
+    gets one CPU (``auto``: the highest this process may use) and the core it is on: every other
+    thread and process of the benchmark (the workers, the service, the driver's threads) runs on
+    the other cores, so that nothing shares its core's caches or execution units."""
+    if spec is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed) if spec == "auto" else int(spec)
+    if cpu not in allowed:
+        raise SystemExit(f"--pin-loop {spec}: CPU {cpu} is not one this process may use ({sorted(allowed)})")
+    rest = allowed - core_siblings(cpu)
+    if not rest:
+        raise SystemExit(f"--pin-loop {spec}: no other core left for the workers and the service")
+    return {cpu}, rest
+
+
 def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: torch.device, batch_size: int,
-              check: Callable[[Any], None] | None = None) -> dict[str, Any]:
+              check: Callable[[Any], None] | None = None,
+              placement: tuple[set[int], set[int]] | None = None) -> dict[str, Any]:
     """One epoch, synchronized at its end only; the training thread's time in next() and the step.
 
     The threads' context switches are read after batch 2 and every SWITCH_EVERY batches after it
     (the same readings for every method, about 0.3 ms each): ``switches`` is the rate between the
-    first and the last reading, per kind of thread, while every thread of the loader is alive."""
+    first and the last reading, per kind of thread, while every thread of the loader is alive.
+
+    ``placement`` (loop_placement): the training thread moves to its own core once the first batch
+    is in hand (the loader's threads and processes, started by then, stay on the others) and back
+    to the others at the epoch's end."""
     trainer = threading.get_native_id()
     sw_first: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
     sw_last: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
@@ -616,34 +722,40 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
         warnings.simplefilter("ignore")  # pin_memory without an accelerator warns per iterator
         t_start = time.perf_counter()
         it = iter(iterable)
-        while True:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            t1, c1 = time.perf_counter(), time.thread_time()
-            if t_first is None:
-                t_first = t1
-                if check is not None:
-                    check(batch)
-            loss = step(batch)
-            del batch
-            t2, c2 = time.perf_counter(), time.thread_time()
-            next_ms.append((t1 - t0) * 1e3)
-            next_cpu_ms.append((c1 - c0) * 1e3)
-            step_ms.append((t2 - t1) * 1e3)
-            step_cpu_ms.append((c2 - c1) * 1e3)
-            k = len(step_ms)
-            if k >= 2 and (k - 2) % SWITCH_EVERY == 0:
-                names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-                reading = (k, thread_switches(), names)
-                if sw_first is None:
-                    sw_first = reading
-                else:
-                    sw_last = reading
-        synchronize(device)
-        t_end = time.perf_counter()
+        try:
+            while True:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                t1, c1 = time.perf_counter(), time.thread_time()
+                if t_first is None:
+                    t_first = t1
+                    if placement is not None:
+                        os.sched_setaffinity(0, placement[0])  # this thread only (Linux)
+                    if check is not None:
+                        check(batch)
+                loss = step(batch)
+                del batch
+                t2, c2 = time.perf_counter(), time.thread_time()
+                next_ms.append((t1 - t0) * 1e3)
+                next_cpu_ms.append((c1 - c0) * 1e3)
+                step_ms.append((t2 - t1) * 1e3)
+                step_cpu_ms.append((c2 - c1) * 1e3)
+                k = len(step_ms)
+                if k >= 2 and (k - 2) % SWITCH_EVERY == 0:
+                    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+                    reading = (k, thread_switches(), names)
+                    if sw_first is None:
+                        sw_first = reading
+                    else:
+                        sw_last = reading
+            synchronize(device)
+            t_end = time.perf_counter()
+        finally:
+            if placement is not None:
+                os.sched_setaffinity(0, placement[1])
     del it
     n = len(next_ms)
     return {
@@ -855,12 +967,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(ideal is always run; packed_align1 and ideal_beside_* only when named)")
     p.add_argument("--beside-ms", type=float, default=0.4,
                    help="ideal_beside_spin / _nogil: the thread's CPU time per step, ms (default 0.4)")
+    p.add_argument("--pin-loop", metavar="CPU", default=None,
+                   help="the training thread alone on this CPU's core (auto: the highest CPU this process "
+                        "may use), every other thread and worker on the other cores (Linux; default: the "
+                        "scheduler places every thread)")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
     args = p.parse_args(argv)
     if not args.beside_ms > 0:
         p.error(f"--beside-ms must be a positive number of milliseconds, got {args.beside_ms}")
+    if args.pin_loop is not None and args.pin_loop != "auto" and not args.pin_loop.isdigit():
+        p.error(f"--pin-loop takes a CPU number or auto, got {args.pin_loop!r}")
     args.batches = args.batches or (6 if args.quick else 100)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.pool = args.pool or 4 * args.batch_size
@@ -871,6 +989,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    placement = loop_placement(args.pin_loop)
+    if placement is not None:  # before CUDA and the workers start: their threads inherit it
+        os.sched_setaffinity(0, placement[1])
+        print(f"training thread on CPU {min(placement[0])} alone on its core; every other thread on CPUs "
+              f"{','.join(map(str, sorted(placement[1])))}", flush=True)
     # more workers than this machine's cores: torch warns; the benchmark means it
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     device = torch.device(args.device)
@@ -913,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
         res[cfg_name] = {m: {"epochs": []} for m in args.methods}
         check = make_checker(ref)
         for m, iterable in methods.items():  # warm-up epoch; its first batch checked bitwise
-            e = run_epoch(iterable, step, device, args.batch_size, check=check)
+            e = run_epoch(iterable, step, device, args.batch_size, check=check, placement=placement)
             res[cfg_name][m]["warmup"] = e
             if hasattr(iterable, "reset_stats"):  # PrefetchLoader: count the timed epochs only
                 iterable.reset_stats()
@@ -921,7 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
             k = r % len(args.methods)
             for m in args.methods[k:] + args.methods[:k]:
                 gc.collect()
-                res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size))
+                res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size,
+                                                             placement=placement))
         line = ", ".join(f"{m} {statistics.median(e['samples_per_s'] for e in res[cfg_name][m]['epochs']):.1f}"
                          for m in args.methods)
         print(f"[{cfg_name}] samples/s: {line}", flush=True)

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_train  # noqa: E402
-from conftest import ROOT, package_parent, subprocess_env  # noqa: E402
+from conftest import ROOT, package_parent, requires_cuda, subprocess_env  # noqa: E402
 
 
 class _Counted:
@@ -71,28 +71,128 @@ def test_beside_ends_when_the_background_loader_ends_first():
 def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
                         "--config", "launch4", "--methods", "ideal", "ideal_beside_loader", "ideal_beside_service",
-                        "packed", "ideal_beside_spin", "ideal_beside_nogil", "--beside-ms", "0.2",
+                        "packed", "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream", "--beside-ms", "0.2",
                         "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
                        cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
     for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "ideal_beside_spin",
-              "ideal_beside_nogil"):
+              "ideal_beside_nogil", "ideal_beside_stream"):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
     assert "ideal + busy thread beside, GIL held" in r.stdout and "ideal + busy thread beside, no GIL" in r.stdout
+    assert "ideal + memcpy thread beside" in r.stdout
 
 
-@pytest.mark.parametrize("gil", [True, False], ids=["spin", "nogil"])
-def test_busy_work_spends_its_cpu_time_per_item_on_the_thread_that_takes_it(gil):
-    work = bench_train.BusyWork(5.0, gil=gil)
+@pytest.mark.parametrize("kind", ["spin", "nogil"])
+def test_busy_work_spends_its_cpu_time_per_item_on_the_thread_that_takes_it(kind):
+    work = bench_train.BusyWork(5.0, kind)
     it = iter(work)
     for _ in range(3):
         t0 = time.thread_time()
         assert next(it) is None
         spent = time.thread_time() - t0
         assert 0.005 <= spent < 0.5, spent  # at least its 5 ms; the loop checks the clock often
+
+
+def test_busy_work_stream_copies_its_bytes_per_item_without_the_gil():
+    work = bench_train.BusyWork(0.4, "stream", nbytes=64 << 20)
+    work.dst[:] = 0
+    it = iter(work)
+    assert next(it) is None
+    assert (work.dst == 7).all()  # every byte copied
+    # the copy releases the GIL: a Python thread counts on meanwhile
+    work.dst[:] = 0
+    counts, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counts[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        time.sleep(0.01)
+        before = counts[0]
+        for _ in range(4):
+            next(it)
+        during = counts[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert during > 0
+
+
+def test_busy_work_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="spin, nogil or stream"):
+        bench_train.BusyWork(0.4, "gil")
+
+
+def test_dma_beside_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="--device cuda:N"):
+        bench_train.DmaWork(1 << 20, bench_train.torch.device("cpu"), host_fn=False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("host_fn", [False, True], ids=["dma", "dma_fn"])
+def test_dma_beside_copies_the_bytes_to_the_device(host_fn):
+    torch = bench_train.torch
+    work = bench_train.DmaWork(3 << 20, torch.device("cuda", 0), host_fn=host_fn)
+    work.src.fill_(5)
+    it = iter(work)
+    for _ in range(3):
+        assert next(it) is None
+    work.stream.synchronize()
+    assert torch.equal(work.dst.cpu(), work.src)
+
+
+def test_parse_cpu_list_reads_sysfs_ranges():
+    assert bench_train.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert bench_train.parse_cpu_list("5") == {5}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux's")
+def test_loop_placement_gives_the_loop_a_core_of_its_own():
+    allowed = os.sched_getaffinity(0)
+    assert bench_train.loop_placement(None) is None
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    loop, rest = bench_train.loop_placement("auto")
+    assert loop == {max(allowed)} and rest and not rest & bench_train.core_siblings(max(allowed))
+    assert rest <= allowed
+    with pytest.raises(SystemExit, match="not one this process may use"):
+        bench_train.loop_placement(str(max(allowed) + 1000))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="thread affinity is Linux's; needs two CPUs")
+def test_run_epoch_moves_the_training_thread_for_the_epoch_and_back():
+    allowed = os.sched_getaffinity(0)
+    loop, rest = bench_train.loop_placement("auto")
+    seen = []
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, rest)
+
+        def step(batch):
+            seen.append(os.sched_getaffinity(0))
+            return bench_train.torch.zeros(())
+
+        e = bench_train.run_epoch(bench_train.Preloaded("b", 3), step, bench_train.torch.device("cpu"), 1,
+                                  placement=(loop, rest))
+        assert e["batches"] == 3 and seen == [loop] * 3
+        assert os.sched_getaffinity(0) == rest
+    finally:
+        os.sched_setaffinity(0, before)
+    assert allowed == before
+
+
+def test_pin_loop_takes_a_cpu_number_or_auto():
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--pin-loop", "first"])
+    assert bench_train.parse_args(["--pin-loop", "auto"]).pin_loop == "auto"
+    assert bench_train.parse_args(["--pin-loop", "3"]).pin_loop == "3"
 
 
 def test_beside_ms_must_be_positive():
