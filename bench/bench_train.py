@@ -4,7 +4,7 @@ Usage::
 
     python3 bench/bench_train.py [--device cuda:0] [--config launch gpu] [--workers 4]
                                  [--batches N] [--rounds N] [--batch-size 8] [--methods ...]
-                                 [--beside-ms 0.4] [--quick] [--out DIR]
+                                 [--beside-ms 0.4] [--pin-loop CPU|auto] [--quick] [--out DIR]
 
 The loop: a small conv model trains on the 6 camera images of each sample, and the loss reads
 the sample's meta-data on the device. A sample is ``{"images": uint8 (6, 3, H, W), "meta":
@@ -71,6 +71,19 @@ collate_samples)`` over the same dataset, except ``ideal``:
   held throughout (``_spin``), or hashing 16 KiB blocks with ``hashlib``, which releases the GIL
   while it hashes (``_nogil``). The first is what a thread costs the loop through the GIL for that
   much work; the second what it costs through the machine alone (shared cores, caches, memory).
+- ``ideal_beside_stream``, ``ideal_beside_dma`` and ``ideal_beside_dma_fn`` (only with
+  ``--methods``): the rest of what a loader does beside the step, one piece at a time. ``_stream``:
+  a thread reads a batch's bytes and writes them to another buffer per step, the GIL released
+  (a numpy ufunc: ordinary stores, through the shared cache, as the workers' dataset and collate
+  write each batch). ``_dma``: a thread copies a batch's bytes from page-locked memory to the
+  device per step, on a stream of its own (a few microseconds of Python, then the DMA engine's
+  work); ``_dma_fn`` also queues a host function that does nothing behind each copy (the driver's
+  callback machinery, which a packed batch's copy uses to free its arena region).
+
+``--pin-loop CPU`` (``auto``: the highest CPU the process may use) puts the training thread alone
+on that CPU's core once an epoch's first batch is in hand, and every other thread and process of
+the benchmark (workers, service, the driver's threads) on the other cores: whether a method's loss
+is the scheduler placing other work on the training thread's core. Every method runs so placed.
 
 The dataset pre-generates a pool of samples (``--pool``, default 4 batches) in ``__init__`` and
 serves index i from ``pool[i % pool]``: the images as they are (the collate copies them into a new
@@ -458,9 +471,10 @@ class BusyWork:
     """``ideal_beside_spin`` / ``_nogil`` / ``_stream``'s background: endless items, each costing
     the thread that takes it ``ms`` of CPU time in a Python loop (``spin``: the GIL held, the
     interpreter's forced switches aside) or in ``hashlib`` over 16 KiB blocks (``nogil``: the GIL
-    released while hashing, the data in the core's own cache), or copying ``nbytes`` from one
-    buffer to another (``stream``: numpy's copy, the GIL released; the bytes go through the
-    memory and the shared cache, as a worker's collate and pack write a batch)."""
+    released while hashing, the data in the core's own cache), or reading ``nbytes`` from one
+    buffer and writing them, plus one, to another (``stream``: a numpy ufunc, the GIL released, its
+    ordinary stores through the shared cache as a worker's dataset and collate write a batch; a
+    memcpy this large would stream past the cache)."""
 
     BLOCK = bytes(range(256)) * 64  # 16 KiB: hashlib releases the GIL above 2047 bytes
 
@@ -478,7 +492,7 @@ class BusyWork:
         if self.kind == "stream":
             import numpy as np
 
-            np.copyto(self.dst, self.src)  # numpy releases the GIL for a copy of plain numbers
+            np.add(self.src, 1, out=self.dst)  # numpy's loops release the GIL for plain numbers
             return
         end = time.thread_time() + self.ms / 1e3
         if self.kind == "spin":

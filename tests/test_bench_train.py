@@ -96,32 +96,33 @@ def test_busy_work_spends_its_cpu_time_per_item_on_the_thread_that_takes_it(kind
         assert 0.005 <= spent < 0.5, spent  # at least its 5 ms; the loop checks the clock often
 
 
-def test_busy_work_stream_copies_its_bytes_per_item_without_the_gil():
+def test_busy_work_stream_writes_its_bytes_per_item_without_the_gil():
     work = bench_train.BusyWork(0.4, "stream", nbytes=64 << 20)
     work.dst[:] = 0
     it = iter(work)
     assert next(it) is None
-    assert (work.dst == 7).all()  # every byte copied
-    # the copy releases the GIL: a Python thread counts on meanwhile
-    work.dst[:] = 0
-    counts, stop = [0], threading.Event()
+    assert (work.dst == 8).all()  # every byte read and written
+    # the GIL is released while it writes: a Python thread runs in the middle of the call
+    seen, stop = [], threading.Event()
 
-    def count():
+    def tick():
         while not stop.is_set():
-            counts[0] += 1
+            seen.append(time.perf_counter())
+            time.sleep(0)
 
-    t = threading.Thread(target=count)
+    t = threading.Thread(target=tick)
     t.start()
     try:
-        time.sleep(0.01)
-        before = counts[0]
-        for _ in range(4):
-            next(it)
-        during = counts[0] - before
+        spans = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            work.one()
+            t1 = time.perf_counter()
+            spans.append((t0 + (t1 - t0) / 4, t1 - (t1 - t0) / 4))
     finally:
         stop.set()
         t.join()
-    assert during > 0
+    assert any(lo < x < hi for lo, hi in spans for x in seen), spans
 
 
 def test_busy_work_refuses_an_unknown_kind():
