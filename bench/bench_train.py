@@ -174,7 +174,7 @@ LABELS = {
     "ideal_beside_service": "ideal + packed's service beside",
     "ideal_beside_spin": "ideal + busy thread beside, GIL held",
     "ideal_beside_nogil": "ideal + busy thread beside, no GIL",
-    "ideal_beside_stream": "ideal + memcpy thread beside",
+    "ideal_beside_stream": "ideal + batch-writing thread beside",
     "ideal_beside_dma": "ideal + batch-sized DMA beside",
     "ideal_beside_dma_fn": "ideal + DMA and host function beside",
 }

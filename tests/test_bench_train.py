@@ -82,7 +82,7 @@ def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
     assert "ideal + busy thread beside, GIL held" in r.stdout and "ideal + busy thread beside, no GIL" in r.stdout
-    assert "ideal + memcpy thread beside" in r.stdout
+    assert "ideal + batch-writing thread beside" in r.stdout
 
 
 @pytest.mark.parametrize("kind", ["spin", "nogil"])
