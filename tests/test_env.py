@@ -37,6 +37,7 @@ VARIABLES = {
     "MTC_TORCH_SHIM": ("0", "sometimes"),
     "MTC_C_HANDOFF": ("off", "C"),
     "MTC_QUIET_PIPES": ("no", "quiet"),
+    "MTC_PACK_NT": ("0", "nt"),
 }
 
 _CHILD = """

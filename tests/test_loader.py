@@ -391,6 +391,26 @@ def test_unpack_and_start_copy_cpu():
     assert pc.stats()["slots_in_use"] == 0
 
 
+@pytest.mark.parametrize("nt", ["1", "0"], ids=["streaming", "memcpy"])
+@pytest.mark.parametrize("align", [1, 64])
+def test_pack_writes_the_same_bytes_with_and_without_streaming_stores(monkeypatch, nt, align):
+    """MTC_PACK_NT (read at every pack) picks how the pack writes contiguous leaves into the
+    arena; either way every byte arrives: leaves of every length around the streaming copy's
+    16-byte steps and 256-byte floor, at odd offsets (align 1), one above the helpers' split
+    (8 MiB), and a strided one (copied element by element either way)."""
+    monkeypatch.setenv("MTC_PACK_NT", nt)
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 15, 16, 17, 63, 255, 256, 257, 1000, 4097, 65537, (9 << 20) + 3]
+    sample = {f"t{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes}
+    sample["strided"] = torch.randn(64, 33, generator=g)[:, ::2]
+    sample["f64"] = torch.randn(1001, dtype=torch.float64, generator=g)
+    pc = mtc_loader.PackedCollate(list, arena_bytes=64 << 20, min_packed_alignment_bytes=align)
+    for _ in range(2):
+        pb = pc([sample])
+        assert_tree_bitwise(pb.unpack("cpu"), [sample])
+    assert pc.stats()["slots_in_use"] == 0
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_unpack_cuda():

@@ -15,6 +15,7 @@
 
 #include "arena.h"
 #include "copy.h"
+#include "env.h"
 #include "files.h"
 #include "layout.h"
 #include "skeleton.h"
@@ -267,7 +268,11 @@ static int _pack_check_plan(mtc_arena *a, const mtc_tree *t, const mtc_plan *p, 
 
 /* Writes every leaf of t into the region at `dst` as plan p places them: one
  * host-copy job run here with the GIL released (helpers for big leaves; the
- * FileTensor leaves read straight into the region, one batch of reads).
+ * FileTensor leaves read straight into the region, one batch of reads). The
+ * contiguous leaves are written with streaming stores (MTC_PACK_NT=0: with
+ * memcpy): what the region holds is read next by a DMA or by another
+ * process, so its lines are neither read before they are written nor left to
+ * push the rest of the machine's work out of the shared cache.
  * 0, or -1 with MemoryError or the exception of a failed file read. */
 static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
 {
@@ -278,7 +283,8 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
         return -1;
     }
     job->target = MTC_DEV_CPU;
-    job->ops[0] = (mtc_op){.kind = MTC_OP_HOST_COPY, .dev = -1, .first = 0, .count = t->nleaves};
+    job->ops[0] = (mtc_op){.kind = MTC_OP_HOST_COPY, .dev = -1, .first = 0, .count = t->nleaves,
+                           .nt = mtc_env_bool(MTC_ENV_PACK_NT, 1)};
     for (uint32_t i = 0; i < t->nleaves; i++)
         mtc_item_of_leaf(&job->items[i], t, i, (uintptr_t)(dst + mtc_plan_leaf_offset(p, &t->leaves[i])));
     job->nops = 1;

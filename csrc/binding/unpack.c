@@ -127,7 +127,7 @@ static void _unpack_host_copies(const uint8_t *region, const mtc_group *groups, 
 {
     for (uint32_t g = 0; g < ngroups; g++)
         if ((target < 0 || groups[g].host) && groups[g].hi > groups[g].lo)
-            mtc_memcpy_parallel((void *)ptr[g], region + groups[g].lo, (size_t)(groups[g].hi - groups[g].lo));
+            mtc_memcpy_parallel((void *)ptr[g], region + groups[g].lo, (size_t)(groups[g].hi - groups[g].lo), 0);
 }
 
 /* 1 when every group's tensor can come from torch's allocator through the C

@@ -50,6 +50,7 @@ static const _var _vars[MTC_ENV_COUNT] = {
     [MTC_ENV_TORCH_SHIM] = {"MTC_TORCH_SHIM", _BOOL, 0, 0, NULL, "the default (on where torch has its C shim)"},
     [MTC_ENV_C_HANDOFF] = {"MTC_C_HANDOFF", _BOOL, 0, 0, NULL, "the default (on)"},
     [MTC_ENV_QUIET_PIPES] = {"MTC_QUIET_PIPES", _BOOL, 0, 0, NULL, "the default (on)"},
+    [MTC_ENV_PACK_NT] = {"MTC_PACK_NT", _BOOL, 0, 0, NULL, "the default (on)"},
 };
 
 const char *mtc_env_name(mtc_env_id id) { return _vars[id].name; }

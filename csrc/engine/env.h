@@ -36,6 +36,7 @@ typedef enum {
     MTC_ENV_TORCH_SHIM,
     MTC_ENV_C_HANDOFF,
     MTC_ENV_QUIET_PIPES,
+    MTC_ENV_PACK_NT,
     MTC_ENV_COUNT
 } mtc_env_id;
 

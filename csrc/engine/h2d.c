@@ -63,7 +63,7 @@ static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t 
         _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks, _stage_nt()};
         mtc_parallel_for(_stage_task, &c, (n + c.per_task - 1) / c.per_task);
     } else if (n == 1 && !items[0].shape && !items[0].file) {
-        mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes);
+        mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes, 0);
     } else {
         for (uint32_t i = 0; i < n; i++) _stage_item(base, &items[i], 0);
     }

@@ -337,23 +337,29 @@ void mtc_copy_strided_to(void *dst, const int64_t *dst_strides, const void *src,
     mtc_copy_strided_range(dst, src, m, sh, sd, elsize, 0, total);
 }
 
-typedef struct _pcopy { char *dst; const char *src; size_t n, piece; } _pcopy;
+typedef struct _pcopy { char *dst; const char *src; size_t n, piece; int nt; } _pcopy;
 
 static void _pcopy_task(void *arg, uint32_t i)
 {
     _pcopy *c = arg;
     size_t off = (size_t)i * c->piece;
     size_t len = c->n - off < c->piece ? c->n - off : c->piece;
-    memcpy(c->dst + off, c->src + off, len);
+    if (c->nt)
+        mtc_memcpy_nt(c->dst + off, c->src + off, len);
+    else
+        memcpy(c->dst + off, c->src + off, len);
 }
 
-void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes)
+void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes, int nt)
 {
     if (nbytes < 2 * MTC_PIECE_BYTES || !mtc_pool_size()) {
-        memcpy(dst, src, nbytes);
+        if (nt)
+            mtc_memcpy_nt(dst, src, nbytes);
+        else
+            memcpy(dst, src, nbytes);
         return;
     }
-    _pcopy c = {dst, src, nbytes, MTC_PIECE_BYTES};
+    _pcopy c = {dst, src, nbytes, MTC_PIECE_BYTES, nt};
     mtc_parallel_for(_pcopy_task, &c, (uint32_t)((nbytes + c.piece - 1) / c.piece));
 }
 

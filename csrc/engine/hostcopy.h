@@ -91,8 +91,9 @@ void mtc_copy_strided_range(void *dst, const void *src, int ndim, const int64_t 
 void mtc_copy_strided_to(void *dst, const int64_t *dst_strides, const void *src, int ndim,
                          const int64_t *shape, const int64_t *strides, int64_t elsize);
 
-/* Copies nbytes, split over the helpers when large. */
-void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes);
+/* Copies nbytes, split over the helpers when large; nt: with streaming
+ * stores (mtc_memcpy_nt), for a destination that no CPU reads next. */
+void mtc_memcpy_parallel(void *dst, const void *src, size_t nbytes, int nt);
 
 /*
  * Copies nbytes with non-temporal (streaming) stores where the CPU has them

@@ -69,6 +69,8 @@ typedef struct mtc_op {
     uint32_t first, count;  /* items[first .. first+count) */
     void (*after)(void *);  /* MTC_OP_H2D_REGION: called once the DMA completed (any thread) */
     void *after_arg;
+    int32_t nt;             /* HOST_COPY: contiguous items written with streaming stores (a
+                               destination no CPU reads next: mtc_memcpy_nt) */
 } mtc_op;
 
 enum { MTC_JOB_PENDING = 0, MTC_JOB_DONE = 1, MTC_JOB_FAILED = 2 };

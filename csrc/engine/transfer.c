@@ -47,7 +47,7 @@ static void _op_host_copy(mtc_run *r, const mtc_op *op)
             mtc_copy_strided_to((void *)it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
                                 it->strides, it->elsize);
         else if (it->nbytes)
-            mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes);
+            mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes, op->nt);
         MTC_COUNT(bytes_host, it->nbytes);
     }
     mtc_run_read_files(r, 0, &j->items[op->first], op->count);
