@@ -174,8 +174,13 @@ static void test_memcpy_parallel(void)
     unsigned char *a = malloc(n), *b = malloc(n);
     CHECK(a && b);
     for (size_t i = 0; i < n; i++) a[i] = (unsigned char)(i * 7 + 3);
-    mtc_memcpy_parallel(b, a, n);
-    CHECK(memcmp(a, b, n) == 0);
+    for (int nt = 0; nt < 2; nt++)
+        for (size_t len = 0; len <= n; len = len ? len + (n - 1) / 2 : 300) {
+            memset(b, 0, n);
+            mtc_memcpy_parallel(b + 1, a + 3, len - (len ? 3 : 0), nt); /* misaligned both sides */
+            CHECK(memcmp(b + 1, a + 3, len - (len ? 3 : 0)) == 0);
+            CHECK(b[0] == 0);
+        }
     free(a);
     free(b);
 }
