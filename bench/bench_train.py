@@ -57,6 +57,8 @@ collate_samples)`` over the same dataset, except ``ideal``:
   depth + 4) batches;
 - ``packed_align1`` (only with ``--methods``): the same with ``min_packed_alignment_bytes=1`` (no
   gaps between the tensors of a group: each group's segment is cut with one split);
+- ``packed_memcpy`` (only with ``--methods``): the same with workers that write the arena with
+  ``memcpy`` (``MTC_PACK_NT=0`` set by a ``worker_init_fn``) instead of streaming stores;
 - ``ideal_beside_loader`` and ``ideal_beside_service`` (only with ``--methods``): where ``packed``
   loses against ``ideal``. The step trains on the preloaded batch, as in ``ideal``, while a thread
   takes one batch per step (at most ``depth`` ahead) from ``packed``'s DataLoader and drops it
@@ -158,7 +160,7 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
+EXTRA_METHODS = ["packed_align1", "packed_memcpy", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
                  "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
 BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
 LABELS = {
@@ -170,6 +172,7 @@ LABELS = {
     "packed": "PackedCollate + PrefetchLoader",
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
     "packed_align1": "  same, min_packed_alignment_bytes=1",
+    "packed_memcpy": "  packed, arena written by memcpy",
     "ideal_beside_loader": "ideal + packed's loader beside",
     "ideal_beside_service": "ideal + packed's service beside",
     "ideal_beside_spin": "ideal + busy thread beside, GIL held",
@@ -549,6 +552,12 @@ class DmaWork:
             yield None
 
 
+def pack_with_memcpy(worker_id: int) -> None:
+    """``packed_memcpy``'s ``worker_init_fn``: this worker's packs write the arena with memcpy
+    (``MTC_PACK_NT=0``, read at every pack) instead of streaming stores."""
+    os.environ["MTC_PACK_NT"] = "0"
+
+
 def arena_bytes_for(ref_batch: Any, workers: int) -> int:
     """Room for (workers * prefetch_factor + depth + 4) batches, with alignment and slot slack."""
     n, nbytes = count_tensors(ref_batch)
@@ -588,6 +597,10 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers),
                                           min_packed_alignment_bytes=1)
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
+        elif name == "packed_memcpy":  # the workers pack with memcpy rather than streaming stores
+            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
+            dl = DataLoader(ds, collate_fn=pc, worker_init_fn=pack_with_memcpy, **common)
+            out[name] = mtc_loader.PrefetchLoader(dl, device, depth=PREFETCH_DEPTH)
         elif name in ("ideal_beside_loader", "ideal_beside_service"):
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             background: Iterable = loader(collate_fn=pc)

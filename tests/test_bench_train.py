@@ -71,18 +71,19 @@ def test_beside_ends_when_the_background_loader_ends_first():
 def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
                         "--config", "launch4", "--methods", "ideal", "ideal_beside_loader", "ideal_beside_service",
-                        "packed", "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream", "--beside-ms", "0.2",
+                        "packed", "packed_memcpy", "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream",
+                        "--beside-ms", "0.2",
                         "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
                        cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
-    for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "ideal_beside_spin",
-              "ideal_beside_nogil", "ideal_beside_stream"):
+    for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "packed_memcpy",
+              "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream"):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
     assert "ideal + busy thread beside, GIL held" in r.stdout and "ideal + busy thread beside, no GIL" in r.stdout
-    assert "ideal + batch-writing thread beside" in r.stdout
+    assert "ideal + batch-writing thread beside" in r.stdout and "packed, arena written by memcpy" in r.stdout
 
 
 @pytest.mark.parametrize("kind", ["spin", "nogil"])
