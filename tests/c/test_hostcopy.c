@@ -174,12 +174,15 @@ static void test_memcpy_parallel(void)
     unsigned char *a = malloc(n), *b = malloc(n);
     CHECK(a && b);
     for (size_t i = 0; i < n; i++) a[i] = (unsigned char)(i * 7 + 3);
+    /* below and above the helpers' split (2 pieces), misaligned on both sides */
+    size_t lens[] = {0, 300, MTC_PIECE_BYTES + 5, n - 3};
     for (int nt = 0; nt < 2; nt++)
-        for (size_t len = 0; len <= n; len = len ? len + (n - 1) / 2 : 300) {
+        for (size_t l = 0; l < sizeof lens / sizeof *lens; l++) {
             memset(b, 0, n);
-            mtc_memcpy_parallel(b + 1, a + 3, len - (len ? 3 : 0), nt); /* misaligned both sides */
-            CHECK(memcmp(b + 1, a + 3, len - (len ? 3 : 0)) == 0);
+            mtc_memcpy_parallel(b + 1, a + 3, lens[l], nt);
+            CHECK(memcmp(b + 1, a + 3, lens[l]) == 0);
             CHECK(b[0] == 0);
+            if (lens[l] + 1 < n) CHECK(b[lens[l] + 1] == 0);
         }
     free(a);
     free(b);
