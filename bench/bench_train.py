@@ -153,6 +153,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import machine_info  # noqa: E402
+from blocks import BlockSampler, summary as block_summary  # noqa: E402
 from provenance import provenance  # noqa: E402
 from workloads import NUM_CAMERAS, NUM_CLASSES, count_tensors, iter_leaves, seed_sample, tree_map  # noqa: E402
 
@@ -160,8 +161,9 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "packed_memcpy", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
-                 "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
+EXTRA_METHODS = ["packed_align1", "packed_memcpy", "ideal_beside_workers", "ideal_beside_packers",
+                 "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin", "ideal_beside_nogil",
+                 "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
 BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
@@ -173,6 +175,8 @@ LABELS = {
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
     "packed_align1": "  same, min_packed_alignment_bytes=1",
     "packed_memcpy": "  packed, arena written by memcpy",
+    "ideal_beside_workers": "ideal + workers collating beside",
+    "ideal_beside_packers": "ideal + workers packing beside",
     "ideal_beside_loader": "ideal + packed's loader beside",
     "ideal_beside_service": "ideal + packed's service beside",
     "ideal_beside_spin": "ideal + busy thread beside, GIL held",
@@ -552,6 +556,22 @@ class DmaWork:
             yield None
 
 
+class CollateAndDrop:
+    """``ideal_beside_workers`` / ``_packers``' ``collate_fn``: the workers build each batch with
+    ``fn`` (``collate_samples``, or a ``PackedCollate`` of it, whose region is given back at once)
+    and drop it; only the number of samples crosses to the main process. What the workers' own
+    work costs the loop (the machine they share), without the batch's hand-over."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]):
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> int:
+        batch = self.fn(samples)
+        if isinstance(batch, mtc_loader.PackedBatch):  # a worker's batch is freed by its consumer
+            batch._arena._a.release(batch._off, os.getpid())
+        return len(samples)
+
+
 def pack_with_memcpy(worker_id: int) -> None:
     """``packed_memcpy``'s ``worker_init_fn``: this worker's packs write the arena with memcpy
     (``MTC_PACK_NT=0``, read at every pack) instead of streaming stores."""
@@ -601,6 +621,11 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             dl = DataLoader(ds, collate_fn=pc, worker_init_fn=pack_with_memcpy, **common)
             out[name] = mtc_loader.PrefetchLoader(dl, device, depth=PREFETCH_DEPTH)
+        elif name in ("ideal_beside_workers", "ideal_beside_packers"):
+            fn: Callable = collate_samples
+            if name == "ideal_beside_packers":
+                fn = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
+            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), loader(collate_fn=CollateAndDrop(fn)))
         elif name in ("ideal_beside_loader", "ideal_beside_service"):
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             background: Iterable = loader(collate_fn=pc)
@@ -881,6 +906,33 @@ SWITCH_COLUMNS = (("training", "training"), ("mtc_loader-prefetch", "service"), 
                   ("bench-beside", "beside"), ("native", "native"))
 
 
+def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: int = 6) -> None:
+    """Each method's ``blocks``: the training thread's ``top`` states (blocks.summary) as ms per
+    batch (the share of the samples times the sampled time per batch of its timed epochs)."""
+    for cfg_name, methods in res.items():
+        for m, r in methods.items():
+            label = f"{cfg_name}/{m}"
+            batches = sum(e["batches"] for e in r["epochs"])
+            secs = report["seconds"].get(label, 0.0)
+            if not batches or not secs:
+                continue
+            per_batch = secs * 1e3 / batches
+            r["blocks"] = {"ms_per_batch": per_batch,
+                           "top": [(k, share * per_batch) for k, share in block_summary(report, label, top)]}
+
+
+def print_blocks(res: dict[str, dict[str, dict]]) -> None:
+    print("\nthe training thread, sampled (ms per batch): running, then the states it waited in, longest first "
+          "(futex: the lock or condition, by the library whose memory holds it)")
+    for cfg_name, methods in res.items():
+        for m, r in methods.items():
+            b = r.get("blocks")
+            if b is None:
+                continue
+            parts = "; ".join(f"{k} {ms:.3f}" for k, ms in b["top"])
+            print(f"{cfg_name:<7} {LABELS[m]:<37} {b['ms_per_batch']:7.3f}  {parts}")
+
+
 def print_switches(res: dict[str, dict[str, dict]]) -> None:
     """Per method: the training step's time off the CPU, and the context switches per batch
     (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
@@ -998,6 +1050,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the training thread alone on this CPU's core (auto: the highest CPU this process "
                         "may use), every other thread and worker on the other cores (Linux; default: the "
                         "scheduler places every thread)")
+    p.add_argument("--sample-blocks", action="store_true",
+                   help="watch the training thread from a sampler process (bench/blocks.py; Linux, one more "
+                        "busy CPU): where its time goes per method, running or blocked, and in what")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
@@ -1035,6 +1090,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     res: dict[str, dict[str, dict]] = {}
+    # the training thread (this one) watched from a process of its own
+    sampler = BlockSampler(threading.get_native_id()) if args.sample_blocks else None
     shapes: dict[str, dict] = {}
     arena_stats: dict[str, dict] = {}
     for cfg_name, cfg in configs.items():
@@ -1071,8 +1128,12 @@ def main(argv: list[str] | None = None) -> int:
             k = r % len(args.methods)
             for m in args.methods[k:] + args.methods[:k]:
                 gc.collect()
+                if sampler is not None:
+                    sampler.label(f"{cfg_name}/{m}")
                 res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size,
                                                              placement=placement))
+                if sampler is not None:
+                    sampler.label(None)
         line = ", ".join(f"{m} {statistics.median(e['samples_per_s'] for e in res[cfg_name][m]['epochs']):.1f}"
                          for m in args.methods)
         print(f"[{cfg_name}] samples/s: {line}", flush=True)
@@ -1090,6 +1151,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(res, configs)
     print_switches(res)
+    if sampler is not None:
+        blocks = sampler.finish()
+        attach_blocks(res, blocks)
+        print_blocks(res)
     ts = targets(res, device, args.quick)
     print_targets(ts)
 

@@ -72,18 +72,34 @@ def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
                         "--config", "launch4", "--methods", "ideal", "ideal_beside_loader", "ideal_beside_service",
                         "packed", "packed_memcpy", "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream",
-                        "--beside-ms", "0.2",
+                        "ideal_beside_workers", "ideal_beside_packers", "--beside-ms", "0.2",
                         "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
                        cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
     for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "packed_memcpy",
-              "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream"):
+              "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_workers",
+              "ideal_beside_packers"):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
     assert "ideal + busy thread beside, GIL held" in r.stdout and "ideal + busy thread beside, no GIL" in r.stdout
     assert "ideal + batch-writing thread beside" in r.stdout and "packed, arena written by memcpy" in r.stdout
+    assert "ideal + workers collating beside" in r.stdout and "ideal + workers packing beside" in r.stdout
+
+
+def test_collate_and_drop_builds_the_batch_and_gives_a_packed_region_back():
+    import mtc_loader
+    from bench_train import CollateAndDrop, CameraSamples, collate_samples
+
+    ds = CameraSamples(4, 4, 8, 8, fresh=True)
+    samples = [ds[i] for i in range(4)]
+    assert CollateAndDrop(collate_samples)(samples) == 4
+    pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=4 << 20)
+    drop = CollateAndDrop(pc)
+    for _ in range(50):  # more batches than the arena holds: each region goes back
+        assert drop(samples) == 4
+    assert pc.stats()["bytes_in_use"] == 0
 
 
 @pytest.mark.parametrize("kind", ["spin", "nogil"])
@@ -255,3 +271,23 @@ def test_bench_train_prints_the_step_off_the_cpu_and_the_switches(tmp_path):
     if os.path.isdir("/proc/self/task"):
         assert "context switches per batch" in r.stdout
         assert res["packed"]["switches"]["mtc_loader-prefetch"][0] > 0  # the service blocks (room, data)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
+def test_bench_train_samples_where_the_training_thread_waits(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
+                        "--config", "launch4", "--methods", "ideal", "ideal_beside_spin", "--beside-ms", "5",
+                        "--batches", "10", "--rounds", "1", "--workers", "1", "--sample-blocks", "--out",
+                        str(tmp_path)],
+                       cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
+    for m in ("ideal", "ideal_beside_spin"):
+        b = res[m]["blocks"]
+        assert b["ms_per_batch"] > 0 and b["top"][0][0] == "running", (m, b)
+        assert sum(ms for _, ms in b["top"]) <= b["ms_per_batch"] * 1.0001
+    # a thread that holds the GIL for 5 ms per step beside it: the loop waits on the GIL (a futex
+    # of the interpreter's)
+    waits = dict(res["ideal_beside_spin"]["blocks"]["top"])
+    assert any(k.startswith("futex ") and ("python" in k) for k in waits), waits
+    assert "the training thread, sampled" in r.stdout

@@ -1,0 +1,95 @@
+"""bench/blocks.py: the sampler that reads where a thread of another process waits."""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+
+import blocks  # noqa: E402
+
+linux = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
+
+
+def test_classify_reads_running_a_futex_and_other_calls():
+    names, futex = blocks.SYSCALLS["x86_64"], blocks.FUTEX["x86_64"]
+    assert blocks.classify(b"running\n", names, futex) == "running"
+    assert blocks.classify(b"202 0x7f3fe0000ba0 0x89 0x0 0x0 0x0 0x0 0x7ffd 0x7f3f\n", names, futex) == \
+        "futex 0x7f3fe0000ba0"
+    assert blocks.classify(b"7 0x3 0x1 0x0 0x0 0x0 0x0 0x7ffd 0x7f3f\n", names, futex) == "poll"
+    assert blocks.classify(b"999 0x0 0x0 0x0 0x0 0x0 0x0 0x1 0x2\n", names, futex) == "syscall 999"
+    assert blocks.classify(b"-1 0x7ffd 0x7f3f\n", names, futex) == "fault"
+    assert blocks.classify(b"", names, futex) == "gone"
+
+
+def test_locate_names_the_library_the_heap_and_a_library_bss():
+    maps = blocks.parse_maps(
+        "7f0000000000-7f0000100000 r--p 00000000 08:01 11 /usr/lib/libpython3.12.so.1.0\n"
+        "7f0000100000-7f0000200000 rw-p 00100000 08:01 11 /usr/lib/libpython3.12.so.1.0\n"
+        "7f0000200000-7f0000210000 rw-p 00000000 00:00 0 \n"
+        "55d000000000-55d000100000 rw-p 00000000 00:00 0 [heap]\n")
+    assert blocks.locate(0x7f0000100040, maps) == "libpython3.12.so.1.0+0x100040"
+    assert blocks.locate(0x7f0000200010, maps) == "libpython3.12.so.1.0 bss+0x10"
+    assert blocks.locate(0x55d000000123, maps) == "[heap]+0x123"
+    assert blocks.locate(0x1000, maps) == "?"
+
+
+def test_summary_merges_one_cache_line_and_puts_running_first():
+    report = {"counts": {"a": {"running": 10, "futex 0x1000": 30, "futex 0x1004": 20, "poll": 40}},
+              "seconds": {"a": 1.0}, "where": {"futex 0x1000": "lib+0x0", "futex 0x1004": "lib+0x4"}}
+    rows = blocks.summary(report, "a")
+    assert rows[0] == ("running", 0.1)
+    assert dict(rows)["futex lib+0x0"] == pytest.approx(0.5) and dict(rows)["poll"] == pytest.approx(0.4)
+    assert blocks.summary(report, "missing") == []
+
+
+@linux
+def test_the_sampler_sees_a_thread_wait_on_a_condition_and_run():
+    stop = threading.Event()
+    waiting = threading.Thread(target=stop.wait, args=(30,))
+    waiting.start()
+    sampler = blocks.BlockSampler(waiting.native_id)
+    try:
+        sampler.label("waiting")
+        time.sleep(0.3)
+        sampler.label(None)
+        time.sleep(0.1)  # not counted
+    finally:
+        stop.set()
+        waiting.join()
+        report = sampler.finish()
+    c = report["counts"]["waiting"]
+    futex = sum(n for k, n in c.items() if k.startswith("futex "))
+    assert futex > 0.9 * sum(c.values()), c
+    assert 0.25 < report["seconds"]["waiting"] < 0.4
+    assert all(report["where"][k] for k in c if k.startswith("futex "))
+
+
+@linux
+def test_the_sampler_ends_with_a_report_when_the_thread_has_ended():
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    sampler = blocks.BlockSampler(t.native_id)
+    t.join()
+    time.sleep(0.05)
+    sampler.label("gone")
+    time.sleep(0.05)
+    report = sampler.finish()
+    c = report["counts"]["gone"]
+    assert c.get("gone", 0) > 0 and c.get("running", 0) == 0, c
+
+
+def test_a_label_is_one_line():
+    sampler = blocks.BlockSampler(threading.get_native_id()) if os.path.exists("/proc/self/task") else None
+    if sampler is None:
+        pytest.skip("reads /proc (Linux)")
+    try:
+        with pytest.raises(ValueError):
+            sampler.label("a\nb")
+    finally:
+        sampler.finish()
