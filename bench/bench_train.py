@@ -751,7 +751,8 @@ def loop_placement(spec: str | None) -> tuple[set[int], set[int]] | None:
 
 def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: torch.device, batch_size: int,
               check: Callable[[Any], None] | None = None,
-              placement: tuple[set[int], set[int]] | None = None) -> dict[str, Any]:
+              placement: tuple[set[int], set[int]] | None = None,
+              on_first: Callable[[], None] | None = None) -> dict[str, Any]:
     """One epoch, synchronized at its end only; the training thread's time in next() and the step.
 
     The threads' context switches are read after batch 2 and every SWITCH_EVERY batches after it
@@ -760,7 +761,7 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
 
     ``placement`` (loop_placement): the training thread moves to its own core once the first batch
     is in hand (the loader's threads and processes, started by then, stay on the others) and back
-    to the others at the epoch's end."""
+    to the others at the epoch's end. ``on_first`` is called once the first batch is in hand."""
     trainer = threading.get_native_id()
     sw_first: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
     sw_last: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
@@ -788,6 +789,8 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
                         os.sched_setaffinity(0, placement[0])  # this thread only (Linux)
                     if check is not None:
                         check(batch)
+                    if on_first is not None:
+                        on_first()
                 loss = step(batch)
                 del batch
                 t2, c2 = time.perf_counter(), time.thread_time()
@@ -906,8 +909,30 @@ SWITCH_COLUMNS = (("training", "training"), ("mtc_loader-prefetch", "service"), 
                   ("bench-beside", "beside"), ("native", "native"))
 
 
+SAMPLED = ("training", "autograd", "service", "beside")  # the threads --sample-blocks watches
+
+
+def watch_threads(sampler: BlockSampler) -> None:
+    """Points the sampler at this epoch's autograd device thread (torch names it ``pt_autograd_N``),
+    prefetch service thread and ``Beside`` thread, those that run."""
+    for t in threading.enumerate():
+        if t.native_id is not None and t.name in ("mtc_loader-prefetch", "bench-beside"):
+            sampler.watch("service" if t.name == "mtc_loader-prefetch" else "beside", t.native_id)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("pt_autograd"):
+                    sampler.watch("autograd", int(tid))
+        except OSError:
+            continue
+
+
 def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: int = 6) -> None:
-    """Each method's ``blocks``: the training thread's ``top`` states (blocks.summary) as ms per
+    """Each method's ``blocks``: per sampled thread, its ``top`` states (blocks.summary) as ms per
     batch (the share of the samples times the sampled time per batch of its timed epochs)."""
     for cfg_name, methods in res.items():
         for m, r in methods.items():
@@ -917,20 +942,25 @@ def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: 
             if not batches or not secs:
                 continue
             per_batch = secs * 1e3 / batches
-            r["blocks"] = {"ms_per_batch": per_batch,
-                           "top": [(k, share * per_batch) for k, share in block_summary(report, label, top)]}
+            r["blocks"] = {"ms_per_batch": per_batch, "threads": {}}
+            for thread in SAMPLED:
+                rows = block_summary(report, label, thread, top)
+                if rows and not (len(rows) == 1 and rows[0][0] == "gone"):
+                    r["blocks"]["threads"][thread] = [(k, share * per_batch) for k, share in rows]
 
 
 def print_blocks(res: dict[str, dict[str, dict]]) -> None:
-    print("\nthe training thread, sampled (ms per batch): running, then the states it waited in, longest first "
-          "(futex: the lock or condition, by the library whose memory holds it)")
+    print("\nthreads sampled (ms per batch): running, then the states each waited in, longest first (futex: "
+          "the lock or condition, by the library whose memory holds it; autograd: the device thread that runs "
+          "the backward)")
     for cfg_name, methods in res.items():
         for m, r in methods.items():
             b = r.get("blocks")
             if b is None:
                 continue
-            parts = "; ".join(f"{k} {ms:.3f}" for k, ms in b["top"])
-            print(f"{cfg_name:<7} {LABELS[m]:<37} {b['ms_per_batch']:7.3f}  {parts}")
+            for thread, rows in b["threads"].items():
+                parts = "; ".join(f"{k} {ms:.3f}" for k, ms in rows)
+                print(f"{cfg_name:<7} {LABELS[m]:<37} {b['ms_per_batch']:7.3f} {thread:<8} {parts}")
 
 
 def print_switches(res: dict[str, dict[str, dict]]) -> None:
@@ -1091,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, dict[str, dict]] = {}
     # the training thread (this one) watched from a process of its own
-    sampler = BlockSampler(threading.get_native_id()) if args.sample_blocks else None
+    sampler = BlockSampler({"training": threading.get_native_id()}) if args.sample_blocks else None
     shapes: dict[str, dict] = {}
     arena_stats: dict[str, dict] = {}
     for cfg_name, cfg in configs.items():
@@ -1131,7 +1161,9 @@ def main(argv: list[str] | None = None) -> int:
                 if sampler is not None:
                     sampler.label(f"{cfg_name}/{m}")
                 res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size,
-                                                             placement=placement))
+                                                             placement=placement,
+                                                             on_first=(None if sampler is None else
+                                                                       lambda: watch_threads(sampler))))
                 if sampler is not None:
                     sampler.label(None)
         line = ", ".join(f"{m} {statistics.median(e['samples_per_s'] for e in res[cfg_name][m]['epochs']):.1f}"

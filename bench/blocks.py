@@ -1,21 +1,25 @@
-"""Where a thread waits: a sampler process that reads what one thread of another process is doing.
+"""Where threads wait: a sampler process that reads what some threads of another process are doing.
 
-``bench_train.py --sample-blocks`` starts one, pointed at the training thread. The sampler reads
-``/proc/PID/task/TID/syscall`` in a loop (Linux): ``running`` while the thread runs (or is
-runnable), else the system call it is blocked in and that call's arguments. For ``futex`` the
+``bench_train.py --sample-blocks`` starts one, pointed at the training thread, autograd's device
+thread (which runs the backward while the training thread waits for it) and the prefetch
+service's thread. The sampler reads ``/proc/PID/task/TID/syscall`` of each in turn, in a loop
+(Linux): ``running`` while the thread runs (or is runnable), else the system call it is blocked
+in and that call's arguments. For ``futex`` the
 first argument is the address waited on, which names the lock or condition: the GIL, a mutex of
 the CUDA driver, of torch's allocator, a condition of a queue. The sampler is a process of its own
 so that it takes no GIL of the process it watches; it costs one CPU while it samples.
 
 Samples are counted per label: the watching process writes a label (one line on the sampler's
 stdin) when an epoch of a method starts and ``-`` when it ends; between the two, every sample
-counts for that label. Closing stdin ends the sampler, which then prints one JSON object: for each
-label its counts by key (``running``, ``fault`` for a thread blocked outside a system call, a
-system call's name, or ``futex <address>``), and for each futex address the mapping it lies in
+counts for that label. A line ``+NAME TID`` watches one more thread under NAME (or another
+thread under a NAME already watched). Closing stdin ends the sampler, which then prints one JSON
+object: for each label its counts by thread and key (``NAME running``, ``NAME fault`` for a
+thread blocked outside a system call, ``NAME gone`` for one that has ended, a system call's name,
+or ``NAME futex <address>``), and for each futex address the mapping it lies in
 (``/proc/PID/maps``: the binary or library whose data holds it, ``[heap]`` or an anonymous
 mapping) and its offset there.
 
-Run directly (``python3 bench/blocks.py PID TID``) it samples until its stdin closes.
+Run directly (``python3 bench/blocks.py PID NAME=TID ...``) it samples until its stdin closes.
 """
 from __future__ import annotations
 
@@ -83,14 +87,19 @@ def locate(addr: int, maps: list[tuple[int, int, int, str]]) -> str:
     return "?"
 
 
-def sample(pid: int, tid: int, control: int = 0) -> dict[str, Any]:
-    """Sample thread ``tid`` of ``pid`` until ``control`` (a file descriptor of label lines) ends."""
+def _open(pid: int, tid: int) -> int:
+    try:
+        return os.open(f"/proc/{pid}/task/{tid}/syscall", os.O_RDONLY)
+    except OSError:  # the thread has ended: every sample reads "gone"
+        return -1
+
+
+def sample(pid: int, threads: dict[str, int], control: int = 0) -> dict[str, Any]:
+    """Sample the threads (name: native id) of ``pid`` until ``control`` (a file descriptor of
+    control lines, see the module's docstring) ends."""
     arch = os.uname().machine
     names, futex_nr = SYSCALLS.get(arch, {}), FUTEX.get(arch, -1)
-    try:
-        fd = os.open(f"/proc/{pid}/task/{tid}/syscall", os.O_RDONLY)
-    except OSError:  # the thread has ended: every sample reads "gone"
-        fd = -1
+    fds = {name: _open(pid, tid) for name, tid in threads.items()}
     os.set_blocking(control, False)
     counts: dict[str, dict[str, int]] = {}
     label: Optional[str] = None
@@ -106,12 +115,13 @@ def sample(pid: int, tid: int, control: int = 0) -> dict[str, Any]:
             poller.poll()  # nothing to count: wait for the next label
         else:
             for _ in range(256):
-                try:
-                    line = os.pread(fd, 512, 0) if fd >= 0 else b""
-                except OSError:  # the thread ended
-                    line = b""
-                key = classify(line, names, futex_nr)
-                cur[key] = cur.get(key, 0) + 1
+                for name, fd in fds.items():
+                    try:
+                        line = os.pread(fd, 512, 0) if fd >= 0 else b""
+                    except OSError:  # the thread ended
+                        line = b""
+                    key = f"{name} {classify(line, names, futex_nr)}"
+                    cur[key] = cur.get(key, 0) + 1
         try:
             chunk = os.read(control, 4096)
         except BlockingIOError:
@@ -125,6 +135,12 @@ def sample(pid: int, tid: int, control: int = 0) -> dict[str, Any]:
             if label is not None:
                 seconds[label] = seconds.get(label, 0.0) + now - t_label
             text = row.decode().strip()
+            if text.startswith("+"):
+                name, tid = text[1:].split()
+                if fds.get(name, -1) >= 0:
+                    os.close(fds[name])
+                fds[name] = _open(pid, int(tid))
+                continue
             label = None if text in ("", "-") else text
             cur = None if label is None else counts.setdefault(label, {})
             t_label = now
@@ -136,17 +152,30 @@ def sample(pid: int, tid: int, control: int = 0) -> dict[str, Any]:
     where = {}
     for c in counts.values():
         for key in c:
-            if key.startswith("futex "):
-                where[key] = locate(int(key.split()[1], 16), maps)
+            parts = key.split()
+            if len(parts) == 3 and parts[1] == "futex":
+                where[f"futex {parts[2]}"] = locate(int(parts[2], 16), maps)
     return {"counts": counts, "seconds": seconds, "where": where}
 
 
 class BlockSampler:
-    """The watching side: a sampler process pointed at one of this process's threads."""
+    """The watching side: a sampler process pointed at threads of this process (name: native id)."""
 
-    def __init__(self, tid: int):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), str(tid)],
+    def __init__(self, threads: dict[str, int]):
+        for name in threads:
+            if not name or any(c.isspace() or c == "=" for c in name):
+                raise ValueError(f"a thread's name is one word without '=', not {name!r}")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())] +
+                                     [f"{n}={t}" for n, t in threads.items()],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def watch(self, name: str, tid: int) -> None:
+        """Watch thread ``tid`` under ``name`` from now on (in place of the thread so named)."""
+        if not name or any(c.isspace() or c == "=" for c in name):
+            raise ValueError(f"a thread's name is one word without '=', not {name!r}")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"+{name} {tid}\n".encode())
+        self.proc.stdin.flush()
 
     def label(self, text: Optional[str]) -> None:
         """Count the following samples for ``text`` (None: stop counting)."""
@@ -164,11 +193,12 @@ class BlockSampler:
         return json.loads(out)
 
 
-def summary(report: dict[str, Any], label: str, top: int = 6) -> list[tuple[str, float]]:
-    """The ``top`` keys of one label by share of its samples (``running`` first). Futex addresses
-    are named by where they lie, those of one 64-byte line together (a condition variable's
-    words: the GIL is one)."""
-    c = report["counts"].get(label, {})
+def summary(report: dict[str, Any], label: str, thread: str, top: int = 6) -> list[tuple[str, float]]:
+    """The ``top`` states of one thread in one label by share of its samples (``running``
+    first). Futex addresses are named by where they lie, those of one 64-byte line together (a
+    condition variable's words: the GIL is one)."""
+    prefix = thread + " "
+    c = {k[len(prefix):]: n for k, n in report["counts"].get(label, {}).items() if k.startswith(prefix)}
     total = sum(c.values())
     if not total:
         return []
@@ -185,6 +215,6 @@ def summary(report: dict[str, Any], label: str, top: int = 6) -> list[tuple[str,
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: blocks.py PID TID (label lines on stdin; JSON on stdout when it closes)")
-    json.dump(sample(int(sys.argv[1]), int(sys.argv[2])), sys.stdout)
+    if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
+        sys.exit("usage: blocks.py PID NAME=TID ... (control lines on stdin; JSON on stdout when it closes)")
+    json.dump(sample(int(sys.argv[1]), {a.split("=")[0]: int(a.split("=")[1]) for a in sys.argv[2:]}), sys.stdout)

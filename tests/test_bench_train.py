@@ -284,10 +284,12 @@ def test_bench_train_samples_where_the_training_thread_waits(tmp_path):
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
     for m in ("ideal", "ideal_beside_spin"):
         b = res[m]["blocks"]
-        assert b["ms_per_batch"] > 0 and b["top"][0][0] == "running", (m, b)
-        assert sum(ms for _, ms in b["top"]) <= b["ms_per_batch"] * 1.0001
+        rows = b["threads"]["training"]
+        assert b["ms_per_batch"] > 0 and rows[0][0] == "running", (m, b)
+        assert sum(ms for _, ms in rows) <= b["ms_per_batch"] * 1.0001
+    assert "beside" in res["ideal_beside_spin"]["blocks"]["threads"]  # the busy thread, watched too
     # a thread that holds the GIL for 5 ms per step beside it: the loop waits on the GIL (a futex
     # of the interpreter's)
-    waits = dict(res["ideal_beside_spin"]["blocks"]["top"])
+    waits = dict(res["ideal_beside_spin"]["blocks"]["threads"]["training"])
     assert any(k.startswith("futex ") and ("python" in k) for k in waits), waits
-    assert "the training thread, sampled" in r.stdout
+    assert "threads sampled" in r.stdout

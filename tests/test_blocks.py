@@ -40,12 +40,14 @@ def test_locate_names_the_library_the_heap_and_a_library_bss():
 
 
 def test_summary_merges_one_cache_line_and_puts_running_first():
-    report = {"counts": {"a": {"running": 10, "futex 0x1000": 30, "futex 0x1004": 20, "poll": 40}},
+    report = {"counts": {"a": {"t running": 10, "t futex 0x1000": 30, "t futex 0x1004": 20, "t poll": 40,
+                               "u running": 5}},
               "seconds": {"a": 1.0}, "where": {"futex 0x1000": "lib+0x0", "futex 0x1004": "lib+0x4"}}
-    rows = blocks.summary(report, "a")
+    rows = blocks.summary(report, "a", "t")
     assert rows[0] == ("running", 0.1)
     assert dict(rows)["futex lib+0x0"] == pytest.approx(0.5) and dict(rows)["poll"] == pytest.approx(0.4)
-    assert blocks.summary(report, "missing") == []
+    assert blocks.summary(report, "a", "u") == [("running", 1.0)]
+    assert blocks.summary(report, "missing", "t") == []
 
 
 @linux
@@ -53,43 +55,64 @@ def test_the_sampler_sees_a_thread_wait_on_a_condition_and_run():
     stop = threading.Event()
     waiting = threading.Thread(target=stop.wait, args=(30,))
     waiting.start()
-    sampler = blocks.BlockSampler(waiting.native_id)
+    sampler = blocks.BlockSampler({"waiter": waiting.native_id})
+    spinning = [True]
+
+    def spin():
+        while spinning[0]:
+            sum(range(100))
+
+    spinner = threading.Thread(target=spin)
     try:
         sampler.label("waiting")
         time.sleep(0.3)
         sampler.label(None)
         time.sleep(0.1)  # not counted
+        spinner.start()
+        sampler.watch("spinner", spinner.native_id)
+        sampler.label("spinning")
+        time.sleep(0.3)
+        sampler.label(None)
     finally:
+        spinning[0] = False
         stop.set()
         waiting.join()
+        spinner.join()
         report = sampler.finish()
     c = report["counts"]["waiting"]
-    futex = sum(n for k, n in c.items() if k.startswith("futex "))
+    futex = sum(n for k, n in c.items() if k.startswith("waiter futex "))
     assert futex > 0.9 * sum(c.values()), c
     assert 0.25 < report["seconds"]["waiting"] < 0.4
-    assert all(report["where"][k] for k in c if k.startswith("futex "))
+    assert all(report["where"]["futex " + k.split()[2]] for k in c if " futex " in k)
+    rows = dict(blocks.summary(report, "spinning", "spinner"))
+    assert rows.get("running", 0) > 0.2, rows  # it runs, or waits for the GIL beside this thread
+    assert dict(blocks.summary(report, "spinning", "waiter")).get("running", 0) < 0.1
 
 
 @linux
 def test_the_sampler_ends_with_a_report_when_the_thread_has_ended():
     t = threading.Thread(target=lambda: None)
     t.start()
-    sampler = blocks.BlockSampler(t.native_id)
+    sampler = blocks.BlockSampler({"ended": t.native_id})
     t.join()
     time.sleep(0.05)
     sampler.label("gone")
     time.sleep(0.05)
     report = sampler.finish()
     c = report["counts"]["gone"]
-    assert c.get("gone", 0) > 0 and c.get("running", 0) == 0, c
+    assert c.get("ended gone", 0) > 0 and c.get("ended running", 0) == 0, c
 
 
 def test_a_label_is_one_line():
-    sampler = blocks.BlockSampler(threading.get_native_id()) if os.path.exists("/proc/self/task") else None
-    if sampler is None:
+    if not os.path.exists("/proc/self/task"):
         pytest.skip("reads /proc (Linux)")
+    with pytest.raises(ValueError):
+        blocks.BlockSampler({"two words": threading.get_native_id()})
+    sampler = blocks.BlockSampler({"me": threading.get_native_id()})
     try:
         with pytest.raises(ValueError):
             sampler.label("a\nb")
+        with pytest.raises(ValueError):
+            sampler.watch("a=b", 1)
     finally:
         sampler.finish()
