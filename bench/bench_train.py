@@ -161,7 +161,7 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "packed_memcpy", "ideal_beside_workers", "ideal_beside_packers",
+EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "ideal_beside_workers", "ideal_beside_packers",
                  "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin", "ideal_beside_nogil",
                  "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
 BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
@@ -174,6 +174,7 @@ LABELS = {
     "packed": "PackedCollate + PrefetchLoader",
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
     "packed_align1": "  same, min_packed_alignment_bytes=1",
+    "packed_gil100us": "  same, GIL switch interval 0.1 ms",
     "packed_memcpy": "  packed, arena written by memcpy",
     "ideal_beside_workers": "ideal + workers collating beside",
     "ideal_beside_packers": "ideal + workers packing beside",
@@ -638,10 +639,10 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
         elif name in ("ideal_beside_dma", "ideal_beside_dma_fn"):
             out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
                                DmaWork(count_tensors(ref_batch)[1], device, host_fn=name == "ideal_beside_dma_fn"))
-        elif name == "packed_gil5ms":  # the service without its GIL switch-interval setting
+        elif name in ("packed_gil5ms", "packed_gil100us"):  # the service's GIL switch interval: none, 0.1 ms
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
-                                                  gil_switch_interval=None)
+                                                  gil_switch_interval=None if name == "packed_gil5ms" else 1e-4)
         else:
             raise ValueError(name)
     return out, extra
@@ -650,6 +651,17 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
+
+
+def thread_rusage() -> tuple[float, float] | None:
+    """(system, user) CPU seconds of the calling thread (``RUSAGE_THREAD``, Linux), or None."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+    except (ImportError, AttributeError, OSError):
+        return None
+    return ru.ru_stime, ru.ru_utime
 
 
 def synchronize(device: torch.device) -> None:
@@ -771,6 +783,7 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
     step_cpu_ms: list[float] = []
     loss = None
     t_first = None
+    ru0 = thread_rusage()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pin_memory without an accelerator warns per iterator
         t_start = time.perf_counter()
@@ -808,6 +821,7 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
                         sw_last = reading
             synchronize(device)
             t_end = time.perf_counter()
+            ru1 = thread_rusage()
         finally:
             if placement is not None:
                 os.sched_setaffinity(0, placement[1])
@@ -823,6 +837,9 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
         "step_ms": step_ms,
         "step_cpu_ms": step_cpu_ms,
         "loss": float(loss) if loss is not None else None,
+        # the training thread's CPU time in the kernel (system calls: futex wakes, the driver's
+        # ioctls) over the whole epoch, -1 where the thread's own counters cannot be read
+        "sys_ms": (ru1[0] - ru0[0]) * 1e3 if ru0 and ru1 else -1.0,
         "switches": (switches_per_batch(sw_first[1], sw_last[1], sw_last[0] - sw_first[0], trainer, sw_last[2])
                      if sw_first is not None and sw_last is not None else {}),
     }
@@ -866,6 +883,7 @@ def summarize(res: dict[str, dict[str, dict]]) -> None:
             # (per epoch, then the median: it drifts less with the host's speed than the step's time)
             r["step_off_cpu_ms"] = statistics.median((sum(e["step_ms"]) - sum(e["step_cpu_ms"])) / e["batches"]
                                                      for e in eps)
+            r["sys_ms"] = statistics.median(e.get("sys_ms", -1.0) / e["batches"] for e in eps)
             groups = sorted({g for e in eps for g in e.get("switches", {})})
             r["switches"] = {g: [statistics.median(e.get("switches", {}).get(g, [0.0, 0.0])[i] for e in eps)
                                  for i in (0, 1)] for g in groups}
@@ -931,7 +949,7 @@ def watch_threads(sampler: BlockSampler) -> None:
             continue
 
 
-def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: int = 6) -> None:
+def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: int = 8) -> None:
     """Each method's ``blocks``: per sampled thread, its ``top`` states (blocks.summary) as ms per
     batch (the share of the samples times the sampled time per batch of its timed epochs)."""
     for cfg_name, methods in res.items():
@@ -968,17 +986,18 @@ def print_switches(res: dict[str, dict[str, dict]]) -> None:
     (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
     if not any(r.get("switches") for methods in res.values() for r in methods.values()):
         return
-    print("the step off the CPU (ms per batch) and context switches per batch, voluntary/involuntary, by "
-          "thread (training: the loop's; service: the prefetch thread; feeders: the DataLoader's "
-          "index-queue feeder threads; native: threads Python does not know)")
-    header = f"{'config':<7} {'method':<36} {'off-CPU':>8}" + "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS)
+    print("the step off the CPU and the training thread's time in the kernel (ms per batch), and context "
+          "switches per batch, voluntary/involuntary, by thread (training: the loop's; service: the prefetch "
+          "thread; feeders: the DataLoader's index-queue feeder threads; native: threads Python does not know)")
+    header = (f"{'config':<7} {'method':<36} {'off-CPU':>8} {'kernel':>7}" +
+              "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS))
     print(header)
     print("-" * len(header))
     for cfg, methods in res.items():
         for name, r in methods.items():
             sw = r.get("switches", {})
             cells = "".join(f" {sw[g][0]:>5.2f}/{sw[g][1]:<5.2f}" if g in sw else f" {'-':>11}" for g, _ in SWITCH_COLUMNS)
-            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f}{cells}")
+            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f} {r.get('sys_ms', -1.0):>7.3f}{cells}")
     print()
 
 
