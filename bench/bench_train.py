@@ -161,7 +161,7 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "ideal_beside_workers", "ideal_beside_packers",
+EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "packed_nobg", "ideal_beside_workers", "ideal_beside_packers",
                  "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin", "ideal_beside_nogil",
                  "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
 BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
@@ -175,6 +175,7 @@ LABELS = {
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
     "packed_align1": "  same, min_packed_alignment_bytes=1",
     "packed_gil100us": "  same, GIL switch interval 0.1 ms",
+    "packed_nobg": "  same, DMA issued by the service",
     "packed_memcpy": "  packed, arena written by memcpy",
     "ideal_beside_workers": "ideal + workers collating beside",
     "ideal_beside_packers": "ideal + workers packing beside",
@@ -614,6 +615,10 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
             extra["packed_collate"] = pc
+        elif name == "packed_nobg":  # the service issues each batch's DMA itself, not the transfer thread
+            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
+            out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
+                                                  use_background_thread=False)
         elif name == "packed_align1":  # no gaps between a group's tensors (one split per segment)
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers),
                                           min_packed_alignment_bytes=1)

@@ -72,14 +72,15 @@ def test_bench_train_runs_the_beside_methods_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_train.py"), "--device", "cpu", "--quick",
                         "--config", "launch4", "--methods", "ideal", "ideal_beside_loader", "ideal_beside_service",
                         "packed", "packed_memcpy", "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream",
-                        "ideal_beside_workers", "ideal_beside_packers", "--beside-ms", "0.2",
+                        "ideal_beside_workers", "ideal_beside_packers", "packed_gil100us", "packed_nobg",
+                        "--beside-ms", "0.2",
                         "--batches", "6", "--rounds", "1", "--workers", "1", "--out", str(tmp_path)],
                        cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "bench_train.json").read_text())["results"]["launch4"]
     for m in ("ideal", "ideal_beside_loader", "ideal_beside_service", "packed", "packed_memcpy",
               "ideal_beside_spin", "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_workers",
-              "ideal_beside_packers"):
+              "ideal_beside_packers", "packed_gil100us", "packed_nobg"):
         assert res[m]["epochs"][0]["batches"] == 6 and res[m]["epochs"][0]["samples_per_s"] > 0, m
     assert res["ideal_beside_service"]["prefetch_stats"]["batches"] >= 6  # the service ran, beside
     assert "ideal + packed's service beside" in r.stdout
