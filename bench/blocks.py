@@ -23,6 +23,7 @@ Run directly (``python3 bench/blocks.py PID NAME=TID ...``) it samples until its
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import select
@@ -72,10 +73,15 @@ def parse_maps(text: str) -> list[tuple[int, int, int, str]]:
     return out
 
 
-def locate(addr: int, maps: list[tuple[int, int, int, str]]) -> str:
+def locate(addr: int, maps: list[tuple[int, int, int, str]], starts: Optional[list[int]] = None) -> str:
     """Where an address lies: ``libname+0xoffset`` (offset from the file's start, for a file's
-    data), ``[heap]+0x...``, ``[anon]``, or ``?``."""
-    for i, (lo, hi, off, name) in enumerate(maps):
+    data), ``[heap]+0x...``, ``[anon]``, or ``?``. ``maps`` in address order (as /proc lists
+    them); ``starts``: their start addresses, where the caller locates many addresses."""
+    if starts is None:
+        starts = [m[0] for m in maps]
+    i = bisect.bisect_right(starts, addr) - 1
+    if i >= 0:
+        lo, hi, off, name = maps[i]
         if lo <= addr < hi:
             if name.startswith("/"):
                 base = lo - off  # the file's first byte, where its mappings are contiguous
@@ -150,11 +156,13 @@ def sample(pid: int, threads: dict[str, int], control: int = 0) -> dict[str, Any
     except OSError:
         maps = []
     where = {}
+    starts = [m[0] for m in maps]
     for c in counts.values():
         for key in c:
             parts = key.split()
             if len(parts) == 3 and parts[1] == "futex":
-                where[f"futex {parts[2]}"] = locate(int(parts[2], 16), maps)
+                if f"futex {parts[2]}" not in where:
+                    where[f"futex {parts[2]}"] = locate(int(parts[2], 16), maps, starts)
     return {"counts": counts, "seconds": seconds, "where": where}
 
 
@@ -185,7 +193,7 @@ class BlockSampler:
         self.proc.stdin.write(((text or "-") + "\n").encode())
         self.proc.stdin.flush()
 
-    def finish(self, timeout: float = 30.0) -> dict[str, Any]:
+    def finish(self, timeout: float = 300.0) -> dict[str, Any]:
         """End the sampler; its counts."""
         out, _ = self.proc.communicate(timeout=timeout)
         if self.proc.returncode:
@@ -202,13 +210,13 @@ def summary(report: dict[str, Any], label: str, thread: str, top: int = 6) -> li
     total = sum(c.values())
     if not total:
         return []
+    lines: dict[int, str] = {}  # a 64-byte line: the name of its lowest address seen
+    for w in sorted(report["where"], key=lambda w: int(w.split()[1], 16), reverse=True):
+        lines[int(w.split()[1], 16) & ~63] = report["where"][w]
     merged: dict[str, int] = {}
     for k, n in c.items():
         if k.startswith("futex "):
-            line = int(k.split()[1], 16) & ~63
-            first = min((w for w in report["where"] if w.startswith("futex ") and int(w.split()[1], 16) & ~63 == line),
-                        default=k)
-            k = f"futex {report['where'].get(first, '?')}"
+            k = f"futex {lines.get(int(k.split()[1], 16) & ~63, '?')}"
         merged[k] = merged.get(k, 0) + n
     rows = sorted(merged.items(), key=lambda kv: (kv[0] != "running", -kv[1]))[:top]
     return [(k, n / total) for k, n in rows]

@@ -28,15 +28,16 @@ def test_classify_reads_running_a_futex_and_other_calls():
 
 
 def test_locate_names_the_library_the_heap_and_a_library_bss():
-    maps = blocks.parse_maps(
+    maps = blocks.parse_maps(  # in address order, as /proc lists them
+        "55d000000000-55d000100000 rw-p 00000000 00:00 0 [heap]\n"
         "7f0000000000-7f0000100000 r--p 00000000 08:01 11 /usr/lib/libpython3.12.so.1.0\n"
         "7f0000100000-7f0000200000 rw-p 00100000 08:01 11 /usr/lib/libpython3.12.so.1.0\n"
-        "7f0000200000-7f0000210000 rw-p 00000000 00:00 0 \n"
-        "55d000000000-55d000100000 rw-p 00000000 00:00 0 [heap]\n")
+        "7f0000200000-7f0000210000 rw-p 00000000 00:00 0 \n")
     assert blocks.locate(0x7f0000100040, maps) == "libpython3.12.so.1.0+0x100040"
     assert blocks.locate(0x7f0000200010, maps) == "libpython3.12.so.1.0 bss+0x10"
     assert blocks.locate(0x55d000000123, maps) == "[heap]+0x123"
-    assert blocks.locate(0x1000, maps) == "?"
+    assert blocks.locate(0x1000, maps) == "?" and blocks.locate(0x7f0000300000, maps) == "?"
+    assert blocks.locate(0x55d000100000, maps) == "?"  # between two mappings
 
 
 def test_summary_merges_one_cache_line_and_puts_running_first():
