@@ -4,7 +4,8 @@ Usage::
 
     python3 bench/bench_train.py [--device cuda:0] [--config launch gpu] [--workers 4]
                                  [--batches N] [--rounds N] [--batch-size 8] [--methods ...]
-                                 [--beside-ms 0.4] [--pin-loop CPU|auto] [--quick] [--out DIR]
+                                 [--beside-ms 0.4] [--pin-loop CPU|auto] [--sample-blocks] [--quick]
+                                 [--out DIR]
 
 The loop: a small conv model trains on the 6 camera images of each sample, and the loss reads
 the sample's meta-data on the device. A sample is ``{"images": uint8 (6, 3, H, W), "meta":
@@ -59,6 +60,10 @@ collate_samples)`` over the same dataset, except ``ideal``:
   gaps between the tensors of a group: each group's segment is cut with one split);
 - ``packed_memcpy`` (only with ``--methods``): the same with workers that write the arena with
   ``memcpy`` (``MTC_PACK_NT=0`` set by a ``worker_init_fn``) instead of streaming stores;
+- ``packed_gil100us`` and ``packed_nobg`` (only with ``--methods``): the same with the service's
+  GIL switch interval at 0.1 ms (``gil_switch_interval=1e-4``), or with each batch's DMA issued by
+  the service thread itself rather than handed to the engine's transfer thread
+  (``use_background_thread=False``);
 - ``ideal_beside_loader`` and ``ideal_beside_service`` (only with ``--methods``): where ``packed``
   loses against ``ideal``. The step trains on the preloaded batch, as in ``ideal``, while a thread
   takes one batch per step (at most ``depth`` ahead) from ``packed``'s DataLoader and drops it
@@ -81,6 +86,11 @@ collate_samples)`` over the same dataset, except ``ideal``:
   device per step, on a stream of its own (a few microseconds of Python, then the DMA engine's
   work); ``_dma_fn`` also queues a host function that does nothing behind each copy (the driver's
   callback machinery, which a packed batch's copy uses to free its arena region).
+- ``ideal_beside_workers`` and ``ideal_beside_packers`` (only with ``--methods``): the DataLoader's
+  workers beside the step, building each batch with ``collate_samples`` (``_workers``) or with
+  ``packed``'s ``PackedCollate`` (``_packers``, the region given back at once) and dropping it in
+  the worker: only a number crosses to the main process. What the workers' own work costs the
+  step through the machine they share; ``ideal_beside_loader`` adds the batch's hand-over.
 
 ``--pin-loop CPU`` (``auto``: the highest CPU the process may use) puts the training thread alone
 on that CPU's core once an epoch's first batch is in hand, and every other thread and process of
@@ -121,7 +131,15 @@ kind of thread, voluntary / involuntary (``/proc/self/task/*/status``, read afte
 every 16 batches: the rate between the first and the last reading). A voluntary switch of the
 training thread is a block: its backward (one per step in ``ideal``) or a wait for the GIL that
 another thread took (the prefetch service, the DataLoader's index-queue feeder threads); each such
-wait costs the step a hand-over of the GIL and back.
+wait costs the step a hand-over of the GIL and back. The table also gives the training thread's
+CPU time in the kernel per batch (``RUSAGE_THREAD``: its system calls, the futex calls of every
+lock it hands over or waits for among them).
+
+``--sample-blocks`` (Linux) watches the training thread, autograd's device thread, the prefetch
+service's and the ``ideal_beside_*`` thread from a sampler process (``bench/blocks.py``: about a
+million readings a second of ``/proc/PID/task/TID/syscall``) and prints a third table: per method
+and thread, the time per batch running and blocked, by system call and, for a futex, by the
+library whose memory holds the lock (the GIL among them). The sampler takes a CPU of its own.
 
 Outputs (in ``--out``, default ``bench/results``): ``bench_train.json`` (machine info, config,
 every epoch's samples and per-batch times, ``PrefetchLoader.stats()``, the arena's counters),
@@ -161,9 +179,9 @@ import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
 # run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "packed_nobg", "ideal_beside_workers", "ideal_beside_packers",
-                 "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin", "ideal_beside_nogil",
-                 "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
+EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "packed_nobg", "ideal_beside_workers",
+                 "ideal_beside_packers", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
+                 "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
 BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
@@ -1105,8 +1123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "may use), every other thread and worker on the other cores (Linux; default: the "
                         "scheduler places every thread)")
     p.add_argument("--sample-blocks", action="store_true",
-                   help="watch the training thread from a sampler process (bench/blocks.py; Linux, one more "
-                        "busy CPU): where its time goes per method, running or blocked, and in what")
+                   help="watch the training thread, autograd's, the service's and the beside thread from a "
+                        "sampler process (bench/blocks.py; Linux, one more busy CPU): where their time goes per "
+                        "method, running or blocked, and in what")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
