@@ -133,7 +133,8 @@ training thread is a block: its backward (one per step in ``ideal``) or a wait f
 another thread took (the prefetch service, the DataLoader's index-queue feeder threads); each such
 wait costs the step a hand-over of the GIL and back. The table also gives the training thread's
 CPU time in the kernel per batch (``RUSAGE_THREAD``: its system calls, the futex calls of every
-lock it hands over or waits for among them).
+lock it hands over or waits for among them) and its time runnable but waiting for a CPU
+(``run_delay`` of ``/proc/thread-self/schedstat``: another thread on its core).
 
 ``--sample-blocks`` (Linux) watches the training thread, autograd's device thread, the prefetch
 service's and the ``ideal_beside_*`` thread from a sampler process (``bench/blocks.py``: about a
@@ -687,6 +688,16 @@ def thread_rusage() -> tuple[float, float] | None:
     return ru.ru_stime, ru.ru_utime
 
 
+def thread_run_delay() -> float | None:
+    """Seconds the calling thread has waited for a CPU while it could run (the scheduler's
+    ``run_delay``, ``/proc/thread-self/schedstat``, Linux), or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -806,7 +817,7 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
     step_cpu_ms: list[float] = []
     loss = None
     t_first = None
-    ru0 = thread_rusage()
+    ru0, rq0 = thread_rusage(), thread_run_delay()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pin_memory without an accelerator warns per iterator
         t_start = time.perf_counter()
@@ -844,7 +855,7 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
                         sw_last = reading
             synchronize(device)
             t_end = time.perf_counter()
-            ru1 = thread_rusage()
+            ru1, rq1 = thread_rusage(), thread_run_delay()
         finally:
             if placement is not None:
                 os.sched_setaffinity(0, placement[1])
@@ -863,6 +874,8 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
         # the training thread's CPU time in the kernel (system calls: futex wakes, the driver's
         # ioctls) over the whole epoch, -1 where the thread's own counters cannot be read
         "sys_ms": (ru1[0] - ru0[0]) * 1e3 if ru0 and ru1 else -1.0,
+        # its time runnable but waiting for a CPU (another thread on its core), -1 where unknown
+        "runq_ms": (rq1 - rq0) * 1e3 if rq0 is not None and rq1 is not None else -1.0,
         "switches": (switches_per_batch(sw_first[1], sw_last[1], sw_last[0] - sw_first[0], trainer, sw_last[2])
                      if sw_first is not None and sw_last is not None else {}),
     }
@@ -907,6 +920,7 @@ def summarize(res: dict[str, dict[str, dict]]) -> None:
             r["step_off_cpu_ms"] = statistics.median((sum(e["step_ms"]) - sum(e["step_cpu_ms"])) / e["batches"]
                                                      for e in eps)
             r["sys_ms"] = statistics.median(e.get("sys_ms", -1.0) / e["batches"] for e in eps)
+            r["runq_ms"] = statistics.median(e.get("runq_ms", -1.0) / e["batches"] for e in eps)
             groups = sorted({g for e in eps for g in e.get("switches", {})})
             r["switches"] = {g: [statistics.median(e.get("switches", {}).get(g, [0.0, 0.0])[i] for e in eps)
                                  for i in (0, 1)] for g in groups}
@@ -1009,10 +1023,11 @@ def print_switches(res: dict[str, dict[str, dict]]) -> None:
     (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
     if not any(r.get("switches") for methods in res.values() for r in methods.values()):
         return
-    print("the step off the CPU and the training thread's time in the kernel (ms per batch), and context "
-          "switches per batch, voluntary/involuntary, by thread (training: the loop's; service: the prefetch "
-          "thread; feeders: the DataLoader's index-queue feeder threads; native: threads Python does not know)")
-    header = (f"{'config':<7} {'method':<36} {'off-CPU':>8} {'kernel':>7}" +
+    print("the step off the CPU, the training thread's time in the kernel and waiting for a CPU (ms per batch), "
+          "and context switches per batch, voluntary/involuntary, by thread (training: the loop's; service: the "
+          "prefetch thread; feeders: the DataLoader's index-queue feeder threads; native: threads Python does "
+          "not know)")
+    header = (f"{'config':<7} {'method':<36} {'off-CPU':>8} {'kernel':>7} {'runq':>6}" +
               "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS))
     print(header)
     print("-" * len(header))
@@ -1020,7 +1035,8 @@ def print_switches(res: dict[str, dict[str, dict]]) -> None:
         for name, r in methods.items():
             sw = r.get("switches", {})
             cells = "".join(f" {sw[g][0]:>5.2f}/{sw[g][1]:<5.2f}" if g in sw else f" {'-':>11}" for g, _ in SWITCH_COLUMNS)
-            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f} {r.get('sys_ms', -1.0):>7.3f}{cells}")
+            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f} {r.get('sys_ms', -1.0):>7.3f} "
+                  f"{r.get('runq_ms', -1.0):>6.3f}{cells}")
     print()
 
 

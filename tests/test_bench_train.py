@@ -269,6 +269,8 @@ def test_bench_train_prints_the_step_off_the_cpu_and_the_switches(tmp_path):
         assert res[m]["step_off_cpu_ms"] >= -1.0, m  # the step's time less its CPU time (clock grain)
         if sys.platform == "linux":
             assert res[m]["sys_ms"] >= 0.0, m  # the training thread's kernel time per batch
+        if os.path.exists("/proc/thread-self/schedstat"):
+            assert res[m]["runq_ms"] >= 0.0, m  # its time waiting for a CPU per batch
         if os.path.isdir("/proc/self/task"):
             assert res[m]["switches"]["training"][0] >= 0, m
     if os.path.isdir("/proc/self/task"):
