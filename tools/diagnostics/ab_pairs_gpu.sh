@@ -18,7 +18,8 @@
 # build OLD that a target names); the three arms' order rotates from pair to pair.
 # Every arm runs this tree's benchmarks and diagnostics with its own build's package on
 # PYTHONPATH. One line per pair, arm and figure in OUTDIR/ab.log; each process's output in
-# OUTDIR/arms.tgz (one file, for machines that send few files back);
+# OUTDIR/arms.tgz, written again after every arm (a scratch folder holds the processes' files, so
+# that OUTDIR holds those two files alone, for machines that send few files back);
 # tools/diagnostics/ab_table.py OUTDIR/ab.log ... puts the pairs side by side.
 # Usage: tools/diagnostics/ab_pairs_gpu.sh OLD FIRST LAST OUTDIR [DEADLINE_S]
 #   pairs FIRST..LAST (several calls can share the rotation); a pair that would start after
@@ -27,6 +28,10 @@ set -u
 old=$(cd "${1:?the tree to compare with}" && pwd); first=${2:-1}; last=${3:-5}; out=${4:-/tmp/ab_pairs}
 deadline=${5:-540}
 mkdir -p "$out"
+scratch=$(mktemp -d) && trap 'rm -rf "$scratch"' EXIT
+pack() {  # every arm's files so far, in OUTDIR/arms.tgz
+  local tgz; tgz=$(mktemp) && (cd "$scratch" && tar czf "$tgz" .) && mv "$tgz" "$out/arms.tgz"
+}
 export PYTHONUNBUFFERED=1
 (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
 prev=
@@ -95,7 +100,7 @@ for i in $(seq "$first" "$last"); do
   elif [ $((i % 2)) = 1 ]; then order="new old"; else order="old new"; fi
   for a in $order; do
     root=$PWD; [ "$a" = old ] && root=$old; [ "$a" = prev ] && root=$prev
-    d="$out/$a$i"; mkdir -p "$d"
+    d="$scratch/$a$i"; mkdir -p "$d"
     parts=" ${AB_PARTS:-train gpu ref gil} "; gpu=${AB_GPU:-each}
     [[ $parts == *" train "* ]] && PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
     [[ $parts == *" gpu "* ]] && { [ "$gpu" = each ] || { [ "$gpu" = first ] && [ "$i" = "$first" ]; }; } &&
@@ -107,6 +112,6 @@ for i in $(seq "$first" "$last"); do
       grep -sE "^seed16 +gc" "$d/stages.log" | sed "s/^/pair $i $a stages /"
     } | tee -a "$out/ab.log"
     echo "pair $i $a: done at $((SECONDS - t0)) s" | tee -a "$out/ab.log"
+    pack
   done
 done
-tgz=$(mktemp) && (cd "$out" && tar czf "$tgz" --exclude=./arms.tgz --exclude=./ab.log .) && mv "$tgz" "$out/arms.tgz"
