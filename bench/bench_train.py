@@ -1019,15 +1019,17 @@ def print_blocks(res: dict[str, dict[str, dict]]) -> None:
 
 
 def print_switches(res: dict[str, dict[str, dict]]) -> None:
-    """Per method: the training step's time off the CPU, and the context switches per batch
+    """Per method: the training thread's CPU time per step, the step's time off the CPU, and the
+    context switches per batch
     (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
     if not any(r.get("switches") for methods in res.values() for r in methods.values()):
         return
-    print("the step off the CPU, the training thread's time in the kernel and waiting for a CPU (ms per batch), "
+    print("the training thread's CPU time per step and the step's time off the CPU, the training thread's time in "
+          "the kernel and waiting for a CPU (ms per batch), "
           "and context switches per batch, voluntary/involuntary, by thread (training: the loop's; service: the "
           "prefetch thread; feeders: the DataLoader's index-queue feeder threads; native: threads Python does "
           "not know)")
-    header = (f"{'config':<7} {'method':<36} {'off-CPU':>8} {'kernel':>7} {'runq':>6}" +
+    header = (f"{'config':<7} {'method':<36} {'CPU':>7} {'off-CPU':>8} {'kernel':>7} {'runq':>6}" +
               "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS))
     print(header)
     print("-" * len(header))
@@ -1035,7 +1037,8 @@ def print_switches(res: dict[str, dict[str, dict]]) -> None:
         for name, r in methods.items():
             sw = r.get("switches", {})
             cells = "".join(f" {sw[g][0]:>5.2f}/{sw[g][1]:<5.2f}" if g in sw else f" {'-':>11}" for g, _ in SWITCH_COLUMNS)
-            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_off_cpu_ms']:>8.3f} {r.get('sys_ms', -1.0):>7.3f} "
+            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_cpu_ms']:>7.3f} {r['step_off_cpu_ms']:>8.3f} "
+                  f"{r.get('sys_ms', -1.0):>7.3f} "
                   f"{r.get('runq_ms', -1.0):>6.3f}{cells}")
     print()
 

@@ -23,7 +23,8 @@ def _load_table():
 
 def _method(fraction, step, switches, epochs):
     return {"fraction_of_ideal": fraction, "steady_fraction_of_ideal": fraction + 0.01, "step_ms": step,
-            "next_steady_ms": 0.04, "step_off_cpu_ms": 1.5, "switches": {"training": [switches, 0.0]},
+            "next_steady_ms": 0.04, "step_cpu_ms": step - 1.5, "step_off_cpu_ms": 1.5,
+            "switches": {"training": [switches, 0.0]},
             "prefetch_stats": {"service_cpu_ms_per_batch": 0.45},
             "epochs": [{"step_ms": epochs, "next_ms": [9.0] + [0.04] * (len(epochs) - 1)}]}
 
@@ -69,6 +70,8 @@ def test_the_table_carries_each_pairs_figures(tmp_path):
     assert rows[("launch4 % of preloaded", "new")] == {1: 95.0, 2: 93.0, 3: 97.0}
     assert rows[("launch4 % of preloaded", "old")] == {1: 90.0, 2: 91.0, 3: 89.0}
     assert rows[("launch4 training thread's blocks/step", "new")][2] == 4.2
+    assert rows[("launch4 training thread's CPU ms/step", "new")][2] == pytest.approx(2.8)
+    assert rows[("launch4 training thread's CPU ms/step, preloaded", "old")][1] == pytest.approx(2.7)
     assert rows[("launch4 packed step p99 ms", "old")][1] == pytest.approx(4.99)
     assert rows[("H2D latency mean ms", "new")] == {1: 0.29, 2: 0.30, 3: 0.31}
     assert rows[("harness seed16 x .to()", "old")][3] == 19.5

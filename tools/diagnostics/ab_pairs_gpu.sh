@@ -57,6 +57,7 @@ for part in ("train", "gpu"):
 nan = float("nan")
 sw = lambda m: m.get("switches", {}).get("training", [nan])[0]
 off = lambda m: m.get("step_off_cpu_ms", nan)
+cpu = lambda m: m.get("step_cpu_ms", nan)
 try:
     for c in [c for c in ("launch4", "launch5", "launch", "gpu") if c in r]:
         i = r[c]["ideal"]
@@ -67,7 +68,7 @@ try:
             print(f"pair {pair} {arm} train {name}: {100 * p['fraction_of_ideal']:.1f}% ideal_step_ms={i['step_ms']:.2f} "
                   f"steady={100 * p['steady_fraction_of_ideal']:.1f}% next_steady_ms={p['next_steady_ms']:.3f} "
                   f"service_cpu_ms={p.get('prefetch_stats', {}).get('service_cpu_ms_per_batch', nan):.3f} "
-                  f"off_cpu_ms={off(p):.3f}/{off(i):.3f} training_switches={sw(p):.2f}/{sw(i):.2f} ({m}/ideal)")
+                  f"cpu_ms={cpu(p):.3f}/{cpu(i):.3f} off_cpu_ms={off(p):.3f}/{off(i):.3f} training_switches={sw(p):.2f}/{sw(i):.2f} ({m}/ideal)")
         for m in r[c]:  # tails over the arm's rounds (collector on); next: each epoch's first
             for k, skip in (("step_ms", 0), ("next_ms", 1)):  # batch left out
                 v = sorted(x for e in r[c][m]["epochs"] for x in e[k][skip:])

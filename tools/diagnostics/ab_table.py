@@ -30,6 +30,8 @@ PATTERNS: list[tuple[str, str]] = [
     ("{c} __next__ steady ms", rf"train (?P<c>\S+): .* next_steady_ms={NUM}"),
     ("{c} service CPU ms/batch", rf"train (?P<c>\S+): .* service_cpu_ms={NUM}"),
     ("{c} training thread's blocks/step", rf"train (?P<c>\S+): .* training_switches={NUM}/"),
+    ("{c} training thread's CPU ms/step", rf"train (?P<c>\S+): .* cpu_ms={NUM}/"),
+    ("{c} training thread's CPU ms/step, preloaded", rf"train (?P<c>\S+): .* cpu_ms=\S+?/{NUM}"),
     ("{c} packed step p99 ms", rf"tails (?P<c>\S+) packed step_ms: .* p99 {NUM}"),
     ("{c} packed step max ms", rf"tails (?P<c>\S+) packed step_ms: .* max {NUM}"),
     ("GIL held by the service ms/batch (median)", rf"gil +med +{NUM}"),
