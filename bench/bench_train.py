@@ -124,9 +124,11 @@ outside the timed region). Per epoch, from ``iter()`` to the synchronization aft
 - ``thread ms``: for the PrefetchLoader methods, the CPU time of its prefetch thread per batch
   (``PrefetchLoader.stats()`` over the timed epochs: an upper bound on the GIL it holds).
 
-A second table (Linux) gives what drifts less with the host's speed than the step's time: the
-step's time off the CPU (``step ms`` less the thread's CPU time: autograd's backward, which the
-training thread waits for, and every wait for the GIL) and the context switches per batch of each
+A second table (Linux) gives the training thread's CPU time per step (``CPU``: where a method's
+step is longer by about as much, the thread ran its own code more slowly, see
+``tools/diagnostics/epoch_cpu.py``), and what drifts less with the host's speed than the step's
+time: the step's time off the CPU (``step ms`` less the thread's CPU time: autograd's backward,
+which the training thread waits for, and every wait for the GIL) and the context switches per batch of each
 kind of thread, voluntary / involuntary (``/proc/self/task/*/status``, read after batch 2 and
 every 16 batches: the rate between the first and the last reading). A voluntary switch of the
 training thread is a block: its backward (one per step in ``ideal``) or a wait for the GIL that
@@ -1020,8 +1022,8 @@ def print_blocks(res: dict[str, dict[str, dict]]) -> None:
 
 def print_switches(res: dict[str, dict[str, dict]]) -> None:
     """Per method: the training thread's CPU time per step, the step's time off the CPU, and the
-    context switches per batch
-    (voluntary/involuntary) of each kind of thread (medians over rounds; Linux only)."""
+    context switches per batch (voluntary/involuntary) of each kind of thread (medians over
+    rounds; Linux only)."""
     if not any(r.get("switches") for methods in res.values() for r in methods.values()):
         return
     print("the training thread's CPU time per step and the step's time off the CPU, the training thread's time in "
