@@ -83,7 +83,9 @@ def test_the_sampler_sees_a_thread_wait_on_a_condition_and_run():
     c = report["counts"]["waiting"]
     futex = sum(n for k, n in c.items() if k.startswith("waiter futex "))
     assert futex > 0.9 * sum(c.values()), c
-    assert 0.25 < report["seconds"]["waiting"] < 2.0  # the 0.3 s labelled (a loaded machine adds)
+    # the 0.3 s labelled, as the sampler process saw the labels arrive: on a loaded machine it
+    # may see the first one late (less) or stay busy sampling past the second (more)
+    assert 0.15 < report["seconds"]["waiting"] < 2.0
     assert all(report["where"]["futex " + k.split()[2]] for k in c if " futex " in k)
     rows = dict(blocks.summary(report, "spinning", "spinner"))
     assert rows.get("running", 0) > 0.2, rows  # it runs, or waits for the GIL beside this thread
