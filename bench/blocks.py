@@ -11,9 +11,13 @@ so that it takes no GIL of the process it watches; it costs one CPU while it sam
 
 Samples are counted per label: the watching process writes a label (one line on the sampler's
 stdin) when an epoch of a method starts and ``-`` when it ends; between the two, every sample
-counts for that label. A line ``+NAME TID`` watches one more thread under NAME (or another
-thread under a NAME already watched). Closing stdin ends the sampler, which then prints one JSON
-object: for each label its counts by thread and key (``NAME running``, ``NAME fault`` for a
+counts for that label. A label line may start with ``@T `` (``BlockSampler.label`` writes it),
+the writer's ``time.monotonic()`` (``CLOCK_MONOTONIC``, one clock for the processes of a
+machine): a label's seconds are then the writer's, whenever the sampler gets to read the line;
+without it, the time the sampler reads it. A line ``+NAME TID`` watches one more thread under
+NAME (or another thread under a NAME already watched) and leaves the label and its time as they
+are. Closing stdin ends the sampler, which then prints one JSON object: for each label its
+seconds and its counts by thread and key (``NAME running``, ``NAME fault`` for a
 thread blocked outside a system call, ``NAME gone`` for one that has ended, a system call's name,
 or ``NAME futex <address>``), and for each futex address the mapping it lies in
 (``/proc/PID/maps``: the binary or library whose data holds it, ``[heap]`` or an anonymous
@@ -137,9 +141,6 @@ def sample(pid: int, threads: dict[str, int], control: int = 0) -> dict[str, Any
         pending += chunk
         while b"\n" in pending:
             row, pending = pending.split(b"\n", 1)
-            now = time.monotonic()
-            if label is not None:
-                seconds[label] = seconds.get(label, 0.0) + now - t_label
             text = row.decode().strip()
             if text.startswith("+"):
                 name, tid = text[1:].split()
@@ -147,6 +148,12 @@ def sample(pid: int, threads: dict[str, int], control: int = 0) -> dict[str, Any
                     os.close(fds[name])
                 fds[name] = _open(pid, int(tid))
                 continue
+            now = time.monotonic()
+            if text.startswith("@"):  # the writer's time of the label
+                stamp, _, text = text[1:].partition(" ")
+                now = float(stamp)
+            if label is not None:
+                seconds[label] = seconds.get(label, 0.0) + now - t_label
             label = None if text in ("", "-") else text
             cur = None if label is None else counts.setdefault(label, {})
             t_label = now
@@ -190,7 +197,7 @@ class BlockSampler:
         if "\n" in (text or ""):
             raise ValueError("a label is one line")
         assert self.proc.stdin is not None
-        self.proc.stdin.write(((text or "-") + "\n").encode())
+        self.proc.stdin.write(f"@{time.monotonic():.9f} {text or '-'}\n".encode())
         self.proc.stdin.flush()
 
     def finish(self, timeout: float = 300.0) -> dict[str, Any]:
