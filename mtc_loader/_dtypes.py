@@ -4,7 +4,9 @@ The lowest layer of the package after the C engine: it knows torch and numpy onl
 indices into :data:`DTYPES`: first the dtypes of :data:`_KNOWN` this torch has, in that fixed
 order, then any dtype a newer torch adds, by name. Everything here is built on the CPU with
 torch's modes set aside (:func:`outside_modes`), so that the table is the same whatever device
-or mode the importing code has made the default; :data:`TABLE` identifies it, and a process
+or mode the importing code has made the default, and with only the ops no caller setting changes
+(deterministic mode fills new memory, which torch cannot do for every dtype, see :func:`_probe`);
+:data:`TABLE` identifies it, and a process
 whose table differs from the arena creator's is refused (``mismatch``).
 """
 from __future__ import annotations
@@ -82,8 +84,18 @@ def _bytewise_dtypes() -> list[torch.dtype]:
 
 def _probe(dt: torch.dtype, size: int) -> None:
     """Raises unless torch can view bytes as dt and copy dt, on the CPU (shell dtypes such as
-    uint1..7 / int1..7 can be viewed on some torch versions but not copied)."""
-    torch.empty(2 * size, dtype=torch.uint8, device="cpu").view(dt).clone()
+    uint1..7 / int1..7 can be viewed on some torch versions but not copied). Only ``zeros`` of
+    uint8, ``view`` and ``copy_`` run: no caller setting changes what they do. (``clone`` or
+    ``empty`` of dt would fill new memory under ``torch.use_deterministic_algorithms(True)``,
+    which torch cannot do for the bits dtypes, and the table would depend on that setting.)"""
+    src = torch.zeros(2 * size, dtype=torch.uint8, device="cpu").view(dt)
+    torch.zeros(2 * size, dtype=torch.uint8, device="cpu").view(dt).copy_(src)
+
+
+def empty_sample(dt: torch.dtype) -> torch.Tensor:
+    """An empty CPU tensor of dtype dt, made as a view of uint8 bytes: ``torch.empty(0, dtype=dt)``
+    fails for the bits dtypes under ``torch.use_deterministic_algorithms(True)``."""
+    return torch.empty(0, dtype=torch.uint8, device="cpu").view(dt)
 
 
 def _fingerprint(dtypes: list[torch.dtype]) -> str:
@@ -119,7 +131,7 @@ def other_samples() -> list[torch.Tensor]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out.append(torch.empty(0, dtype=torch.uint8, device="cpu").view(dt))
+                out.append(empty_sample(dt))
         except Exception:
             continue
     return out

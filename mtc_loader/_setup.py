@@ -141,7 +141,7 @@ with _dtypes.outside_modes():
         # torch's DLPack C exchange table (torch 2.10+): each exact tensor's metadata in one C call;
         # the empty samples teach the engine the DLPack dtype of each of its dtypes
         "dlpack_api": getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
-        "dlpack_samples": [torch.empty(0, dtype=dt, device="cpu") for dt in DTYPES],
+        "dlpack_samples": [_dtypes.empty_sample(dt) for dt in DTYPES],
         # and of the dtypes it does not copy, whose DLPack form may be one of its own (int4 as int8)
         "dlpack_others": _dtypes.other_samples(),
         "shim": _SHIM,

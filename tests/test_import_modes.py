@@ -27,6 +27,20 @@ _UNDER = {
     "device_context": 'import torch\nwith torch.device("meta"):\n    import mtc_loader\n',
     "fake_mode": ("import torch\nfrom torch._subclasses.fake_tensor import FakeTensorMode\n"
                   "with FakeTensorMode():\n    import mtc_loader\n"),
+    "functional_mode": ("import torch\nfrom torch._subclasses.functional_tensor import FunctionalTensorMode\n"
+                        "with FunctionalTensorMode():\n    import mtc_loader\n"),
+    "deterministic": "import torch\ntorch.use_deterministic_algorithms(True)\nimport mtc_loader\n",
+    "deterministic_warn_only": ("import torch\ntorch.use_deterministic_algorithms(True, warn_only=True)\n"
+                                "import mtc_loader\n"),
+    "deterministic_debug_error": 'import torch\ntorch.set_deterministic_debug_mode("error")\nimport mtc_loader\n',
+    "deterministic_debug_warn": 'import torch\ntorch.set_deterministic_debug_mode("warn")\nimport mtc_loader\n',
+    "default_dtype_float64": "import torch\ntorch.set_default_dtype(torch.float64)\nimport mtc_loader\n",
+    "default_dtype_bfloat16": "import torch\ntorch.set_default_dtype(torch.bfloat16)\nimport mtc_loader\n",
+    "no_grad": "import torch\nwith torch.no_grad():\n    import mtc_loader\n",
+    "inference_mode": "import torch\nwith torch.inference_mode():\n    import mtc_loader\n",
+    "anomaly_mode": "import torch\ntorch.autograd.set_detect_anomaly(True)\nimport mtc_loader\n",
+    "mkldnn_off": "import torch\ntorch.backends.mkldnn.enabled = False\nimport mtc_loader\n",
+    "no_fill": "import torch\ntorch.utils.deterministic.fill_uninitialized_memory = False\nimport mtc_loader\n",
 }
 
 
@@ -37,14 +51,54 @@ def plain_import():
 
 @pytest.mark.parametrize("how", sorted(_UNDER))
 def test_import_under_a_default_device_or_mode_builds_the_same_tables(plain_import, how):
-    """Under a meta default device or a FakeTensorMode the import builds the same dtype table
-    (no int1..7 probed on meta) and turns on the same readers as a plain import."""
+    """Under a meta default device, a FakeTensorMode or FunctionalTensorMode, deterministic mode
+    (and its debug mode), another default dtype, no_grad or inference mode, anomaly detection or
+    a torch.backends flag, the import builds the same dtype table (no int1..7 probed on meta) and
+    turns on the same readers as a plain import."""
     under = run_child(_UNDER[how] + _REPORT)
     assert under["dtypes"] == plain_import["dtypes"]
     assert under["table"] == plain_import["table"]
     assert under["routes"] == plain_import["routes"]
     assert under["parts"] == plain_import["parts"]
     assert not any(d in under["dtypes"] for d in ("torch.int4", "torch.uint3", "torch.int1"))
+
+
+_DETERMINISTIC = """
+import torch
+torch.use_deterministic_algorithms(True)
+torch.set_deterministic_debug_mode("warn")
+import json, mtc_loader
+from mtc_loader import _dtypes
+from torch.utils.data import DataLoader
+settings = [torch.are_deterministic_algorithms_enabled(), torch.get_deterministic_debug_mode()]
+bits = {"b8": torch.arange(4, dtype=torch.uint8, device="cpu").view(torch.bits8),
+        "b16": torch.arange(4, dtype=torch.uint8, device="cpu").view(torch.bits16),
+        "f4": torch.arange(4, dtype=torch.uint8, device="cpu").view(torch.float4_e2m1fn_x2)}
+copied = mtc_loader.start_copy(bits, "cpu").get()
+packed = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([bits]).unpack("cpu")[0]
+same = [torch.equal(o[k].view(torch.uint8), bits[k].view(torch.uint8)) and o[k].dtype == bits[k].dtype
+        for o in (copied, packed) for k in bits]
+samples = [{"u8": torch.arange(5, dtype=torch.uint8) + i, "f": torch.full((2,), float(i))} for i in range(4)]
+batches = {}
+for context in ("spawn", "forkserver"):
+    loader = DataLoader(samples, batch_size=2, num_workers=2, multiprocessing_context=context,
+                        collate_fn=mtc_loader.PackedCollate(arena_bytes=1 << 20))
+    batches[context] = [{k: v.tolist() for k, v in b.unpack("cpu").items()} for b in loader]
+print(json.dumps({"table": _dtypes.TABLE, "settings": settings, "same": same, "batches": batches}))
+"""
+
+
+def test_deterministic_mode_before_the_import_keeps_the_whole_table_and_spawn_workers_agree(plain_import):
+    """torch.use_deterministic_algorithms(True) at a script's top, before the import: the dtype
+    table is the whole one (the bits dtypes copy), so that spawn and forkserver workers, which
+    import without it, agree with the main process; the setting itself is left as it was."""
+    got = run_child(_DETERMINISTIC)
+    assert got["table"] == plain_import["table"] == list(_dtypes.TABLE)
+    assert got["settings"] == [True, 1]
+    assert got["same"] == [True] * 6
+    want = [{"u8": [[x + 2 * n + i for x in range(5)] for i in range(2)],
+             "f": [[float(2 * n + i)] * 2 for i in range(2)]} for n in range(2)]
+    assert got["batches"] == {"spawn": want, "forkserver": want}
 
 
 def test_dtype_table_is_the_fixed_list_in_its_order():
