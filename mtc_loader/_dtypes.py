@@ -6,8 +6,8 @@ order, then any dtype a newer torch adds, by name. Everything here is built on t
 torch's modes set aside (:func:`outside_modes`), so that the table is the same whatever device
 or mode the importing code has made the default, and with only the ops no caller setting changes
 (deterministic mode fills new memory, which torch cannot do for every dtype, see :func:`_probe`);
-:data:`TABLE` identifies it, and a process
-whose table differs from the arena creator's is refused (``mismatch``).
+:data:`TABLE` identifies it, and a process whose table differs from the arena creator's is
+refused (``mismatch``).
 """
 from __future__ import annotations
 
