@@ -8,7 +8,7 @@ mode) would have the engine write through no memory. :func:`refusal` tells them 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -60,3 +60,32 @@ def refusal() -> Optional[str]:
     return (f"mtc_loader: a TorchDispatchMode or TorchFunctionMode ({names}) is active and makes "
             "torch.empty's tensors fake or without memory, which the engine would write through; "
             "copy outside the mode, or move the tensors with tensor.to() inside it")
+
+
+def _describe(t: Any) -> str:
+    """What a tensor torch handed the engine is, as far as it can be read."""
+    kind = f"{type(t).__module__}.{type(t).__qualname__}"
+    try:
+        held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+        return (f"a {kind} of dtype {t.dtype}, shape {tuple(t.shape)}, strides {t.stride()} on {t.device}, "
+                f"with {held} bytes of storage from its first element")
+    except Exception as e:  # a tensor without strides or storage says so itself
+        return f"a {kind} ({type(e).__name__}: {e})"
+
+
+def buffer_refusal(got: Any, dtype: torch.dtype, shape: tuple[int, ...], strides: Optional[tuple[int, ...]],
+                   device: torch.device) -> str:
+    """The message of the error a copy raises when torch, asked for a buffer the engine writes
+    (an output, or the tensor of a packed chunk's dtype), gave another one: the engine would
+    write past its memory. Called by the engine only then."""
+    layout = f"strides {strides}" if strides is not None else "contiguous"
+    numel = 1
+    for n in shape:
+        numel *= n
+    asked = (f"a torch.Tensor of dtype {dtype}, shape {tuple(shape)}, {layout}, on {device} "
+             f"({numel * dtype.itemsize} bytes)")
+    names = ", ".join(_names()) or "none"
+    return (f"mtc_loader: torch.empty gave the engine {_describe(got)}, where it asked for {asked}; the copy "
+            f"would write past that tensor's memory. The active TorchDispatchMode or TorchFunctionMode "
+            f"({names}) changes what torch.empty makes: copy outside the mode, or move the tensors with "
+            "tensor.to() inside it")

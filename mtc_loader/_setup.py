@@ -162,5 +162,6 @@ with _dtypes.outside_modes():
         **{f"d_{n}": torch.Tensor.__dict__.get(n) or getattr(torch._C.TensorBase, "__dict__")[n]
            for n in ("dtype", "shape", "is_cuda")},
         **{f"m_{n}": getattr(torch._C.TensorBase, n)
-           for n in ("data_ptr", "get_device", "is_contiguous", "stride", "is_neg", "is_conj")},
+           for n in ("data_ptr", "get_device", "is_contiguous", "stride", "is_neg", "is_conj", "storage_offset",
+                     "untyped_storage")},
     })

@@ -282,9 +282,10 @@ static int _alloc_chunks(_copy *c)
     for (uint32_t g = 0; g < c->ngroups; g++) {
         const mtc_group *gr = &c->groups[g];
         uintptr_t base;
+        int64_t numel = (gr->hi - gr->lo) / c->st->elsize[gr->dtype];
         c->group_t[g] = mtc_out_group_empty(c->st, gr, pin ? c->st->device_cpu : c->dev_obj, pin);
-        if (!c->group_t[g] || mtc_out_data_ptr(c->st, c->group_t[g], &base) ||
-            mtc_out_check_ptr(base, gr->hi - gr->lo))
+        if (!c->group_t[g] ||
+            mtc_out_check_buffer(c->st, c->group_t[g], gr->dtype, pin ? -1 : c->o.target, 1, &numel, NULL, &base))
             return -1;
         if (gr->hi == gr->lo) continue; /* zero-size members only: nothing to copy, no DMA of 0 bytes */
         mtc_op *op = &c->job->ops[c->oi++];
@@ -306,6 +307,23 @@ static int _alloc_chunks(_copy *c)
     return 0;
 }
 
+/* The error of torch.from_numpy giving leaf i's array back as a tensor that
+ * is not a plain torch.Tensor (a mode that passed mtc_out_check_modes made it
+ * a subclass). -1. */
+static int _not_plain(mtc_state *st, const mtc_tree *t, uint32_t i, PyObject *got)
+{
+    PyObject *path = mtc_leaf_path(t, i);
+    if (path) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "mtc_loader: torch.from_numpy gave %U (a numpy array) back as a %s, not a plain "
+                     "torch.Tensor: a TorchDispatchMode or TorchFunctionMode active here changes what it "
+                     "makes; copy outside the mode, or call torch.from_numpy inside it yourself",
+                     path, Py_TYPE(got)->tp_name);
+        Py_DECREF(path);
+    }
+    return -1;
+}
+
 /* Stage 3c: outputs that are not views. Reused leaves are the same objects,
  * numpy leaves for the CPU go through torch.from_numpy, every other leaf that
  * is not packed gets a new tensor and an item: host copies form one op, the
@@ -325,6 +343,8 @@ static int _alloc_own_outputs(_copy *c)
             }
             if (pass == 0 && l->action == MTC_ACT_FROM_NUMPY) {
                 if (!(c->outputs[i] = PyObject_CallOneArg(st->from_numpy, t->objs[i]))) return -1;
+                if ((PyObject *)Py_TYPE(c->outputs[i]) != st->tensor_type && _not_plain(st, t, i, c->outputs[i]))
+                    return -1;
                 continue;
             }
             if (!_own_output(l->action) || (l->action == MTC_ACT_HOST_COPY) != (pass == 1)) continue;
@@ -339,7 +359,9 @@ static int _alloc_own_outputs(_copy *c)
             Py_DECREF(shape);
             if (!c->outputs[i]) return -1;
             uintptr_t dst;
-            if (mtc_out_data_ptr(st, c->outputs[i], &dst) || mtc_out_check_ptr(dst, l->nbytes)) return -1;
+            if (mtc_out_check_buffer(st, c->outputs[i], l->dtype, pin ? -1 : c->o.target, l->ndim, &t->shape[l->dims],
+                                     (l->flags & MTC_LEAF_STRIDED) ? &t->ostrides[l->dims] : NULL, &dst))
+                return -1;
             mtc_op *op;
             if (l->action == MTC_ACT_HOST_COPY) {
                 if (!host_op) {
@@ -376,9 +398,9 @@ static int _alloc_outputs(_copy *c)
         PyErr_NoMemory();
         return -1;
     }
-    /* a mode that fakes torch.empty's tensors: refused before anything is made */
+    /* a mode that fakes torch.empty's tensors (and torch.from_numpy's): refused before anything is made */
     const mtc_plan *p = &c->plan;
-    if ((c->ngroups || p->count[MTC_ACT_HOST_COPY] || p->count[MTC_ACT_H2D_STAGED] ||
+    if ((c->ngroups || p->count[MTC_ACT_FROM_NUMPY] || p->count[MTC_ACT_HOST_COPY] || p->count[MTC_ACT_H2D_STAGED] ||
          p->count[MTC_ACT_H2D_DIRECT] || p->count[MTC_ACT_D2H] || p->count[MTC_ACT_D2D]) &&
         mtc_out_check_modes(c->st))
         return -1;

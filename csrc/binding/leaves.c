@@ -401,13 +401,14 @@ static int _read_dlpack(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj,
 
 /* The dims, data pointer and device of an exact torch.Tensor read through
  * torch's C shim (state.h's mtc_shim_reader) from the at::Tensor inside its
- * Python object: a few plain C calls, no Python. The layout and device are
- * checked before anything that could fail on a tensor without storage. 0; 1
- * when the tensor is to be read another way (not strided, a device other
- * than the CPU or CUDA, a dtype the engine does not copy, or torch
- * declined); -1 with an exception. */
+ * Python object, and its storage's bytes and its offset there (storage[0]:
+ * elements, storage[1]: bytes): a few plain C calls, no Python. The layout
+ * and device are checked before anything that could fail on a tensor
+ * without storage. 0; 1 when the tensor is to be read another way (not
+ * strided, a device other than the CPU or CUDA, a dtype the engine does not
+ * copy, or torch declined); -1 with an exception. */
 static int _read_shim(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, mtc_leaf *l, int *code,
-                      int *contiguous)
+                      int *contiguous, int64_t *storage)
 {
     const mtc_shim_reader *r = &st->sr;
     void *h = (char *)obj + r->cdata;
@@ -424,7 +425,9 @@ static int _read_shim(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, m
     if (r->dtype(h, &dtype) || dtype < 0 || dtype > 255 || r->to_code[dtype] < 0) return 1;
     if (r->dim(h, &ndim) || ndim < 0) return 1;
     if (ndim > MTC_MAX_NDIM) return _too_many_dims(t, node, ndim);
-    if (r->sizes(h, &sizes) || r->strides(h, &strides) || r->data_ptr(h, &data)) return 1;
+    if (r->sizes(h, &sizes) || r->strides(h, &strides) || r->data_ptr(h, &data) ||
+        r->storage_offset(h, &storage[0]) || r->storage_size(h, &storage[1]))
+        return 1;
     if (mtc_leaves_reserve(t, (int)ndim)) return -1;
     int c = r->to_code[dtype];
     l->dtype = (uint16_t)c;
@@ -446,22 +449,51 @@ static int _read_shim(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj, m
     return 0;
 }
 
+/* The storage offset (elements) and storage bytes of a tensor read the
+ * DLPack or attribute way, into storage[0] and storage[1]: three Python
+ * calls (storage_offset(), untyped_storage(), nbytes()). 0; 1 when reading
+ * them failed (the tensor is diagnosed). */
+static int _storage_python(mtc_state *st, PyObject *obj, int exact, int64_t *storage)
+{
+    PyObject *v = _tcall(obj, exact, st->m_storage_offset, st->s_storage_offset);
+    if (!v) return 1;
+    storage[0] = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    PyObject *s = _tcall(obj, exact, st->m_untyped_storage, st->s_untyped_storage);
+    if (!s) return 1;
+    v = _call0(s, st->s_nbytes);
+    Py_DECREF(s);
+    if (!v) return 1;
+    storage[1] = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return PyErr_Occurred() ? 1 : 0;
+}
+
 /* Reads the metadata of a tensor leaf into leaf slot t->nleaves.
  * Per tensor: dtype, shape, is_contiguous(), data_ptr(), get_device(); the
  * strides only when not contiguous; is_neg() always, is_conj() of complex
- * tensors (_lazy_bits). Anything unexpected goes to _diagnose. */
+ * tensors (_lazy_bits). A tensor that reads past its storage's end (one
+ * whose storage was freed or shrunk: untyped_storage().resize_()) is
+ * diagnosed, on every route: the shim's getters tell the storage's bytes
+ * (two C calls), the others ask Python (_storage_python). Anything
+ * unexpected goes to _diagnose. */
 int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
 {
     int exact = (PyObject *)Py_TYPE(obj) == st->tensor_type;
     mtc_leaf l;
     memset(&l, 0, sizeof l);
     int contiguous = 0, c = -1, rc = 1;
+    int64_t storage[2] = {-1, -1}; /* offset (elements) and bytes; offset -1: not read yet */
     uint64_t *read_by = NULL; /* the counter of the reader that read it, bumped once the leaf is kept */
     if (exact && st->sr.on) {
-        rc = _read_shim(st, t, node, obj, &l, &c, &contiguous);
+        rc = _read_shim(st, t, node, obj, &l, &c, &contiguous, storage);
         if (rc < 0) return -1;
-        if (rc) memset(&l, 0, sizeof l);
-        else read_by = &mtc_cnt.leaves_shim;
+        if (rc) {
+            memset(&l, 0, sizeof l);
+            storage[0] = -1;
+        } else {
+            read_by = &mtc_cnt.leaves_shim;
+        }
     }
     if (rc && exact && st->dl_view) {
         rc = _read_dlpack(st, t, node, obj, &l, &c, &contiguous);
@@ -485,6 +517,16 @@ int mtc_leaves_read_tensor(mtc_state *st, mtc_tree *t, int32_t node, PyObject *o
     }
     int64_t numel = _numel(&t->shape[t->ndims], l.ndim);
     if (_lazy_bits(st, obj, exact, st->dtflags[c])) return mtc_leaves_diagnose(st, t, node, obj);
+    if (numel && l.data) {
+        /* every byte it reads within its storage: a storage shrunk under it
+         * (untyped_storage().resize_(n)) would be read past its end */
+        if (storage[0] < 0 && _storage_python(st, obj, exact, storage))
+            return mtc_leaves_diagnose(st, t, node, obj); /* with the error, for its message */
+        if (storage[0] > INT64_MAX / l.elsize ||
+            !mtc_storage_holds(&t->shape[t->ndims], &t->strides[t->ndims], l.ndim, l.elsize,
+                               storage[0] * l.elsize, storage[1]))
+            return mtc_leaves_diagnose(st, t, node, obj);
+    }
     if (l.data == 0) {
         /* only an empty tensor may have no storage: a meta tensor, even an
          * empty one, is diagnosed (get_device() says -1 for meta too) */

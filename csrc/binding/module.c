@@ -206,6 +206,8 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         _take(cfg, "m_data_ptr", &st->m_data_ptr) || _take(cfg, "m_get_device", &st->m_get_device) ||
         _take(cfg, "m_is_contiguous", &st->m_is_contiguous) || _take(cfg, "m_stride", &st->m_stride) ||
         _take(cfg, "m_is_neg", &st->m_is_neg) || _take(cfg, "m_is_conj", &st->m_is_conj) ||
+        _take(cfg, "m_storage_offset", &st->m_storage_offset) ||
+        _take(cfg, "m_untyped_storage", &st->m_untyped_storage) ||
         _take(cfg, "leaf_slot", &st->leaf_slot) || _take(cfg, "atom_slot", &st->atom_slot))
         return NULL;
     if (!Py_TYPE(st->d_dtype)->tp_descr_get || !Py_TYPE(st->d_shape)->tp_descr_get ||
@@ -694,6 +696,7 @@ static int engine_exec(PyObject *module)
     INTERN(s_split_with_sizes, "unsafe_split_with_sizes"); INTERN(s_view, "view");
     INTERN(s_as_strided, "as_strided"); INTERN(s_unbind, "unbind"); INTERN(s_is_meta, "is_meta"); INTERN(s_device, "device");
     INTERN(s_pin_memory, "pin_memory"); INTERN(s_resolve, "resolve_conj"); INTERN(s_data, "data");
+    INTERN(s_storage_offset, "storage_offset"); INTERN(s_untyped_storage, "untyped_storage"); INTERN(s_nbytes, "nbytes");
 #undef INTERN
     st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device");
     st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
@@ -732,6 +735,7 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->len_dispatch);
     Py_VISIT(st->len_function);
     Py_VISIT(st->mode_refusal);
+    Py_VISIT(st->buffer_refusal);
     return 0;
 }
 
@@ -769,6 +773,8 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->m_is_neg); Py_CLEAR(st->m_is_conj); Py_CLEAR(st->s_split_with_sizes); Py_CLEAR(st->s_view);
     Py_CLEAR(st->s_as_strided); Py_CLEAR(st->s_unbind); Py_CLEAR(st->s_is_meta); Py_CLEAR(st->s_device);
     Py_CLEAR(st->s_pin_memory); Py_CLEAR(st->s_resolve); Py_CLEAR(st->s_data);
+    Py_CLEAR(st->s_storage_offset); Py_CLEAR(st->s_untyped_storage); Py_CLEAR(st->s_nbytes);
+    Py_CLEAR(st->m_storage_offset); Py_CLEAR(st->m_untyped_storage); Py_CLEAR(st->buffer_refusal);
     Py_CLEAR(st->len_dispatch); Py_CLEAR(st->len_function); Py_CLEAR(st->mode_refusal);
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->kw_dtype_device_pin);

@@ -29,9 +29,6 @@ PyObject *mtc_out_empty(mtc_state *st, PyObject *shape, PyObject *dtype, PyObjec
 PyObject *mtc_out_empty_strided(mtc_state *st, PyObject *shape, const mtc_tree *t, const mtc_leaf *l,
                                 PyObject *device, int pin, PyObject **proto);
 
-/* tensor.data_ptr() into *out. 0 or -1. */
-int mtc_out_data_ptr(mtc_state *st, PyObject *tensor, uintptr_t *out);
-
 /* A storage group: consecutive segments of a plan that share a chunk, a dtype
  * and host placement (MTC_LEAF_HOST). Their bytes [lo, hi) of the chunk get a
  * tensor of that dtype of their own (mtc_out_group_empty), so that outputs of
@@ -78,12 +75,19 @@ PyObject *mtc_out_group_empty(mtc_state *st, const mtc_group *g, PyObject *devic
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_group *groups, uint32_t ngroups,
                   PyObject *const *group_t, PyObject **outputs, PyObject *keep);
 
-/* 0 when `ptr`, the data pointer of a tensor the engine is about to write
- * `nbytes` into, can be written: not NULL unless nbytes is 0. Else -1 with
- * RuntimeError: torch handed the engine a tensor without memory (a
- * TorchDispatchMode such as FakeTensorMode made it), which is never written
- * through. */
-int mtc_out_check_ptr(uintptr_t ptr, int64_t nbytes);
+/* Checks a tensor torch handed the engine to write into (an output, a packed
+ * group's tensor), before anything is written: an exact torch.Tensor, strided,
+ * of the engine's dtype `code`, on device `dev` (-1: the CPU, else cuda:dev),
+ * of dims shape[0..ndim) with element strides `strides` (NULL: contiguous;
+ * dims of size 0 or 1 are not compared), whose storage holds every byte of
+ * them, with memory where there are bytes. Its data pointer into *ptr. A mode
+ * that hands out another tensor (a smaller dtype, fewer elements, other
+ * strides, another device) would have the engine write past its memory.
+ * Through the shim's getters for an exact tensor where the leaf reader is on
+ * (plain C calls), else through its attributes. 0, or -1 with RuntimeError
+ * saying what torch gave, what was asked for, and the active modes. */
+int mtc_out_check_buffer(mtc_state *st, PyObject *tensor, int code, int dev, int64_t ndim, const int64_t *shape,
+                         const int64_t *strides, uintptr_t *ptr);
 
 /* 0 when no TorchDispatchMode or TorchFunctionMode (other than torch's
  * default-device context) is active on this thread; with one, 0 when the

@@ -8,25 +8,36 @@
 
 #include "env.h"
 
-/* 1 when the reader's getters read `sample`'s sizes, strides and data
- * pointer as Python reads them, 0 when not, -1 with an exception. */
+/* 1 when the reader's getters read `sample`'s sizes, strides, data
+ * pointer, storage offset and storage bytes as Python reads them, 0 when
+ * not, -1 with an exception. */
 static int _reader_reads_sample(const mtc_shim_reader *r, PyObject *sample)
 {
     void *inside = (char *)sample + r->cdata;
-    int64_t dim, *sizes, *strides;
+    int64_t dim, *sizes, *strides, offset, nbytes;
     void *data;
     int ok = r->dim(inside, &dim) == 0 && r->sizes(inside, &sizes) == 0 && r->strides(inside, &strides) == 0 &&
-             r->data_ptr(inside, &data) == 0;
+             r->data_ptr(inside, &data) == 0 && r->storage_offset(inside, &offset) == 0 &&
+             r->storage_size(inside, &nbytes) == 0;
     PyObject *shape = ok ? PyObject_GetAttrString(sample, "shape") : NULL;
     PyObject *stride = shape ? PyObject_CallMethod(sample, "stride", NULL) : NULL;
     PyObject *ptr = stride ? PyObject_CallMethod(sample, "data_ptr", NULL) : NULL;
-    if (ok && !ptr) {
+    PyObject *off = ptr ? PyObject_CallMethod(sample, "storage_offset", NULL) : NULL;
+    PyObject *storage = off ? PyObject_CallMethod(sample, "untyped_storage", NULL) : NULL;
+    PyObject *size = storage ? PyObject_CallMethod(storage, "nbytes", NULL) : NULL;
+    Py_XDECREF(storage);
+    if (ok && !size) {
         Py_XDECREF(shape);
         Py_XDECREF(stride);
+        Py_XDECREF(ptr);
+        Py_XDECREF(off);
         return -1;
     }
     ok = ok && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == dim && PyTuple_Check(stride) &&
-         PyTuple_GET_SIZE(stride) == dim && PyLong_AsVoidPtr(ptr) == data;
+         PyTuple_GET_SIZE(stride) == dim && PyLong_AsVoidPtr(ptr) == data && PyLong_AsLongLong(off) == offset &&
+         PyLong_AsLongLong(size) == nbytes;
+    Py_XDECREF(off);
+    Py_XDECREF(size);
     for (int64_t d = 0; ok && d < dim; d++)
         ok = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == sizes[d] &&
              PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d)) == strides[d];
@@ -44,8 +55,8 @@ static int _reader_reads_sample(const mtc_shim_reader *r, PyObject *sample)
  *   MaybeOwned): the word there must be the TensorImpl the shim's own handle
  *   of the same tensor points to, for every sample;
  * - the getters must read each sample's dtype, layout, device, sizes,
- *   strides and data pointer as Python reads them (cfg["reader_sample"]: a
- *   strided view with an offset);
+ *   strides, data pointer, storage offset and storage bytes as Python reads
+ *   them (cfg["reader_sample"]: a strided view with an offset);
  * - at::native::is_neg / is_conj (bool of a const at::Tensor &), where
  *   exported, must tell cfg["bit_samples"] (plain, negative view, conjugate
  *   view) apart; without them the bits are read through the Python methods.
@@ -76,6 +87,8 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     SYM(sizes, "aoti_torch_get_sizes", mtc_shim_get_i64p_fn);
     SYM(strides, "aoti_torch_get_strides", mtc_shim_get_i64p_fn);
     SYM(data_ptr, "aoti_torch_get_data_ptr", mtc_shim_get_ptr_fn);
+    SYM(storage_size, "aoti_torch_get_storage_size", mtc_shim_get_i64_fn);
+    SYM(storage_offset, "aoti_torch_get_storage_offset", mtc_shim_get_i64_fn);
     SYM(is_neg, "_ZN2at6native6is_negERKNS_6TensorE", mtc_native_bit_fn);
     SYM(is_conj, "_ZN2at6native7is_conjERKNS_6TensorE", mtc_native_bit_fn);
 #undef SYM
@@ -83,7 +96,7 @@ static int _setup_reader(mtc_state *st, void *lib, PyObject *cfg, PyObject *samp
     mtc_shim_code_fn cpu = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cpu");
     mtc_shim_code_fn cuda = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cuda");
     if (!r->layout || !r->device_type || !r->device_index || !r->dtype || !r->dim || !r->sizes || !r->strides ||
-        !r->data_ptr || !strided || !cpu || !cuda) {
+        !r->data_ptr || !r->storage_size || !r->storage_offset || !strided || !cpu || !cuda) {
         memset(r, 0, sizeof *r);
         st->reader_why = "the library lacks some of the shim's getters (aoti_torch_get_*)";
         return 0;
@@ -196,9 +209,15 @@ static void _setup_empty(mtc_state *st, void *lib, PyObject *cfg)
     mtc_shim_code_fn cuda = (mtc_shim_code_fn)dlsym(lib, "aoti_torch_device_type_cuda");
     st->shim_empty = (mtc_shim_empty_fn)dlsym(lib, "aoti_torch_empty_strided");
     st->shim_data_ptr = (mtc_shim_get_ptr_fn)dlsym(lib, "aoti_torch_get_data_ptr");
-    if (!u8 || !cpu || !cuda || !st->shim_empty || !st->shim_data_ptr) {
+    st->shim_get_dtype = (mtc_shim_get_i32_fn)dlsym(lib, "aoti_torch_get_dtype");
+    st->shim_storage_offset = (mtc_shim_get_i64_fn)dlsym(lib, "aoti_torch_get_storage_offset");
+    st->shim_storage_size = (mtc_shim_get_i64_fn)dlsym(lib, "aoti_torch_get_storage_size");
+    if (!u8 || !cpu || !cuda || !st->shim_empty || !st->shim_data_ptr || !st->shim_get_dtype ||
+        !st->shim_storage_offset || !st->shim_storage_size) {
         st->shim_empty = NULL;
         st->shim_data_ptr = NULL;
+        st->shim_get_dtype = NULL;
+        st->shim_storage_offset = st->shim_storage_size = NULL;
     } else {
         st->shim_uint8 = u8();
         st->shim_dev_cpu = cpu();
@@ -219,12 +238,20 @@ int mtc_shim_empty(const mtc_state *st, int target, int code, int64_t numel, voi
     if (!st->shim_empty) return -1;
     int32_t dtype = code < 0 ? st->shim_uint8 : code < MTC_MAX_DTYPES ? st->shim_dtype[code] : -1;
     if (dtype < 0) return -1;
-    int64_t one = 1;
+    int64_t one = 1, offset = -1, nbytes = -1, need;
+    int32_t got = -1;
     void *h = NULL, *data = NULL;
     if (st->shim_empty(1, &numel, &one, dtype, target < 0 ? st->shim_dev_cpu : st->shim_dev_cuda,
                        target < 0 ? 0 : target, &h) != 0 || !h)
         return -1;
-    if (st->shim_data_ptr(h, &data) != 0 || (!data && numel)) {
+    /* the chunk holds what will be written into it: its dtype, and its bytes
+     * from its data pointer (else torch.empty from Python makes it, checked
+     * there with an error that says what differs) */
+    int elsize = code < 0 ? 1 : st->elsize[code];
+    if (st->shim_data_ptr(h, &data) != 0 || (!data && numel) || st->shim_get_dtype(h, &got) != 0 || got != dtype ||
+        st->shim_storage_offset(h, &offset) != 0 || st->shim_storage_size(h, &nbytes) != 0 || offset < 0 ||
+        __builtin_add_overflow(numel, offset, &need) || __builtin_mul_overflow(need, (int64_t)elsize, &need) ||
+        need > nbytes) {
         st->shim_delete(h);
         return -1;
     }
@@ -251,6 +278,8 @@ int mtc_shim_setup(mtc_state *st, PyObject *cfg)
     st->shim_offered = st->shim_on = 0;
     st->shim_empty = NULL;
     st->shim_data_ptr = NULL;
+    st->shim_get_dtype = NULL;
+    st->shim_storage_offset = st->shim_storage_size = NULL;
     st->shim_stream = NULL;
     st->shim_cuda_ready = 0;
     st->shim_reinterpret = NULL;

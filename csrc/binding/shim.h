@@ -47,7 +47,9 @@ int mtc_shim_view(const mtc_state *st, void *base, int64_t ndim, const int64_t *
  * there): its handle in *out, its data in *ptr. No GIL needed (call it with
  * the GIL released). 0, or -1 where the shim does not offer it (or does not
  * know the dtype) or torch refused (out of memory: torch.empty from Python
- * then raises torch's own error); nothing is set then. */
+ * then raises torch's own error), or the tensor torch made is not of that
+ * dtype or its storage does not hold `numel` elements from its data pointer
+ * (torch.empty from Python then says what differs); nothing is set then. */
 int mtc_shim_empty(const mtc_state *st, int target, int code, int64_t numel, void **out, uintptr_t *ptr);
 
 /* 1 when mtc_shim_empty is offered and in use for `target` (a CUDA device

@@ -47,10 +47,30 @@ typedef struct mtc_shim_reader {
     mtc_shim_get_i64_fn dim;
     mtc_shim_get_i64p_fn sizes, strides;
     mtc_shim_get_ptr_fn data_ptr;
+    mtc_shim_get_i64_fn storage_size, storage_offset; /* the storage's bytes, the tensor's offset in it */
     mtc_native_bit_fn is_neg, is_conj;
     int32_t strided, dev_cpu, dev_cuda; /* the shim's codes of the strided layout, CPU and CUDA */
     int8_t to_code[256];         /* the shim's dtype code -> the engine's, -1 not copied */
 } mtc_shim_reader;
+
+/* 1 when a storage of `storage_bytes` holds every byte a strided tensor reads: dims sh[0..ndim),
+ * byte strides bs[] (those of dims of size 0 or 1 are not read: torch lets them be anything),
+ * `elsize` bytes an element, its first element `offset` bytes into the storage. An empty tensor
+ * reads nothing. Integer compares only: called for every leaf and every buffer. */
+static inline int mtc_storage_holds(const int64_t *sh, const int64_t *bs, int64_t ndim, int64_t elsize,
+                                    int64_t offset, int64_t storage_bytes)
+{
+    for (int64_t d = 0; d < ndim; d++)
+        if (sh[d] == 0) return 1;
+    int64_t end = offset, step;
+    if (offset < 0 || __builtin_add_overflow(end, elsize, &end)) return 0;
+    for (int64_t d = 0; d < ndim; d++) {
+        if (sh[d] <= 1) continue;
+        if (bs[d] < 0 || __builtin_mul_overflow(sh[d] - 1, bs[d], &step) || __builtin_add_overflow(end, step, &end))
+            return 0;
+    }
+    return end <= storage_bytes;
+}
 
 /* dtype flags */
 #define MTC_DT_FLOAT   0x1  /* floating point (every dtype may carry the negative bit) */
@@ -101,6 +121,9 @@ typedef struct mtc_state {
     /* descriptors of torch.Tensor, called directly for exact tensors (no attribute lookup) */
     PyObject *d_dtype, *d_shape, *d_is_cuda;                     /* getset descriptors */
     PyObject *m_data_ptr, *m_get_device, *m_is_contiguous, *m_stride, *m_is_neg, *m_is_conj;
+    PyObject *m_storage_offset, *m_untyped_storage;
+    /* mtc_loader._modes.buffer_refusal (outputs.h: mtc_out_check_buffer), on first use */
+    PyObject *buffer_refusal;
 
     /* torch's DLPack C exchange API (dlpack.h): a tensor's metadata in one C
      * call; NULL where this torch lacks it (the Python calls above are used) */
@@ -116,7 +139,8 @@ typedef struct mtc_state {
      * tracked as autograd views of the private chunk (~40% cheaper per view) */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
         *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
-        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve, *s_data;
+        *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve, *s_data,
+        *s_storage_offset, *s_untyped_storage, *s_nbytes;
     /* the gc module's isenabled, get_count, get_threshold and collect
      * (collector.h); NULL where the collector is not the generational one */
     PyObject *gc_isenabled, *gc_get_count, *gc_get_threshold, *gc_collect;
@@ -140,6 +164,10 @@ typedef struct mtc_state {
      * (mtc_shim_empty): aoti_torch_empty_strided and aoti_torch_get_data_ptr, or NULL */
     mtc_shim_empty_fn shim_empty;
     mtc_shim_get_ptr_fn shim_data_ptr;
+    /* and what checks each chunk before it is written: aoti_torch_get_dtype,
+     * aoti_torch_get_storage_offset and aoti_torch_get_storage_size */
+    mtc_shim_get_i32_fn shim_get_dtype;
+    mtc_shim_get_i64_fn shim_storage_offset, shim_storage_size;
     int32_t shim_uint8, shim_dev_cpu, shim_dev_cuda; /* the shim's codes of uint8, CPU and CUDA */
     /* libtorch_cuda's aoti_torch_get_current_cuda_stream (cfg["shim_cuda"]), or NULL */
     mtc_shim_stream_fn shim_stream;

@@ -257,8 +257,9 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
     if (!(dev_obj = mtc_out_device(st, target))) goto error;
     for (uint32_t g = 0; g < ngroups; g++) {
         int host = target < 0 || groups[g].host;
+        int64_t numel = (groups[g].hi - groups[g].lo) / st->elsize[groups[g].dtype];
         if (!(group_t[g] = mtc_out_group_empty(st, &groups[g], host ? st->device_cpu : dev_obj, 0)) ||
-            mtc_out_data_ptr(st, group_t[g], &ptr[g]) || mtc_out_check_ptr(ptr[g], groups[g].hi - groups[g].lo))
+            mtc_out_check_buffer(st, group_t[g], groups[g].dtype, host ? -1 : target, 1, &numel, NULL, &ptr[g]))
             goto error;
     }
     mtc_cnt.unpack_chunks_python += ngroups;
