@@ -86,6 +86,6 @@ def buffer_refusal(got: Any, dtype: torch.dtype, shape: tuple[int, ...], strides
              f"({numel * dtype.itemsize} bytes)")
     names = ", ".join(_names()) or "none"
     return (f"mtc_loader: torch.empty gave the engine {_describe(got)}, where it asked for {asked}; the copy "
-            f"would write past that tensor's memory. The active TorchDispatchMode or TorchFunctionMode "
-            f"({names}) changes what torch.empty makes: copy outside the mode, or move the tensors with "
-            "tensor.to() inside it")
+            "would write past that tensor's memory or in another layout. The active TorchDispatchMode or "
+            f"TorchFunctionMode ({names}) changes what torch.empty makes: copy outside the mode, or move the "
+            "tensors with tensor.to() inside it")

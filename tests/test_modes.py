@@ -150,3 +150,131 @@ def test_a_default_device_context_is_no_mode_to_refuse():
     """``with torch.device("meta")`` (model construction code) is a TorchFunctionMode that leaves
     the engine's ``torch.empty(..., device=...)`` alone: copied under without a probe."""
     assert run_child(_DEVICE)["ok"] == [True, True]
+
+
+_NUMPY_UNDER = """
+import json, numpy as np, torch, mtc_loader
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+class Sub(torch.Tensor):
+    pass
+class Lifted(TorchDispatchMode):
+    # ordinary tensors from torch.empty (the probe passes), a subclass from torch.from_numpy
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out.as_subclass(Sub) if func is torch.ops.aten.lift_fresh.default else out
+got = {}
+for mode in (FakeTensorMode, FunctionalTensorMode, Lifted):
+    for with_tensor in (False, True):
+        for background in (False, True):
+            data = {"n": np.arange(3.0)}
+            if with_tensor:
+                data["t"] = torch.arange(3.0)  # reused: the numpy leaf alone would reach the mode
+            try:
+                with mode():
+                    out = mtc_loader.start_copy(data, "cpu", use_background_thread=background).get()
+                r = "no error: " + ", ".join(type(v).__name__ for v in out.values())
+            except RuntimeError as e:
+                r = str(e)
+            got.setdefault(mode.__name__, []).append(r)
+print(json.dumps(got))
+"""
+
+
+def test_a_numpy_leaf_under_a_fake_or_functional_mode_is_refused_naming_the_mode():
+    """torch.from_numpy under FakeTensorMode gives a FakeTensor with no data, under
+    FunctionalTensorMode a FunctionalTensor: refused like the outputs torch.empty makes, and a
+    mode that turns from_numpy's tensor into a subclass is refused naming the leaf."""
+    got = run_child(_NUMPY_UNDER)
+    for name in ("FakeTensorMode", "FunctionalTensorMode"):
+        assert len(got[name]) == 4
+        for msg in got[name]:
+            assert msg.startswith(f"mtc_loader: a TorchDispatchMode or TorchFunctionMode ({name}) is active"), msg
+            assert "copy outside the mode" in msg
+    assert len(got["Lifted"]) == 4
+    for msg in got["Lifted"]:
+        assert msg.startswith("mtc_loader: torch.from_numpy gave data['n'] (a numpy array) back as a Sub, not a "
+                              "plain torch.Tensor"), msg
+
+
+_SMALLER = """
+import json, numpy as np, torch, mtc_loader
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+KIND = {kind!r}
+def smaller(func, kwargs, args):
+    # what the engine's probe (one uint8 element) never shows: float64 buffers made float16, or
+    # half as many elements, or (new_empty_strided) contiguous where strides were asked for
+    if KIND == "dtype" and kwargs.get("dtype") == torch.float64:
+        kwargs["dtype"] = torch.float16
+    elif KIND == "numel" and kwargs.get("dtype") == torch.float64 and len(args) and len(args[0]) == 1:
+        args = ([max(1, args[0][0] // 2)],) + tuple(args[1:])
+    elif KIND == "strides" and len(args) >= 3 and isinstance(args[2], (tuple, list)):
+        args = args[:2] + (tuple(torch.empty(args[1], device="meta").stride()),) + tuple(args[3:])
+    return args, kwargs
+class Dispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {{}})
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                    torch.ops.aten.new_empty_strided.default):
+            args, kwargs = smaller(func, kwargs, list(args) if func is not torch.ops.aten.new_empty_strided.default
+                                   else args)
+        return func(*args, **kwargs)
+class Function(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {{}})
+        if func is torch.empty:
+            args = (tuple(args[0]),) if args and isinstance(args[0], (tuple, list)) else args
+            args, kwargs = smaller(func, kwargs, args)
+        elif func is torch.Tensor.new_empty_strided:
+            args, kwargs = smaller(func, kwargs, args)
+        return func(*args, **kwargs)
+x = np.arange(1 << 16, dtype=np.float64)
+ro = x.copy()
+ro.setflags(write=False)  # read-only: copied on the host into a buffer from torch.empty
+tr = np.arange(1 << 16, dtype=np.float64).reshape(256, 256).T.copy().T  # a transposed layout, kept
+tr.setflags(write=False)
+pc = mtc_loader.PackedCollate(list, arena_bytes=16 << 20)
+got = {{}}
+for mode in (Dispatch, Function):
+    for route in ("inline", "thread", "unpack"):
+        batch = pc([{{"x": torch.from_numpy(x), "i": torch.arange(5)}}])
+        try:
+            with mode():
+                if route == "unpack":
+                    out = batch.unpack("cpu")[0]["x"]
+                else:
+                    out = mtc_loader.start_copy({{"x": tr if KIND == "strides" else ro}}, "cpu",
+                                                use_background_thread=route == "thread").get()["x"]
+            r = "same" if torch.equal(out, torch.from_numpy(x)) and out.stride() == torch.from_numpy(
+                tr if KIND == "strides" and route != "unpack" else x).stride() else "different"
+        except RuntimeError as e:
+            r = str(e)
+        got[mode.__name__ + " " + route] = r
+got["in_use"] = pc.arena.stats()["slots_in_use"]
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize("shim", ["1", "0"])
+@pytest.mark.parametrize("kind", ["dtype", "numel", "strides"])
+def test_a_mode_that_hands_out_smaller_buffers_is_refused_before_anything_is_written(kind, shim):
+    """A mode that makes torch.empty's float64 buffers float16 (half the bytes), or gives half
+    the elements, or contiguous strides where new_empty_strided asked for others, passes the
+    one-byte probe: every buffer is checked against the bytes the engine writes into it
+    (dtype, dims, strides, storage), on the host copy inline and on the transfer thread, and on
+    an unpack through torch.empty (MTC_TORCH_SHIM=0), with an error naming what torch gave and
+    the mode; the batch is consumed. Through the shim an unpack's tensors come from torch's
+    allocator, out of the mode's reach: the copy is whole."""
+    got = run_child(_SMALLER.format(kind=kind), MTC_TORCH_SHIM=shim)
+    assert got.pop("in_use") == 0
+    for key, r in got.items():
+        mode, route = key.split()
+        if kind == "strides" and route == "unpack" or route == "unpack" and shim == "1":
+            assert r == "same", (key, r)  # no strided buffer asked for / out of the mode's reach
+            continue
+        assert r.startswith("mtc_loader: torch.empty gave the engine a torch.Tensor of dtype "), (key, r)
+        assert "where it asked for a torch.Tensor of dtype torch.float64" in r, (key, r)
+        assert "would write past that tensor's memory or in another layout" in r and f"({mode})" in r, (key, r)
+        assert "copy outside the mode" in r

@@ -634,3 +634,85 @@ def test_a_lazy_view_of_freed_storage_is_refused_before_it_is_resolved():
                                        ("data[0]['x']", 16)]):
         assert msg.startswith(f"mtc_loader: {path} is a tensor whose storage was freed or shrunk (it holds 0 "
                               f"bytes, the tensor's elements need {need};"), msg
+
+
+_SHRUNK = """
+import json, torch, mtc_loader
+from mtc_loader import _engine
+ROUTE = {route!r}
+if ROUTE != "shim":
+    _engine._use_shim_reader(False)
+if ROUTE == "attributes":
+    _engine._use_dlpack(False)
+def shrunk(view):
+    t = torch.ones(4 << 20, dtype=torch.uint8)
+    v = t[8:1 << 20] if view else t  # a view over the bytes the shrink takes away
+    t.untyped_storage().resize_(16)
+    return v
+calls = {{
+    "pack": lambda x: mtc_loader.PackedCollate(list, arena_bytes=16 << 20)([{{"x": x}}]).unpack(),
+    "start_copy": lambda x: mtc_loader.start_copy({{"x": x}}, "cpu", use_background_thread=False).get(),
+    "prefetch": lambda x: next(iter(mtc_loader.PrefetchLoader([{{"x": x}}], "cpu"))),
+}}
+out = []
+for view in (False, True):
+    for name, call in calls.items():
+        try:
+            call(shrunk(view))
+            out.append([name, view, "no error"])
+        except TypeError as e:
+            out.append([name, view, str(e)])
+# the check refuses nothing whole: a view at the storage's end, one element, an expanded view
+base = torch.arange(64, dtype=torch.float32)
+fine = {{"end": base[60:], "one": base[63:], "expanded": base[:1].expand(1000), "strided": base[3::4]}}
+got = mtc_loader.start_copy(fine, "cpu", use_background_thread=False).get()
+packed = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([fine]).unpack()[0]
+same = all(torch.equal(got[k], v) and torch.equal(packed[k], v) for k, v in fine.items())
+print(json.dumps({{"out": out, "same": same, "reader": mtc_loader.output_maker()["reader"]}}))
+"""
+
+
+@pytest.mark.parametrize("route", ["shim", "dlpack", "attributes"])
+def test_a_shrunk_storage_is_refused_on_every_reader_route(route):
+    """untyped_storage().resize_(16) under a 4 MiB tensor (or a view of it): packed, copied or
+    prefetched, the tensor is refused with a TypeError naming it, on every leaf reader (the
+    shim's getters, DLPack, the attributes), instead of being read past its storage's end (a
+    crash or garbage). Tensors within their storage are copied as before (run in a child)."""
+    from conftest import run_child
+    from mtc_loader import _engine
+    parts = _engine._shim_parts()
+    if route == "shim" and not parts["reader"] or route == "dlpack" and not parts["dlpack"]:
+        pytest.skip(f"this torch offers no {route} reader")
+    got = run_child(_SHRUNK.format(route=route))
+    assert got["reader"] == route and got["same"]
+    assert len(got["out"]) == 6
+    for name, view, msg in got["out"]:
+        path = "data[0]['x']" if name == "pack" else "data['x']"
+        need = 1 << 20 if view else 4 << 20
+        assert msg.startswith(f"mtc_loader: {path} is a tensor whose storage was freed or shrunk (it holds 16 "
+                              f"bytes, the tensor's elements need {need};"), (name, view, msg)
+
+
+@pytest.mark.cuda
+def test_a_shrunk_cuda_storage_is_refused():
+    """The same for a CUDA tensor, copied to the host and packed on the GPU's way."""
+    from conftest import run_child
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    got = run_child("""
+        import json, torch, mtc_loader
+        out = []
+        for target in ("cpu", "cuda"):
+            t = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+            t.untyped_storage().resize_(16)
+            try:
+                mtc_loader.start_copy({"x": t}, target).get()
+                out.append("no error")
+            except TypeError as e:
+                out.append(str(e))
+        print(json.dumps(out))
+    """)
+    assert len(got) == 2
+    for msg in got:
+        assert msg.startswith("mtc_loader: data['x'] is a tensor whose storage was freed or shrunk (it holds 16 "
+                              "bytes, the tensor's elements need 1048576;"), msg
