@@ -738,6 +738,7 @@ def test_stats_keys_and_counters():
     assert s1["jobs_submitted"] == s0["jobs_submitted"] + 1
     assert s1["jobs_done"] == s0["jobs_done"] + 1
     assert jobs_in_flight(s1) == 0
+
     if "jobs_inline" in s1:  # use_background_thread=False runs the job on the caller
         copy_cpu([cp], use_background_thread=False)
         s2 = mtc_loader.stats()
@@ -750,6 +751,24 @@ def test_stats_keys_and_counters():
     # CPU targets never touch pinned memory or CUDA
     for k in ("bytes_h2d", "bytes_d2h", "bytes_d2d", "tensors_packed", "tensors_staged"):
         assert s1[k] == s0[k], k
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_tensors_reused_counts_only_leaves_returned_as_is(background):
+    """A lazy conj or neg view already on the target comes back as a new, resolved tensor: it is
+    not counted in tensors_reused ("returned as is"); the plain tensor beside it is."""
+    z = torch.complex(torch.ones(3), torch.ones(3))
+    data = {"conj": z.conj(), "neg": torch._neg_view(torch.ones(4)), "conj_part": z.conj().imag[1:],
+            "plain": torch.ones(2)}
+    s0 = mtc_loader.stats()
+    out = start_copy(data, "cpu", use_background_thread=background).get()
+    s1 = mtc_loader.stats()
+    assert out["plain"] is data["plain"]
+    assert all(out[k] is not data[k] and not out[k].is_conj() and not out[k].is_neg()
+               for k in ("conj", "neg", "conj_part"))
+    assert torch.equal(out["conj"], z.conj().resolve_conj()) and torch.equal(out["neg"], -torch.ones(4))
+    assert s1["tensors_reused"] - s0["tensors_reused"] == 1
+    assert s1["leaves"] - s0["leaves"] == 4
 
 
 # --------------------------------------------------------------------------- threads

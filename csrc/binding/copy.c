@@ -217,7 +217,11 @@ static int _plan(_copy *c)
     const mtc_plan *p = &c->plan;
     mtc_cnt.ns_plan += (uint64_t)(mtc_now_ns() - t0);
     mtc_cnt.packed += p->count[MTC_ACT_PACK];
-    mtc_cnt.reused += p->count[MTC_ACT_REUSE];
+    /* reused: returned as is; a resolved lazy view is a new tensor, even where it is reused */
+    uint32_t resolved = 0;
+    for (uint32_t i = 0; t->nresolved && i < t->nleaves; i++)
+        resolved += t->leaves[i].action == MTC_ACT_REUSE && (t->leaves[i].flags & MTC_LEAF_RESOLVED);
+    mtc_cnt.reused += p->count[MTC_ACT_REUSE] - resolved;
     mtc_cnt.from_numpy += p->count[MTC_ACT_FROM_NUMPY];
     mtc_cnt.host_copies += p->count[MTC_ACT_HOST_COPY];
     mtc_cnt.staged += p->count[MTC_ACT_H2D_STAGED];

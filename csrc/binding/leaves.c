@@ -45,6 +45,10 @@ int mtc_leaves_diagnose(mtc_state *st, mtc_tree *t, int32_t node, PyObject *obj)
     t->diag_depth = 1;
     int rc = mtc_leaves_read_tensor(st, t, node, res);
     t->diag_depth = 0;
+    if (rc == 0) {
+        t->leaves[t->nleaves - 1].flags |= MTC_LEAF_RESOLVED;
+        if (!t->rereading) t->nresolved++;
+    }
     Py_DECREF(res);
     return rc;
 }
@@ -629,7 +633,7 @@ int mtc_tree_reread(mtc_state *st, mtc_tree *t, uint32_t i)
                                           : mtc_leaves_read_tensor(st, t, (int32_t)t->leaf_node[i], obj);
     t->rereading = 0;
     if (rc == 0) Py_DECREF(obj); /* _finish_leaf took a second reference */
-    t->leaves[i].flags |= old.flags & MTC_LEAF_HOST; /* the walk's, not the object's */
+    t->leaves[i].flags |= old.flags & (MTC_LEAF_HOST | MTC_LEAF_RESOLVED); /* the walk's, not the object's */
     t->nleaves = save_n;
     t->ndims = save_d;
     const mtc_leaf *l = &t->leaves[i];

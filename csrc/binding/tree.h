@@ -35,6 +35,12 @@ enum {
  * again; any other rebuild returns the child's value (the marker is gone).
  */
 
+/* The binding's own leaf flag, beside plan.h's MTC_LEAF_* (the engine masks
+ * the bits it reads, and never reads this one): the leaf is the resolved copy
+ * that mtc_loader._tree.diagnose returned for a lazily conjugated or negated
+ * view, not the user's object, so a reuse of it returns a new tensor. */
+#define MTC_LEAF_RESOLVED 0x80000000u
+
 typedef struct mtc_node {
     uint8_t kind;
     uint8_t host;        /* MTC_NODE_LEAF under an OnHost (pack and slots walks) */
@@ -70,6 +76,7 @@ typedef struct mtc_tree {
                             tree, not global: the replacement's Python code can switch threads
                             to another walk */
     int rereading;       /* mtc_tree_reread: the leaf was counted in stats() when first read */
+    uint32_t nresolved;  /* leaves with MTC_LEAF_RESOLVED */
 } mtc_tree;
 
 /* Releases everything t owns and zeroes it. */
