@@ -288,8 +288,12 @@ class PackedBatch:
         host copy), one memcpy out of the arena for ``"cpu"``. Returns an AsyncCopyHandle.
 
         Takes :func:`~mtc_loader.start_copy`'s keywords; only ``use_background_thread`` applies
-        (the batch is packed, in pinned memory, already), and any other keyword is a TypeError."""
-        return AsyncCopyHandle(self._start(target_index(device), bool(use_background_thread)))
+        (the batch is packed, in pinned memory, already), and any other keyword is a TypeError.
+        The packing options are checked as start_copy checks them (before the batch is consumed)."""
+        target = target_index(device)
+        positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
+        positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
+        return AsyncCopyHandle(self._start(target, bool(use_background_thread)))
 
     def _start(self, target: int, background: bool) -> Any:
         """The engine's handle of the unpack to the target index (the prefetch service's path)."""

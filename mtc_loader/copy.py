@@ -108,11 +108,11 @@ def start_copy(
         >>> start_copy(data, "cpu").get()
         [tensor([1, 2, 3]), tensor([4, 5, 6])]
     """
-    if isinstance(data, PackedBatch):
-        return data.start_copy(device, use_background_thread=use_background_thread)
     target = target_index(device)
     align = positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
     max_chunk = positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
+    if isinstance(data, PackedBatch):  # checked alike: the batch is packed already
+        return data.start_copy(device, use_background_thread=use_background_thread)
     h = _engine.start_copy(data, target, bool(use_pinned_staging), bool(pack_cpu_tensors),
                            align, max_chunk, bool(use_background_thread))
     return AsyncCopyHandle(h)

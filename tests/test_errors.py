@@ -107,6 +107,23 @@ def test_bad_int_options(name, value, exc):
         start_copy([np.ones(2)], "cpu", **{name: value})
 
 
+@pytest.mark.parametrize("name", ["min_packed_alignment_bytes", "max_packed_chunk_bytes"])
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-1, ValueError), ("16", TypeError), (1.5, TypeError),
+                                       (True, TypeError), (None, TypeError)], ids=repr)
+@pytest.mark.parametrize("how", ["start_copy", "method"])
+def test_bad_int_options_of_a_packed_batch(name, value, exc, how):
+    """start_copy of a PackedBatch (and its own start_copy) checks the options as for any other
+    structure, before the batch is consumed: it unpacks afterwards."""
+    from mtc_loader import PackedCollate
+    batch = PackedCollate(list, arena_bytes=1 << 20)([{"x": torch.arange(3)}])
+    with pytest.raises(exc, match=name):
+        if how == "start_copy":
+            start_copy(batch, "cpu", **{name: value})
+        else:
+            batch.start_copy("cpu", **{name: value})
+    assert torch.equal(start_copy(batch, "cpu", **{name: 8}).get()[0]["x"], torch.arange(3))
+
+
 def test_unknown_keyword_and_positional_options():
     with pytest.raises(TypeError):
         start_copy([], "cpu", pack=True)
