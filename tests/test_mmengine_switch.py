@@ -730,6 +730,83 @@ def test_arena_is_replaced_when_a_later_model_asks_for_more():
     assert pc.arm(4 << 20) is large
 
 
+def test_a_replaced_arena_goes_with_its_last_batch():
+    """Without loaders on it, the replaced arena is held only by the batches still in it: it is
+    unmapped (its descriptor closed) as the last one goes, with no later call."""
+    pc = mm.PackedPseudoCollate()
+    small = pc.arm(1 << 20)
+    token, fd = small.token, small._a.fileno()
+    held = pc([{"inputs": torch.arange(4.)}])
+    del small
+    pc.arm(4 << 20)
+    assert mtc_loader.collate._ARENAS.get(token) is not None
+    assert torch.equal(held.unpack("cpu")["inputs"][0], torch.arange(4.))
+    del held
+    gc.collect()
+    assert mtc_loader.collate._ARENAS.get(token) is None
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or "memfd" not in os.readlink(f"/proc/self/fd/{fd}")
+
+
+class _Numbered(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"inputs": torch.full((3,), float(i))}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_keep_their_arena_when_a_later_model_replaces_it(context):
+    """A persistent-workers loader started on arena A keeps packing into A after a second model
+    asks for a larger arena while A is empty: every later epoch unpacks (the arena is held while
+    those workers live), a loader started after it uses the new arena, and A goes with the
+    first loader's workers."""
+    from functools import partial
+    pc = mm.PackedPseudoCollate()
+    old = pc.arm(1 << 20)
+    token = old.token
+    del old
+    loader = torch.utils.data.DataLoader(_Numbered(), batch_size=2, num_workers=2, persistent_workers=True,
+                                         multiprocessing_context=context, collate_fn=partial(pc))
+    want = [[[float(2 * n + i)] * 3 for i in range(2)] for n in range(2)]
+
+    def epoch(dl):
+        return [[x.tolist() for x in b.unpack("cpu")["inputs"]] for b in dl]
+
+    assert epoch(loader) == want
+    assert pc.arena.stats()["slots_in_use"] == 0
+    new = pc.arm(4 << 20)  # a second model, while the first loader's arena is empty
+    assert new.token != token
+    for _ in range(2):
+        assert epoch(loader) == want  # the workers still pack into the old arena
+    later = torch.utils.data.DataLoader(_Numbered(), batch_size=2, num_workers=1, multiprocessing_context=context,
+                                        collate_fn=partial(pc))
+    assert epoch(later) == want and new.stats()["allocs"] == 2
+    assert mtc_loader.collate._ARENAS.get(token) is not None
+    del loader, later
+    gc.collect()
+    assert mtc_loader.collate._ARENAS.get(token) is None
+
+
+@pytest.mark.parametrize("value,kind", [(True, "bool"), (1.5e6, "float"), ("1MiB", "str")])
+def test_the_first_models_arena_bytes_is_checked_as_a_later_ones(value, kind):
+    """arena_bytes=True or 1.5e6 was taken through int() by the first model (a one-slot arena, a
+    1507328-byte one), and refused by a later one and by PackedCollate: refused alike now."""
+    msg = f"arena_bytes must be an int, got {kind}"
+    first = mm.PackedPseudoCollate()
+    with pytest.raises(ValueError, match=msg):
+        first.arm(value)
+    assert first.arena is None
+    later = mm.PackedPseudoCollate()
+    later.arm(1 << 20)
+    with pytest.raises(ValueError, match=msg):
+        later.arm(value)
+    with pytest.raises(ValueError, match=msg):
+        mtc_loader.PackedCollate(arena_bytes=value)
+    with pytest.raises(ValueError, match=msg):
+        mm.MTCDataPreprocessor(arena_bytes=value)
+
+
 def test_the_preprocessors_default_keeps_the_arena_of_an_earlier_model():
     """MTCDataPreprocessor() after a model that asked for a smaller arena than 256 MiB keeps that
     arena (the default asks for no size); an explicit larger one replaces it."""

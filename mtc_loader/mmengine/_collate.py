@@ -3,7 +3,9 @@ and what ``cast_data`` leaves on the host marked so."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -74,6 +76,51 @@ _UNPACK_HINT_MM = (
     "they unpack each packed batch on the model's device before the hooks run")
 
 
+def _arena_bytes(value: Any) -> int:
+    """``arena_bytes`` checked as :class:`~mtc_loader.Arena` checks it (a ValueError for
+    anything but a positive int within the arena's limit: ``True`` and ``1.5e6`` too)."""
+    try:
+        return positive_int("arena_bytes", value, _MAX_ARENA_BYTES)
+    except TypeError as e:  # a ValueError, as Arena raises it
+        raise ValueError(str(e)) from None
+
+
+def _packs_with(process: Any, collate: "PackedPseudoCollate") -> bool:
+    """Whether a child process is a DataLoader worker whose collate_fn is ``collate`` (or
+    mmengine's ``functools.partial`` of it). A child that cannot be told apart counts as one."""
+    from torch.utils.data._utils.worker import _worker_loop
+    target, args = getattr(process, "_target", None), getattr(process, "_args", None)
+    if target is None or args is None:
+        return True
+    if target is not _worker_loop:
+        return False
+    for fn in args:  # the collate_fn among _worker_loop's arguments
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        if fn is collate:
+            return True
+    return False
+
+
+class _Replaced:
+    """An arena replaced by a larger one, held while the DataLoader workers started on it live
+    (persistent ones included): they pack into it until their loader ends. Batches already in
+    this process hold it themselves, so it is unmapped once the last of them and those workers
+    are gone. Without such workers nothing holds it here."""
+
+    def __init__(self, owner: "PackedPseudoCollate", arena: Arena) -> None:
+        workers = [p for p in multiprocessing.active_children() if _packs_with(p, owner)]
+        self.arena: Optional[Arena] = arena if workers else None
+        self.left = len(workers)
+        for w in workers:  # a worker's process object goes when its loader has ended
+            weakref.finalize(w, self._gone)
+
+    def _gone(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.arena = None  # (the empty record is dropped by the next arm())
+
+
 class PackedPseudoCollate:
     """The collate function registered as ``mtc_packed_collate`` in mmengine's ``FUNCTIONS``:
     ``pseudo_collate`` (or ``collate_fn``) in the DataLoader worker, its output packed into one
@@ -93,7 +140,7 @@ class PackedPseudoCollate:
         self.arena: Optional[Arena] = None
         self.arena_bytes = 256 << 20
         self._packers: dict[Any, PackedCollate] = {}
-        self._retired: list[Arena] = []  # replaced by a larger one, with batches still in them
+        self._retired: list[_Replaced] = []  # replaced by a larger one, with loaders still on them
         self._lock = threading.Lock()
 
     def arm(self, arena_bytes: Optional[int] = None) -> Arena:
@@ -101,19 +148,18 @@ class PackedPseudoCollate:
         it in the process that trains, before the DataLoader starts. A later call with an
         ``arena_bytes`` larger than the arena (a model rebuilt with a larger one in the same
         process, as in a notebook after the arena's message) replaces it with one of that size for
-        the loaders started from then on; batches already in the old one unpack as before (it is
-        kept while they are in it). ``None``, or no more than the arena holds, keeps it."""
+        the loaders started from then on. The loaders started before keep the old one until they
+        end (it is held while their workers live), and batches already in it unpack as before
+        (each holds it): it is unmapped once both are gone. ``None``, or no more than the arena
+        holds, keeps it. ``arena_bytes`` is checked as :class:`~mtc_loader.Arena` checks it."""
+        want = None if arena_bytes is None else _arena_bytes(arena_bytes)
         with self._lock:
-            if self._retired:
-                self._retired = [a for a in self._retired if a.stats()["slots_in_use"]]
-            if self.arena is not None and arena_bytes is not None and get_worker_info() is None:
-                try:
-                    want = positive_int("arena_bytes", arena_bytes, _MAX_ARENA_BYTES)
-                except TypeError as e:  # a ValueError, as Arena raises it
-                    raise ValueError(str(e)) from None
+            self._retired = [r for r in self._retired if r.arena is not None]
+            if self.arena is not None and want is not None and get_worker_info() is None:
                 if want > self.arena.stats()["bytes"]:
-                    if self.arena.stats()["slots_in_use"]:
-                        self._retired.append(self.arena)  # its batches in flight still unpack
+                    replaced = _Replaced(self, self.arena)
+                    if replaced.arena is not None:
+                        self._retired.append(replaced)
                     self.arena = None
                     self._packers.clear()  # each held the arena it packed into
             if self.arena is None:
@@ -124,8 +170,8 @@ class PackedPseudoCollate:
                         "its workers. Use data_preprocessor=dict(type='MTCDataPreprocessor', ...) in the "
                         "model's config (it creates the arena when the model is built), or call "
                         "mtc_loader.mmengine.packed_collate.arm() before training")
-                if arena_bytes is not None:
-                    self.arena_bytes = int(arena_bytes)
+                if want is not None:
+                    self.arena_bytes = want
                 self.arena = Arena(self.arena_bytes)
                 self.arena._unpack_hint = _UNPACK_HINT_MM
             return self.arena
