@@ -21,6 +21,7 @@
 #include "handle.h"
 #include "hostcopy.h"
 #include "leaves.h"
+#include "buffers.h"
 #include "outputs.h"
 #include "nvtx.h"
 
@@ -289,7 +290,7 @@ static int _alloc_chunks(_copy *c)
         int64_t numel = (gr->hi - gr->lo) / c->st->elsize[gr->dtype];
         c->group_t[g] = mtc_out_group_empty(c->st, gr, pin ? c->st->device_cpu : c->dev_obj, pin);
         if (!c->group_t[g] ||
-            mtc_out_check_buffer(c->st, c->group_t[g], gr->dtype, pin ? -1 : c->o.target, 1, &numel, NULL, &base))
+            mtc_buffer_check(c->st, c->group_t[g], gr->dtype, pin ? -1 : c->o.target, 1, &numel, NULL, &base))
             return -1;
         if (gr->hi == gr->lo) continue; /* zero-size members only: nothing to copy, no DMA of 0 bytes */
         mtc_op *op = &c->job->ops[c->oi++];
@@ -363,7 +364,7 @@ static int _alloc_own_outputs(_copy *c)
             Py_DECREF(shape);
             if (!c->outputs[i]) return -1;
             uintptr_t dst;
-            if (mtc_out_check_buffer(st, c->outputs[i], l->dtype, pin ? -1 : c->o.target, l->ndim, &t->shape[l->dims],
+            if (mtc_buffer_check(st, c->outputs[i], l->dtype, pin ? -1 : c->o.target, l->ndim, &t->shape[l->dims],
                                      (l->flags & MTC_LEAF_STRIDED) ? &t->ostrides[l->dims] : NULL, &dst))
                 return -1;
             mtc_op *op;

@@ -206,8 +206,7 @@ static PyObject *engine_setup(PyObject *module, PyObject *cfg)
         _take(cfg, "m_data_ptr", &st->m_data_ptr) || _take(cfg, "m_get_device", &st->m_get_device) ||
         _take(cfg, "m_is_contiguous", &st->m_is_contiguous) || _take(cfg, "m_stride", &st->m_stride) ||
         _take(cfg, "m_is_neg", &st->m_is_neg) || _take(cfg, "m_is_conj", &st->m_is_conj) ||
-        _take(cfg, "m_storage_offset", &st->m_storage_offset) ||
-        _take(cfg, "m_untyped_storage", &st->m_untyped_storage) ||
+        _take(cfg, "m_storage_offset", &st->m_storage_offset) || _take(cfg, "m_untyped_storage", &st->m_untyped_storage) ||
         _take(cfg, "leaf_slot", &st->leaf_slot) || _take(cfg, "atom_slot", &st->atom_slot))
         return NULL;
     if (!Py_TYPE(st->d_dtype)->tp_descr_get || !Py_TYPE(st->d_shape)->tp_descr_get ||
@@ -734,8 +733,7 @@ static int engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->gc_collect);
     Py_VISIT(st->len_dispatch);
     Py_VISIT(st->len_function);
-    Py_VISIT(st->mode_refusal);
-    Py_VISIT(st->buffer_refusal);
+    Py_VISIT(st->mode_refusal); Py_VISIT(st->buffer_refusal);
     return 0;
 }
 
@@ -756,14 +754,8 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->dtype_codes);
     for (int i = 0; i < MTC_MAX_DTYPES; i++) Py_CLEAR(st->dtypes[i]);
     Py_CLEAR(st->type_cache);
-    Py_CLEAR(st->classify);
-    Py_CLEAR(st->flatten);
-    Py_CLEAR(st->unflatten);
-    Py_CLEAR(st->diagnose);
-    Py_CLEAR(st->cuda_device);
-    Py_CLEAR(st->pinned_empty);
-    Py_CLEAR(st->shim_handle_of);
-    Py_CLEAR(st->shim_steal);
+    Py_CLEAR(st->classify); Py_CLEAR(st->flatten); Py_CLEAR(st->unflatten); Py_CLEAR(st->diagnose);
+    Py_CLEAR(st->cuda_device); Py_CLEAR(st->pinned_empty); Py_CLEAR(st->shim_handle_of); Py_CLEAR(st->shim_steal);
     st->shim_on = st->shim_offered = 0;
     Py_CLEAR(st->s_data_ptr); Py_CLEAR(st->s_dtype); Py_CLEAR(st->s_shape); Py_CLEAR(st->s_stride);
     Py_CLEAR(st->s_get_device); Py_CLEAR(st->s_is_cuda); Py_CLEAR(st->s_is_neg); Py_CLEAR(st->s_is_conj);
@@ -776,8 +768,7 @@ static int engine_clear(PyObject *module)
     Py_CLEAR(st->s_storage_offset); Py_CLEAR(st->s_untyped_storage); Py_CLEAR(st->s_nbytes);
     Py_CLEAR(st->m_storage_offset); Py_CLEAR(st->m_untyped_storage); Py_CLEAR(st->buffer_refusal);
     Py_CLEAR(st->len_dispatch); Py_CLEAR(st->len_function); Py_CLEAR(st->mode_refusal);
-    Py_CLEAR(st->kw_dtype_device);
-    Py_CLEAR(st->kw_dtype_device_pin);
+    Py_CLEAR(st->kw_dtype_device); Py_CLEAR(st->kw_dtype_device_pin);
     mtc_collector_clear(st);
     st->ready = 0;
     return 0;

@@ -3,7 +3,7 @@
  * tensors from torch.empty, their data pointers, the outputs of packed
  * segments over a tensor per dtype of a chunk (one C call per output through
  * torch's shim, else a handful of torch calls per segment), the checks of
- * torch's modes and of the pointers the engine writes through, device
+ * torch's modes, device
  * objects, and the capture of each device's current stream. Functions return 0 / a new reference, or -1 / NULL with an
  * exception set. Names starting with `_` are internal to outputs.c.
  */
@@ -74,20 +74,6 @@ PyObject *mtc_out_group_empty(mtc_state *st, const mtc_group *g, PyObject *devic
  * they are used. 0 or -1. */
 int mtc_out_views(mtc_state *st, const mtc_tree *t, const mtc_plan *p, const mtc_group *groups, uint32_t ngroups,
                   PyObject *const *group_t, PyObject **outputs, PyObject *keep);
-
-/* Checks a tensor torch handed the engine to write into (an output, a packed
- * group's tensor), before anything is written: an exact torch.Tensor, strided,
- * of the engine's dtype `code`, on device `dev` (-1: the CPU, else cuda:dev),
- * of dims shape[0..ndim) with element strides `strides` (NULL: contiguous;
- * dims of size 0 or 1 are not compared), whose storage holds every byte of
- * them, with memory where there are bytes. Its data pointer into *ptr. A mode
- * that hands out another tensor (a smaller dtype, fewer elements, other
- * strides, another device) would have the engine write past its memory.
- * Through the shim's getters for an exact tensor where the leaf reader is on
- * (plain C calls), else through its attributes. 0, or -1 with RuntimeError
- * saying what torch gave, what was asked for, and the active modes. */
-int mtc_out_check_buffer(mtc_state *st, PyObject *tensor, int code, int dev, int64_t ndim, const int64_t *shape,
-                         const int64_t *strides, uintptr_t *ptr);
 
 /* 0 when no TorchDispatchMode or TorchFunctionMode (other than torch's
  * default-device context) is active on this thread; with one, 0 when the

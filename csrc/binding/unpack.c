@@ -18,6 +18,7 @@
 #include "handle.h"
 #include "hostcopy.h"
 #include "layout.h"
+#include "buffers.h"
 #include "outputs.h"
 #include "shim.h"
 #include "skeleton.h"
@@ -259,7 +260,7 @@ static int _unpack_copy(mtc_state *st, mtc_handle *h, mtc_arena_object *ao, uint
         int host = target < 0 || groups[g].host;
         int64_t numel = (groups[g].hi - groups[g].lo) / st->elsize[groups[g].dtype];
         if (!(group_t[g] = mtc_out_group_empty(st, &groups[g], host ? st->device_cpu : dev_obj, 0)) ||
-            mtc_out_check_buffer(st, group_t[g], groups[g].dtype, host ? -1 : target, 1, &numel, NULL, &ptr[g]))
+            mtc_buffer_check(st, group_t[g], groups[g].dtype, host ? -1 : target, 1, &numel, NULL, &ptr[g]))
             goto error;
     }
     mtc_cnt.unpack_chunks_python += ngroups;
