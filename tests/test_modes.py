@@ -278,3 +278,63 @@ def test_a_mode_that_hands_out_smaller_buffers_is_refused_before_anything_is_wri
         assert "where it asked for a torch.Tensor of dtype torch.float64" in r, (key, r)
         assert "would write past that tensor's memory or in another layout" in r and f"({mode})" in r, (key, r)
         assert "copy outside the mode" in r
+
+
+_SMALLER_CUDA = """
+import json, torch, mtc_loader
+from torch.utils._python_dispatch import TorchDispatchMode
+class Half(TorchDispatchMode):
+    # float64 buffers made float16 (half the bytes) wherever the engine asks torch for them
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                    torch.ops.aten.new_empty_strided.default) and kwargs.get("dtype") == torch.float64:
+            kwargs["dtype"] = torch.float16
+        return func(*args, **kwargs)
+small = torch.arange(64, dtype=torch.float64)            # packed
+large = torch.arange(1 << 20, dtype=torch.float64)       # staged
+on_gpu = {"small": small.cuda(), "large": large.cuda()}
+pc = mtc_loader.PackedCollate(list, arena_bytes=64 << 20)
+calls = {
+    "h2d": lambda: mtc_loader.start_copy({"small": small, "large": large}, "cuda").get(),
+    "h2d_inline": lambda: mtc_loader.start_copy({"small": small, "large": large}, "cuda",
+                                                use_background_thread=False).get(),
+    "d2h": lambda: mtc_loader.start_copy(on_gpu, "cpu").get(),
+    "d2h_unpinned": lambda: mtc_loader.start_copy(on_gpu, "cpu", use_pinned_staging=False).get(),
+    "d2d": lambda: mtc_loader.start_copy(on_gpu, "cuda:1" if torch.cuda.device_count() > 1 else "cpu").get(),
+}
+batch = pc([{"small": small, "large": large}])
+pc([{"x": small}]).unpack("cuda")  # the device's first chunk (made from Python) is behind us
+calls["unpack"] = lambda: batch.unpack("cuda")
+got = {}
+for name, call in calls.items():
+    try:
+        with Half():
+            out = call()
+        got[name] = "no error"
+    except RuntimeError as e:
+        got[name] = str(e)
+torch.cuda.synchronize()
+got["in_use"] = pc.arena.stats()["slots_in_use"]
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shim", ["1", "0"])
+def test_a_mode_that_hands_out_smaller_cuda_buffers_is_refused(shim):
+    """The buffer check on the GPU routes: packed chunks and staged outputs of a host-to-device
+    copy (transfer thread and inline), pinned and unpinned device-to-host outputs, and an unpack
+    to the GPU through torch.empty (MTC_TORCH_SHIM=0; through the shim it is out of the mode's
+    reach and whole)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    got = run_child(_SMALLER_CUDA, MTC_TORCH_SHIM=shim)
+    assert got.pop("in_use") == 0
+    for name, r in got.items():
+        if name == "unpack" and shim == "1":
+            assert r == "no error", r
+            continue
+        assert r.startswith("mtc_loader: torch.empty gave the engine a torch.Tensor of dtype torch.float16"), (name, r)
+        assert "(Half)" in r, (name, r)
