@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 from typing import Any, Optional
 
 import torch
@@ -111,7 +112,7 @@ def word_at_start(arena: Optional[Arena]) -> None:
     PrefetchLoader, rather than stall in a plain loop (``for batch in loader: batch.to(device)``).
     ``arena``: the one being pickled (None before a fork: the iterator's)."""
     code = getattr(getattr(_STARTING, "__init__", None), "__code__", None)
-    f = sys._getframe(1)
+    f: Optional[types.FrameType] = sys._getframe(1)
     while f is not None and f.f_code is not code:
         f = f.f_back
     if f is None:

@@ -510,6 +510,43 @@ def _ragged_message(samples: list[Any], e: RaggedStack, by_default_collate: bool
             "collate_fn of your own that pads them to one shape")
 
 
+def _check_picklable(skeleton: Any, atoms: Optional[tuple[Any, ...]], batch: Any) -> None:
+    """In a DataLoader worker: raises where the batch's structure cannot be pickled to the main
+    process (a generator, a lock, an open file among its leaves). The DataLoader would fail in
+    its feeder thread, print the error, and leave the main process waiting for the batch.
+    ``batch``: the structure the skeleton was made from, where the error looks for the leaf."""
+    if atoms is not None:  # a shared structure: plain containers and atoms; only an object array may hold anything
+        if not any(type(a) is np.ndarray and a.dtype.hasobject for a in atoms):
+            return
+        skeleton = atoms
+    try:
+        reduction.ForkingPickler.dumps(skeleton)
+    except Exception as e:
+        path, leaf, err = _unpicklable_leaf(batch, "data", e)  # (the batch's paths, as the walk names them)
+        raise TypeError(
+            f"mtc_loader: {path} ({type(leaf).__name__}) cannot be pickled ({type(err).__name__}: {err}), and a "
+            "batch leaves a DataLoader worker pickled: make it a value that pickles in the dataset or the "
+            "collate function (list(...) of a generator, the path instead of an open file, no locks), or "
+            "leave it out of the sample") from None
+
+
+def _unpicklable_leaf(obj: Any, path: str, error: Exception) -> tuple[str, Any, Exception]:
+    """The innermost part of ``obj`` (through lists, tuples, dicts and object arrays) that does
+    not pickle: ``(its path, it, the error)``."""
+    if isinstance(obj, Mapping):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)) or (type(obj) is np.ndarray and obj.dtype.hasobject):
+        items = enumerate(obj.ravel() if isinstance(obj, np.ndarray) else obj)
+    else:
+        return path, obj, error
+    for key, value in items:
+        try:
+            reduction.ForkingPickler.dumps(value)
+        except Exception as e:
+            return _unpicklable_leaf(value, f"{path}[{key!r}]", e)
+    return path, obj, error
+
+
 class PackedCollate:
     """A picklable drop-in ``collate_fn`` that packs each batch into a shared arena.
 
@@ -612,6 +649,12 @@ class PackedCollate:
                     # owner's.
                     _exit_orphaned(str(e))
                 raise
+            if consumer:
+                try:
+                    _check_picklable(skeleton, atoms, batch)
+                except BaseException:  # a leaf that cannot travel: the region goes with it
+                    self.arena._a.release(off, os.getpid())
+                    raise
             del batch
         me = os.getpid()
         try:
