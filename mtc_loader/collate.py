@@ -24,7 +24,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from . import _dtypes, _engine, _tree
 from ._device import target_index
-from ._options import positive_int, seconds
+from ._options import seconds, size
 from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
@@ -89,7 +89,7 @@ class Arena:
                  _dtypes_of: Optional[tuple[str, str]] = None):
         if _engine_arena is None:
             try:
-                nbytes = positive_int("arena_bytes", nbytes, _MAX_ARENA_BYTES)
+                nbytes = size("arena_bytes", nbytes, _MAX_ARENA_BYTES)
             except TypeError as e:  # a ValueError, as it always was for a bad arena_bytes
                 raise ValueError(str(e)) from None
             try:

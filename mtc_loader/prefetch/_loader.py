@@ -83,6 +83,11 @@ class PrefetchLoader:
         # lacking them otherwise, since frameworks probe for them with hasattr or the class).
         # Chosen here rather than by a __new__, whose (*args, **kwargs) help() and IDEs would
         # show instead of these parameters; the object escapes only once __init__ has run.
+        if isinstance(iterable, (str, bytes, torch.device)) or not (
+                hasattr(type(iterable), "__iter__") or hasattr(type(iterable), "__getitem__")):
+            # (iterating it would fail at the first epoch, with "'int' object is not iterable")
+            raise TypeError(f"mtc_loader: PrefetchLoader wraps an iterable of batches (a DataLoader), got "
+                            f"{type(iterable).__name__} {iterable!r:.80}: call PrefetchLoader(loader, device)")
         cls = type(self)
         if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
             _set_class(self, _resumable_class(cls))
