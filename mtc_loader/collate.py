@@ -3,7 +3,7 @@
 With ``DataLoader(..., num_workers=N)``, every tensor of a batch normally crosses from the
 worker to the main process through its own shared-memory segment and file descriptor (~170 ms
 for 528 small tensors on the GPU machine). :class:`PackedCollate` runs the usual collate
-function in the worker, then writes every tensor and numpy leaf of the result into one region
+function in the worker, then writes every tensor of the result into one region
 of an :class:`Arena` (a sealed memfd mapping created by the main process) and returns a
 :class:`PackedBatch`: the region's offset, the layout and the skeleton, a few hundred bytes.
 """
@@ -77,7 +77,8 @@ class Arena:
     ``Arena(1024)`` is one 64 KiB slot, and holds one batch at a time; a batch of 100 KB takes two.
 
     Args:
-        nbytes: Size of the data area, rounded up to whole 64 KiB slots.
+        nbytes: Size of the data area (bytes, or a string with a unit: ``"512M"``), rounded up
+            to whole 64 KiB slots.
     """
 
     # What a PackedBatch read as its structure tells the user to do: an integration whose loops
@@ -551,9 +552,11 @@ class PackedCollate:
     """A picklable drop-in ``collate_fn`` that packs each batch into a shared arena.
 
     In the worker it runs ``collate_fn`` (torch's ``default_collate`` when None; ``list`` keeps
-    samples separate), then writes every tensor and numpy leaf of the result into one arena
-    region and returns a small :class:`PackedBatch`. With ``num_workers=0`` it works the same in
-    the main process.
+    samples separate), then writes every tensor of the result into one arena region and returns
+    a small :class:`PackedBatch`. With ``num_workers=0`` it works the same in the main process.
+    Unpacked, the batch is what ``collate_fn`` made with only its tensors moved: numpy arrays
+    travel pickled, as through a plain DataLoader, and stay numpy arrays on the host. In a worker,
+    a leaf that cannot be pickled (a generator, a lock) is refused here, by its path.
 
     While ``collate_fn`` runs, the CPU tensors that ``default_collate`` stacks (directly, or
     inside a collate function of yours that calls it) are written into blocks of memory that the
@@ -574,7 +577,8 @@ class PackedCollate:
 
     Args:
         collate_fn: The collate function to wrap (``list`` keeps samples apart).
-        arena_bytes: Size of the shared arena, rounded up to whole 64 KiB slots; a batch takes
+        arena_bytes: Size of the shared arena, in bytes or as a string with a unit (``"512M"``,
+            K, M, G or T, powers of 1024), rounded up to whole 64 KiB slots; a batch takes
             whole slots (a batch of 1 KB one slot, of 100 KB two). Workers never wait for room
             when it holds every batch in flight: ``num_workers * prefetch_factor`` in the
             DataLoader, one that the loop (or a :class:`~mtc_loader.PrefetchLoader`) unpacks, and
@@ -584,7 +588,8 @@ class PackedCollate:
             hands batches out in order, and the other workers may have packed theirs ahead of
             the next one). Under a PrefetchLoader, an arena smaller than that, for batches the
             size of the first one a worker packs, is refused at that batch, with the number of
-            bytes that holds the whole flight.
+            bytes that holds the whole flight; in a plain loop, for the DataLoader's in-flight
+            batches with one the loop unpacks.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
             says which size to configure (negative: wait forever; a worker stops waiting either
             way, with an error, once the process it packs for (its parent, the DataLoader's
