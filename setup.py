@@ -86,6 +86,11 @@ else:
           "has none): building without NVTX ranges")
 
 sanitize = _env_word("MTC_SANITIZE", ("address", "thread"))
+# every boolean switch read whole now, whichever branch would read it: a bad value stops the build
+# even where that switch would not matter (MTC_REQUIRE_LIBURING=maybe where liburing is found)
+require_liburing = _env_bool("MTC_REQUIRE_LIBURING")
+_env_bool("MTC_NO_LIBURING")
+_env_bool("MTC_DEBUG")
 if sanitize:
     flags = {"address": "-fsanitize=address,undefined", "thread": "-fsanitize=thread"}[sanitize]
     extra_compile += [flags, "-fno-omit-frame-pointer", "-O1"]
@@ -151,7 +156,7 @@ if uring_libs:
     extra_link += uring_libs
     define_macros.append(("MTC_HAVE_LIBURING", "1"))
     print(f"mtc_loader: FileTensor reads: io_uring ({uring_how})", file=sys.stderr)
-elif _env_bool("MTC_REQUIRE_LIBURING"):
+elif require_liburing:
     raise SystemExit(f"mtc_loader: MTC_REQUIRE_LIBURING is set but {uring_how}: install liburing's development "
                      "files (Debian/Ubuntu: apt-get install liburing-dev; Fedora: dnf install liburing-devel), "
                      "or point MTC_LIBURING_PREFIX at a copy of them")

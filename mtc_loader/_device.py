@@ -60,10 +60,12 @@ _GPU_NAMES = ("gpu", "nvidia", "cuda")
 
 
 def _meant(device: Any) -> Optional[str]:
-    """The CUDA device a string such as ``"gpu"``, ``"GPU:1"`` or ``"cuda1"`` means, or None."""
+    """The device a string such as ``"CPU"``, ``"gpu"``, ``"GPU:1"`` or ``"cuda1"`` means, or None."""
     if not isinstance(device, str):
         return None
     name = device.strip().lower()
+    if name in ("cpu", "host"):
+        return "cpu"
     for prefix in _GPU_NAMES:
         if name.startswith(prefix):
             rest = name[len(prefix):].lstrip(":")

@@ -26,10 +26,14 @@ one batch of room always lets it go on.)
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import types
 from typing import Any, Optional
 
 import torch
 
+from . import collate
 from .collate import Arena
 
 __all__: list[str] = []
@@ -45,9 +49,10 @@ def _arena_of(collate_fn: Any) -> Optional[Arena]:
 
 
 def in_flight(num_workers: int, prefetch_factor: Optional[int], depth: int, cuda: bool,
-              in_order: bool = True) -> tuple[int, str, int, str]:
+              in_order: bool = True, consumer: str = "1 the PrefetchLoader copies") -> tuple[int, str, int, str]:
     """``(batches in flight, what they are, the least the arena must hold, what they are)`` for a
-    PrefetchLoader of ``depth`` over a DataLoader, on a CUDA device or the CPU."""
+    PrefetchLoader of ``depth`` over a DataLoader, on a CUDA device or the CPU (``consumer``: the
+    batch the consumer holds, a PrefetchLoader's or a plain loop's)."""
     parts = []
     batches = least = 1
     least_why = "the batch being packed"
@@ -60,7 +65,7 @@ def in_flight(num_workers: int, prefetch_factor: Optional[int], depth: int, cuda
             others = "the other worker" if num_workers == 2 else f"each of the {num_workers - 1} other workers"
             least_why = (f"the batch it hands out next, and up to {factor} packed ahead of it by {others}, "
                          "since it hands batches out in order")
-    parts.append("1 the PrefetchLoader copies")
+    parts.append(consumer)
     if cuda:
         batches += depth
         parts.append(f"{depth} ready (the PrefetchLoader depth), whose copies to the GPU may still read the arena")
@@ -70,7 +75,7 @@ def in_flight(num_workers: int, prefetch_factor: Optional[int], depth: int, cuda
 Told = Optional[tuple[Arena, tuple[int, str, int, str]]]
 
 
-def expect_in_flight(iterable: Any, depth: int, cuda: bool) -> Told:
+def expect_in_flight(iterable: Any, depth: int, cuda: bool, numpy_tensors: bool = False) -> Told:
     """Tells the arena of a DataLoader over PackedCollate (or of mmengine's endless iterator over
     one) what a PrefetchLoader of ``depth`` over it keeps in flight; does nothing for any other
     iterable. Call it before the DataLoader's workers start (they take the word with the arena).
@@ -84,7 +89,7 @@ def expect_in_flight(iterable: Any, depth: int, cuda: bool) -> Told:
     if arena is None:
         return None
     word = in_flight(loader.num_workers, loader.prefetch_factor, depth, cuda, bool(getattr(loader, "in_order", True)))
-    arena._expect(word)
+    arena._expect(word, True, numpy_tensors)
     return arena, word
 
 
@@ -93,4 +98,33 @@ def withdraw(told: Told) -> None:
     a loop without a PrefetchLoader, count as they would without it), unless another loader's
     word has replaced it meanwhile."""
     if told is not None and told[0]._expected is told[1]:
-        told[0]._expected = None
+        told[0]._expect_none()
+
+
+_STARTING = getattr(getattr(torch.utils.data, "dataloader", None), "_MultiProcessingDataLoaderIter", None)
+
+
+def word_at_start(arena: Optional[Arena]) -> None:
+    """Where a DataLoader iterator is starting its workers (its ``__init__`` on this thread's
+    stack: before a fork, or while the arena is pickled for a spawn or forkserver child), tells
+    the arena of its PackedCollate what it keeps in flight, unless a PrefetchLoader has said so:
+    its workers then refuse an arena too small for it at their first batch, as under a
+    PrefetchLoader, rather than stall in a plain loop (``for batch in loader: batch.to(device)``).
+    ``arena``: the one being pickled (None before a fork: the iterator's)."""
+    code = getattr(getattr(_STARTING, "__init__", None), "__code__", None)
+    f: Optional[types.FrameType] = sys._getframe(1)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    if f is None:
+        return
+    it = f.f_locals.get("self")
+    found = _arena_of(getattr(it, "_collate_fn", None))
+    if found is None or (arena is not None and found is not arena) or found._loaders:
+        return
+    word = in_flight(it._num_workers, it._prefetch_factor, 0, False,  # type: ignore[union-attr]
+                     bool(getattr(it, "_in_order", True)), "1 the loop unpacks")
+    found._expect(word, False)
+
+
+collate._WORD_AT_START = word_at_start
+os.register_at_fork(before=lambda: word_at_start(None))

@@ -3,7 +3,7 @@
 With ``DataLoader(..., num_workers=N)``, every tensor of a batch normally crosses from the
 worker to the main process through its own shared-memory segment and file descriptor (~170 ms
 for 528 small tensors on the GPU machine). :class:`PackedCollate` runs the usual collate
-function in the worker, then writes every tensor and numpy leaf of the result into one region
+function in the worker, then writes every tensor of the result into one region
 of an :class:`Arena` (a sealed memfd mapping created by the main process) and returns a
 :class:`PackedBatch`: the region's offset, the layout and the skeleton, a few hundred bytes.
 """
@@ -24,7 +24,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from . import _dtypes, _engine, _tree
 from ._device import target_index
-from ._options import positive_int, seconds
+from ._options import seconds, size
 from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
@@ -77,7 +77,8 @@ class Arena:
     ``Arena(1024)`` is one 64 KiB slot, and holds one batch at a time; a batch of 100 KB takes two.
 
     Args:
-        nbytes: Size of the data area, rounded up to whole 64 KiB slots.
+        nbytes: Size of the data area (bytes, or a string with a unit: ``"512M"``), rounded up
+            to whole 64 KiB slots.
     """
 
     # What a PackedBatch read as its structure tells the user to do: an integration whose loops
@@ -89,7 +90,7 @@ class Arena:
                  _dtypes_of: Optional[tuple[str, str]] = None):
         if _engine_arena is None:
             try:
-                nbytes = positive_int("arena_bytes", nbytes, _MAX_ARENA_BYTES)
+                nbytes = size("arena_bytes", nbytes, _MAX_ARENA_BYTES)
             except TypeError as e:  # a ValueError, as it always was for a bad arena_bytes
                 raise ValueError(str(e)) from None
             try:
@@ -110,6 +111,11 @@ class Arena:
         # DataLoader of it says (_flight.py); and the process whose first pack was checked
         self._expected: Optional[tuple[int, str, int, str]] = None
         self._checked = 0
+        # whose word _expected is: a PrefetchLoader's (its regions are the loader's own), or the
+        # DataLoader's alone, taken where its workers start (a loop unpacks: _word_at_start);
+        # and whether the consumer asked for numpy arrays as tensors (numpy_to_tensors)
+        self._loaders = False
+        self._numpy_tensors = False
         # resource-sharer registrations of this arena's descriptor that no process has taken
         # yet (a pickle never unpickled): closed with the arena, or they would keep its memory
         self._shared: list[int] = []
@@ -120,7 +126,9 @@ class Arena:
         if _mp_context.get_spawning_popen() is not None:
             # a child being started (spawn / forkserver): the descriptor goes to that child only
             # (pass_fds, or SCM_RIGHTS over the forkserver's socket), no copy is left behind
-            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected, self._dtype_table))
+            _word_at_start(self)
+            return (_attach, (reduction.DupFd(self._a.fileno()), self.token, self._expected, self._dtype_table,
+                              self._loaders, self._numpy_tensors))
         # Outside process start-up, multiprocessing's resource sharer keeps a dup of the
         # descriptor until a process asks for it. A pickle that is never unpickled would keep
         # that dup, and the arena's memory, for the life of this process: this arena tracks
@@ -129,7 +137,7 @@ class Arena:
         pending = _pending_keys()
         self._shared[:] = [k for k in self._shared if k in pending]
         self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
-        return (_attach, (dup, self.token, self._expected, self._dtype_table))
+        return (_attach, (dup, self.token, self._expected, self._dtype_table, self._loaders, self._numpy_tensors))
 
     def _check_dtypes(self, doing: str) -> None:
         """Raises unless this process's dtype codes mean what the arena creator's do (the same
@@ -138,13 +146,21 @@ class Arena:
         if self._dtype_table is not _dtypes.TABLE and self._dtype_table != _dtypes.TABLE:
             raise RuntimeError(_dtypes.mismatch(self._dtype_table, doing))
 
-    def _expect(self, expected: tuple[int, str, int, str]) -> None:
+    def _expect(self, expected: tuple[int, str, int, str], loaders: bool = True, numpy_tensors: bool = False) -> None:
         """The loader that unpacks this arena's batches keeps up to ``expected[0]`` in flight and
         needs room for ``expected[2]`` at the least (``[1]``, ``[3]``: what they are;
         ``_flight.in_flight``): the first batch each process packs after this is refused at once,
-        with the size to configure, where the arena cannot hold the least of its size."""
+        with the size to configure, where the arena cannot hold the least of its size.
+        ``loaders``: the word is a PrefetchLoader's; ``numpy_tensors``: it wants numpy arrays
+        packed as tensors."""
         self._expected = expected
         self._checked = 0
+        self._loaders, self._numpy_tensors = loaders, numpy_tensors
+
+    def _expect_none(self) -> None:
+        """No loader's word any more (the end of a PrefetchLoader's epoch)."""
+        self._expected = None
+        self._loaders = self._numpy_tensors = False
 
     def _in_flight(self) -> tuple[int, str, int, str, bool]:
         """What ``_engine.pack`` is told: ``(batches in flight, what they are, the least the arena
@@ -157,7 +173,7 @@ class Arena:
             me = os.getpid()
             first, self._checked = self._checked != me, me
             batches, why, least, least_why = expected
-            return batches, why, least if first else 0, least_why, True
+            return batches, why, least if first else 0, least_why, self._loaders
         info = get_worker_info()
         if info is None or not info.num_workers:
             return 1, "the one the loop unpacks", 0, "", False
@@ -199,6 +215,18 @@ def _unshare(keys: list[int]) -> None:
             entry[1]()  # its close(): os.close of the dup
 
 
+# Set by _flight.py (which imports this module): tells the arena of a DataLoader iterator that is
+# starting its workers (found on the caller's stack) what that DataLoader keeps in flight, where no
+# PrefetchLoader has said it, so that a plain loop's workers check their first batch as a
+# PrefetchLoader's do. Called while the arena is pickled for a spawn or forkserver child.
+_WORD_AT_START: Optional[Callable[[Optional[Arena]], None]] = None
+
+
+def _word_at_start(arena: Arena) -> None:
+    if _WORD_AT_START is not None:
+        _WORD_AT_START(arena)
+
+
 def _consumes(arena: Arena) -> bool:
     """Whether this process unpacks the batches packed into ``arena``: the process that created
     it, and any other process holding it that is not a DataLoader worker. The second case is a
@@ -209,7 +237,7 @@ def _consumes(arena: Arena) -> bool:
 
 
 def _attach(dupfd: Any, token: tuple[int, int, int], expected: Optional[tuple[int, str, int, str]] = None,
-            dtypes: Optional[tuple[str, str]] = None) -> Arena:
+            dtypes: Optional[tuple[str, str]] = None, loaders: bool = True, numpy_tensors: bool = False) -> Arena:
     existing = _ARENAS.get(token)
     fd = dupfd.detach()
     try:
@@ -217,6 +245,7 @@ def _attach(dupfd: Any, token: tuple[int, int, int], expected: Optional[tuple[in
             return existing
         arena = Arena(_engine_arena=_engine.arena_attach(fd), _token=token, _dtypes_of=dtypes)
         arena._expected = expected
+        arena._loaders, arena._numpy_tensors = bool(loaders), bool(numpy_tensors)
         return arena
     finally:
         os.close(fd)
@@ -306,11 +335,12 @@ class PackedBatch:
         return _engine.unpack(a, self._off, self._nbytes, os.getpid(), self._layout, self._skeleton,
                               target, background, self._atoms)
 
-    def unpack(self, device: Any = "cpu") -> Any:
-        """The batch's structure with its tensors on ``device`` (blocking)."""
-        return self.start_copy(device).get()
+    def unpack(self, device: Any = "cpu", *, numpy_to_tensors: bool = False) -> Any:
+        """The batch's structure with its tensors on ``device`` (blocking); its numpy arrays stay
+        numpy arrays on the host unless ``numpy_to_tensors`` (see :meth:`to`)."""
+        return _numpy_converted(self.start_copy(device).get(), device, numpy_to_tensors)
 
-    def to(self, device: Any, non_blocking: bool = False, **ignored: Any) -> Any:
+    def to(self, device: Any, non_blocking: bool = False, *, numpy_to_tensors: bool = False, **ignored: Any) -> Any:
         """The batch's structure with its tensors on ``device``, as ``tensor.to(device)`` would
         move one tensor: what Lightning (``move_data_to_device``) and accelerate
         (``send_to_device``) call on any batch object that has a ``to`` method, so that a
@@ -332,6 +362,12 @@ class PackedBatch:
                 Kernels queued on the current stream, and any read from the host
                 (``.item()``, ``.cpu()``), see the data; another stream must wait for the
                 current one, as for any tensor.
+            numpy_to_tensors: Whether numpy arrays come as tensors on ``device``. By default the
+                structure is what the collate function made with only its tensors moved: numpy
+                arrays stay numpy arrays on the host, bitwise as the collate made them (they
+                travel pickled, as through a plain DataLoader). With ``True`` numeric numpy arrays
+                become tensors on ``device``, as :func:`~mtc_loader.start_copy` converts them
+                (:class:`~mtc_loader.PrefetchLoader` takes the same keyword).
             **ignored: Other keywords of ``Tensor.to`` (``copy``, ``memory_format``) are
                 ignored; a ``dtype`` raises ``TypeError`` (the batch keeps its dtypes).
 
@@ -343,16 +379,18 @@ class PackedBatch:
                 or isinstance(non_blocking, torch.dtype):
             raise TypeError("mtc_loader: PackedBatch.to moves a batch to a device and keeps its "
                             "dtypes; convert the tensors after the move")
+        if not isinstance(numpy_to_tensors, bool):
+            raise TypeError(f"mtc_loader: numpy_to_tensors must be True or False, got {numpy_to_tensors!r}")
         index = target_index(device)
         if self._moved is not None:
             moved_index, out = self._moved
             if moved_index == index:
-                return out
-            h = _engine.start_copy(out, index, True, True, 16, 33554432, True)
+                return _numpy_converted(out, device, numpy_to_tensors)
+            h = _engine.start_copy(out, index, True, True, 16, 33554432, True, not numpy_to_tensors)
             return AsyncCopyHandle(h).get()
         out = self.start_copy(device).get()
         self._moved = (index, out)
-        return out
+        return _numpy_converted(out, device, numpy_to_tensors)
 
     def __del__(self) -> None:
         if getattr(self, "_state", None) == "held":
@@ -363,6 +401,15 @@ class PackedBatch:
 
     def __repr__(self) -> str:
         return f"<PackedBatch {self._nbytes} bytes at {self._off} ({self._state})>"
+
+
+def _numpy_converted(out: Any, device: Any, numpy_to_tensors: bool) -> Any:
+    """``out`` (an unpacked batch, its numpy arrays kept as the collate made them), or with
+    ``numpy_to_tensors`` the same structure with its numeric numpy arrays as tensors on ``device``
+    (its tensors, on ``device`` already, are kept as they are)."""
+    if not numpy_to_tensors:
+        return out
+    return AsyncCopyHandle(_engine.start_copy(out, target_index(device), True, True, 16, 33554432, True)).get()
 
 
 class _SharedSkeleton:
@@ -468,13 +515,52 @@ def _ragged_message(samples: list[Any], e: RaggedStack, by_default_collate: bool
             "collate_fn of your own that pads them to one shape")
 
 
+def _check_picklable(skeleton: Any, atoms: Optional[tuple[Any, ...]], batch: Any) -> None:
+    """In a DataLoader worker: raises where the batch's structure cannot be pickled to the main
+    process (a generator, a lock, an open file among its leaves). The DataLoader would fail in
+    its feeder thread, print the error, and leave the main process waiting for the batch.
+    ``batch``: the structure the skeleton was made from, where the error looks for the leaf."""
+    if atoms is not None:  # a shared structure: plain containers and atoms; only an object array may hold anything
+        if not any(type(a) is np.ndarray and a.dtype.hasobject for a in atoms):
+            return
+        skeleton = atoms
+    try:
+        reduction.ForkingPickler.dumps(skeleton)
+    except Exception as e:
+        path, leaf, err = _unpicklable_leaf(batch, "data", e)  # (the batch's paths, as the walk names them)
+        raise TypeError(
+            f"mtc_loader: {path} ({type(leaf).__name__}) cannot be pickled ({type(err).__name__}: {err}), and a "
+            "batch leaves a DataLoader worker pickled: make it a value that pickles in the dataset or the "
+            "collate function (list(...) of a generator, the path instead of an open file, no locks), or "
+            "leave it out of the sample") from None
+
+
+def _unpicklable_leaf(obj: Any, path: str, error: Exception) -> tuple[str, Any, Exception]:
+    """The innermost part of ``obj`` (through lists, tuples, dicts and object arrays) that does
+    not pickle: ``(its path, it, the error)``."""
+    if isinstance(obj, Mapping):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)) or (type(obj) is np.ndarray and obj.dtype.hasobject):
+        items = enumerate(obj.ravel() if isinstance(obj, np.ndarray) else obj)
+    else:
+        return path, obj, error
+    for key, value in items:
+        try:
+            reduction.ForkingPickler.dumps(value)
+        except Exception as e:
+            return _unpicklable_leaf(value, f"{path}[{key!r}]", e)
+    return path, obj, error
+
+
 class PackedCollate:
     """A picklable drop-in ``collate_fn`` that packs each batch into a shared arena.
 
     In the worker it runs ``collate_fn`` (torch's ``default_collate`` when None; ``list`` keeps
-    samples separate), then writes every tensor and numpy leaf of the result into one arena
-    region and returns a small :class:`PackedBatch`. With ``num_workers=0`` it works the same in
-    the main process.
+    samples separate), then writes every tensor of the result into one arena region and returns
+    a small :class:`PackedBatch`. With ``num_workers=0`` it works the same in the main process.
+    Unpacked, the batch is what ``collate_fn`` made with only its tensors moved: numpy arrays
+    travel pickled, as through a plain DataLoader, and stay numpy arrays on the host. In a worker,
+    a leaf that cannot be pickled (a generator, a lock) is refused here, by its path.
 
     While ``collate_fn`` runs, the CPU tensors that ``default_collate`` stacks (directly, or
     inside a collate function of yours that calls it) are written into blocks of memory that the
@@ -495,7 +581,8 @@ class PackedCollate:
 
     Args:
         collate_fn: The collate function to wrap (``list`` keeps samples apart).
-        arena_bytes: Size of the shared arena, rounded up to whole 64 KiB slots; a batch takes
+        arena_bytes: Size of the shared arena, in bytes or as a string with a unit (``"512M"``,
+            K, M, G or T, powers of 1024), rounded up to whole 64 KiB slots; a batch takes
             whole slots (a batch of 1 KB one slot, of 100 KB two). Workers never wait for room
             when it holds every batch in flight: ``num_workers * prefetch_factor`` in the
             DataLoader, one that the loop (or a :class:`~mtc_loader.PrefetchLoader`) unpacks, and
@@ -505,7 +592,8 @@ class PackedCollate:
             hands batches out in order, and the other workers may have packed theirs ahead of
             the next one). Under a PrefetchLoader, an arena smaller than that, for batches the
             size of the first one a worker packs, is refused at that batch, with the number of
-            bytes that holds the whole flight.
+            bytes that holds the whole flight; in a plain loop, for the DataLoader's in-flight
+            batches with one the loop unpacks.
         timeout: Seconds a worker waits for room in a full arena before it raises an error that
             says which size to configure (negative: wait forever; a worker stops waiting either
             way, with an error, once the process it packs for (its parent, the DataLoader's
@@ -559,7 +647,8 @@ class PackedCollate:
             try:
                 off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align,
                                                                        self.timeout, consumer,
-                                                                       self.arena._in_flight())
+                                                                       self.arena._in_flight(),
+                                                                       self.arena._numpy_tensors)
             except RuntimeError as e:
                 if consumer and os.getppid() != consumer:
                     # The process this worker packs for has exited: nobody reads the error,
@@ -569,6 +658,12 @@ class PackedCollate:
                     # owner's.
                     _exit_orphaned(str(e))
                 raise
+            if consumer:
+                try:
+                    _check_picklable(skeleton, atoms, batch)
+                except BaseException:  # a leaf that cannot travel: the region goes with it
+                    self.arena._a.release(off, os.getpid())
+                    raise
             del batch
         me = os.getpid()
         try:

@@ -108,11 +108,21 @@ def start_copy(
         >>> start_copy(data, "cpu").get()
         [tensor([1, 2, 3]), tensor([4, 5, 6])]
     """
+    return _start_copy(data, device, False, use_pinned_staging=use_pinned_staging,
+                       pack_cpu_tensors=pack_cpu_tensors, min_packed_alignment_bytes=min_packed_alignment_bytes,
+                       max_packed_chunk_bytes=max_packed_chunk_bytes, use_background_thread=use_background_thread)
+
+
+def _start_copy(data: Any, device: Union[str, torch.device], keep_numpy: bool, *, use_pinned_staging: bool = True,
+                pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
+                max_packed_chunk_bytes: int = 33554432, use_background_thread: bool = True) -> AsyncCopyHandle:
+    """:func:`start_copy`; ``keep_numpy``: numpy arrays stay the same objects on the host (what a
+    :class:`~mtc_loader.PrefetchLoader` does, so that a batch keeps the types its collate made)."""
     target = target_index(device)
     align = positive_int("min_packed_alignment_bytes", min_packed_alignment_bytes)
     max_chunk = positive_int("max_packed_chunk_bytes", max_packed_chunk_bytes)
     if isinstance(data, PackedBatch):  # checked alike: the batch is packed already
         return data.start_copy(device, use_background_thread=use_background_thread)
     h = _engine.start_copy(data, target, bool(use_pinned_staging), bool(pack_cpu_tensors),
-                           align, max_chunk, bool(use_background_thread))
+                           align, max_chunk, bool(use_background_thread), bool(keep_numpy))
     return AsyncCopyHandle(h)

@@ -122,6 +122,10 @@ def assert_tree_bitwise(out, ref, where: str = "data") -> None:
     """Walks two structures; tensors compared bitwise, other leaves by identity or equality."""
     if isinstance(ref, torch.Tensor):
         assert_bitwise(out, ref, where)
+    elif isinstance(ref, np.ndarray):
+        assert type(out) is np.ndarray, f"{where}: {type(out)} is not a numpy array"
+        assert out.dtype == ref.dtype and out.shape == ref.shape, f"{where}: {out.dtype} {out.shape} != {ref.dtype} {ref.shape}"
+        assert out.tobytes() == ref.tobytes(), f"{where}: bytes differ"
     elif isinstance(ref, dict):
         assert type(out) is type(ref), f"{where}: {type(out)} != {type(ref)}"
         assert list(out.keys()) == list(ref.keys()), f"{where}: keys differ"
@@ -136,19 +140,25 @@ def assert_tree_bitwise(out, ref, where: str = "data") -> None:
         assert out is ref or out == ref, f"{where}: {out!r} != {ref!r}"
 
 
-def tree_to(data, device):
-    """The reference: per-tensor .to(device), numpy leaves through torch.from_numpy."""
+def tree_to(data, device, keep_numpy=False):
+    """The reference: per-tensor .to(device), numpy leaves through torch.from_numpy (start_copy's
+    conversion), or kept as they are (``keep_numpy``: a packed or prefetched batch)."""
     if isinstance(data, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(data)).to(device)
+        return data if keep_numpy else torch.from_numpy(np.ascontiguousarray(data)).to(device)
     if isinstance(data, torch.Tensor):
         return data.to(device)
     if isinstance(data, dict):
-        return type(data)((k, tree_to(v, device)) for k, v in data.items())
+        return type(data)((k, tree_to(v, device, keep_numpy)) for k, v in data.items())
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(tree_to(v, device) for v in data))
+        return type(data)(*(tree_to(v, device, keep_numpy) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(tree_to(v, device) for v in data)
+        return type(data)(tree_to(v, device, keep_numpy) for v in data)
     return data
+
+
+def tree_kept(data, device):
+    """The reference of a packed or prefetched batch: tensors moved, numpy arrays kept."""
+    return tree_to(data, device, keep_numpy=True)
 
 
 def seed_sample(rng: random.Random, g: torch.Generator) -> dict:

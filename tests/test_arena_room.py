@@ -193,3 +193,20 @@ def test_the_first_pack_of_each_process_is_checked_once():
         pc([torch.zeros(10)])
     b = pc([torch.zeros(10)])  # checked already: packs (one slot is room enough for it)
     assert b.unpack("cpu")[0].shape == (10,)
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_too_small_arena_fails_at_once_in_a_plain_loop(fast_worker_shutdown, ctx):
+    """Without a PrefetchLoader (``for b in loader: b.to(device)``), the workers check their first
+    batch against what the DataLoader keeps in flight, as under a PrefetchLoader: no stall."""
+    pc = PackedCollate(arena_bytes=1024)
+    dl = DataLoader(Rows(24, 10), batch_size=4, num_workers=2, collate_fn=pc, multiprocessing_context=ctx)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"holds 1 packed batch of this one's 160 bytes, and the DataLoader "
+                                           r"needs room for 3 at once") as ei:
+        for b in dl:
+            b.to("cpu")
+    assert time.monotonic() - t0 < 20
+    assert "5 batches in flight (2 workers x prefetch_factor 2 in the DataLoader, 1 the loop unpacks)" in str(ei.value)
+    assert bytes_to_configure(str(ei.value)) == 5 * SLOT
+    del ei

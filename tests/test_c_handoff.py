@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import mtc_loader
-from conftest import assert_tree_bitwise, requires_cuda, run_child, tree_to
+from conftest import assert_tree_bitwise, requires_cuda, run_child
 from mtc_loader import _engine
 from mtc_loader.prefetch import _side
 
@@ -161,7 +161,7 @@ _CUDA_CHILD = """
 import json, torch, mtc_loader
 from torch.utils.data import DataLoader
 import sys; sys.path.insert(0, {tests!r})
-from conftest import assert_tree_bitwise, tree_to
+from conftest import assert_tree_bitwise, tree_kept
 from test_loader import ARENA, SeedSamples, reference
 ds = SeedSamples(n=24)
 pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)
@@ -173,7 +173,7 @@ torch.cuda.synchronize()
 before = mtc_loader.stats()
 n = 0
 for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda", depth=2)):
-    assert_tree_bitwise(b, tree_to(refs[k], "cuda:0"), f"batch {{k}}")
+    assert_tree_bitwise(b, tree_kept(refs[k], "cuda:0"), f"batch {{k}}")
     n += 1
 torch.cuda.synchronize()
 after = mtc_loader.stats()

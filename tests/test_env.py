@@ -118,8 +118,53 @@ def test_variable_set_after_import_warns_when_read():
 def test_build_switches_are_read_whole():
     """setup.py's boolean and word switches: a value they do not take stops the build, naming it."""
     for env, says in (({"MTC_DEBUG": "maybe"}, "MTC_DEBUG='maybe' is not a boolean"),
-                      ({"MTC_SANITIZE": "memory"}, "MTC_SANITIZE='memory' is not one of 'address', 'thread'")):
+                      ({"MTC_SANITIZE": "memory"}, "MTC_SANITIZE='memory' is not one of 'address', 'thread'"),
+                      # read whole even where liburing is found (and the switch would not matter)
+                      ({"MTC_REQUIRE_LIBURING": "maybe"}, "MTC_REQUIRE_LIBURING='maybe' is not a boolean"),
+                      ({"MTC_NO_LIBURING": "perhaps"}, "MTC_NO_LIBURING='perhaps' is not a boolean")):
         e = dict(os.environ, **env)
         r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), env=e, capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and says in r.stderr + r.stdout, r.stderr + r.stdout
+
+
+def test_an_unknown_name_warns_once_with_the_closest_known_one():
+    out = _run(MTC_TORCH_SHIN="0", MTC_ZZZ_QQ="1")
+    msgs = [m for c, m in out["warnings"]]
+    assert [m for m in msgs if "MTC_TORCH_SHIN" in m] == [
+        "mtc_loader: the environment variable MTC_TORCH_SHIN is not one mtc_loader reads, and has no effect: "
+        "did you mean MTC_TORCH_SHIM?"], msgs
+    assert len([m for m in msgs if "MTC_ZZZ_QQ" in m and "docs/api.md lists them" in m]) == 1, msgs
+    assert len(msgs) == 2, msgs
+
+
+def test_the_known_names_are_those_the_project_reads():
+    """The list the warning goes by holds every MTC_* name the engine's table, setup.py, the
+    package, the tests, benchmarks and tools read, and no other."""
+    import re
+    from mtc_loader._options import KNOWN_ENVIRONMENT
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "csrc", "engine", "env.c")) as f:
+        engine = set(re.findall(r'\{"(MTC_[A-Z0-9_]+)"', f.read()))
+    assert engine and engine <= KNOWN_ENVIRONMENT, engine - KNOWN_ENVIRONMENT
+    read = set()
+    for top in ("setup.py", "mtc_loader", "tests", "bench", "tools", "examples"):
+        path = os.path.join(root, top)
+        files = [path] if top.endswith(".py") else [os.path.join(d, n) for d, _, ns in os.walk(path)
+                                                     for n in ns if n.endswith((".py", ".sh"))]
+        for name in files:
+            with open(name, errors="replace") as f:
+                read |= set(re.findall(r"(?:environ(?:\.get)?\(?\[?|getenv\(|_env_(?:bool|word)\()[\"'](MTC_[A-Z0-9_]+)",
+                                       f.read()))
+    assert read <= KNOWN_ENVIRONMENT, read - KNOWN_ENVIRONMENT
+    text = ""
+    for top in ("setup.py", "csrc", "tests", "bench", "tools", "examples"):
+        path = os.path.join(root, top)
+        files = [path] if top.endswith(".py") else [os.path.join(d, n) for d, _, ns in os.walk(path)
+                                                     for n in ns if n.endswith((".py", ".sh", ".c", ".h"))]
+        for name in files:
+            if os.path.basename(name) != "test_env.py":
+                with open(name, errors="replace") as f:
+                    text += f.read()
+    unread = {n for n in KNOWN_ENVIRONMENT if not re.search(n + r"\b", text)}
+    assert not unread, unread

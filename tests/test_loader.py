@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 import mtc_loader
 from mtc_loader.collate import PackedBatch
-from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_to
+from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_kept, tree_to
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.cuda, requires_cuda], id="cuda")
 DEVICES = ["cpu", CUDA]
@@ -103,7 +103,7 @@ def check_epoch(loader, refs, device, **pl_kw) -> int:
     n = 0
     for k, b in enumerate(mtc_loader.PrefetchLoader(loader, device, **pl_kw)):
         sync(device)
-        assert_tree_bitwise(b, tree_to(refs[k], device), f"batch {k}")
+        assert_tree_bitwise(b, tree_kept(refs[k], device), f"batch {k}")
         n += 1
     assert n == len(refs)
     return n
@@ -232,7 +232,7 @@ def test_prefetch_depths_len_and_epochs(depth, device):
         n = 0
         for k, b in enumerate(pl):
             sync(device)
-            assert_tree_bitwise(b, tree_to(refs[k], device), f"depth {depth} batch {k}")
+            assert_tree_bitwise(b, tree_kept(refs[k], device), f"depth {depth} batch {k}")
             n += 1
         assert n == 9
     assert settle(pc.arena, device)["slots_in_use"] == 0
@@ -298,7 +298,7 @@ def test_iterator_deleted_mid_epoch(workers, device):
     it = iter(mtc_loader.PrefetchLoader(dl, device, depth=3))
     b = next(it)
     sync(device)
-    assert_tree_bitwise(b, tree_to(reference(ds, batch_size=4)[0], device))
+    assert_tree_bitwise(b, tree_kept(reference(ds, batch_size=4)[0], device))
     time.sleep(0.3)
     del it
     s = settle(pc.arena, device)
@@ -335,7 +335,7 @@ def test_dataset_exception_surfaces_in_order(workers, device, fast_worker_shutdo
     with pytest.raises(ValueError, match="boom at 21"):
         for k, b in enumerate(mtc_loader.PrefetchLoader(dl, device, depth=2)):
             sync(device)
-            assert_tree_bitwise(b, tree_to(refs[k], device), f"batch {k}")
+            assert_tree_bitwise(b, tree_kept(refs[k], device), f"batch {k}")
             got.append(k)
     assert got == [0, 1, 2, 3, 4]
     settle(pc.arena, device, want_zero=False)
@@ -356,7 +356,7 @@ def test_worker_killed_mid_epoch(device, fast_worker_shutdown):
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         for k, b in enumerate(mtc_loader.PrefetchLoader(dl, device)):
             sync(device)
-            assert_tree_bitwise(b, tree_to(refs[k], device), f"batch {k}")
+            assert_tree_bitwise(b, tree_kept(refs[k], device), f"batch {k}")
             got.append(k)
     assert got == list(range(len(got))) and len(got) <= 3
     del dl
@@ -378,14 +378,14 @@ def test_unpack_and_start_copy_cpu():
     assert isinstance(pb, PackedBatch) and pb.nbytes > 0
     assert pc.stats()["slots_in_use"] >= 1
     assert pb.pin_memory() is pb
-    assert_tree_bitwise(pb.unpack("cpu"), tree_to(samples, "cpu"))
+    assert_tree_bitwise(pb.unpack("cpu"), tree_kept(samples, "cpu"))
     assert pc.stats()["slots_in_use"] == 0  # the CPU path copies out and frees at once
     with pytest.raises(RuntimeError, match="already unpacked"):
         pb.unpack("cpu")
     pb2 = pc(samples)
     h = mtc_loader.start_copy(pb2, "cpu")
     assert isinstance(h, mtc_loader.AsyncCopyHandle)
-    assert_tree_bitwise(h.get(), tree_to(samples, "cpu"))
+    assert_tree_bitwise(h.get(), tree_kept(samples, "cpu"))
     with pytest.raises(RuntimeError, match="already unpacked"):
         mtc_loader.start_copy(pb2, "cpu")
     assert pc.stats()["slots_in_use"] == 0
@@ -417,7 +417,7 @@ def test_unpack_cuda():
     pc, samples, pb = packed(4)
     out = pb.unpack("cuda:0")
     torch.cuda.synchronize()
-    assert_tree_bitwise(out, tree_to(samples, "cuda:0"))
+    assert_tree_bitwise(out, tree_kept(samples, "cuda:0"))
     assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
 
 
@@ -448,7 +448,7 @@ def test_outputs_are_not_views_of_the_arena():
         start = len(mm) - nbytes
         mm[start:] = b"\xa5" * nbytes
     assert_tree_bitwise(out, snapshot)
-    assert_tree_bitwise(out, tree_to(a_samples, "cpu"))
+    assert_tree_bitwise(out, tree_kept(a_samples, "cpu"))
     out_b = pb.unpack("cpu")  # what the scribble left (not b's data any more), now a copy
     with mmap.mmap(pc.arena._a.fileno(), 0) as mm:
         mm[len(mm) - nbytes:] = b"\x00" * nbytes
@@ -478,7 +478,7 @@ def test_arena_full_times_out_with_advice(workers, fast_worker_shutdown):
     s = pc.stats()
     assert s["timeouts"] >= 1 and s["waits"] >= 1, s
     for k, b in enumerate(held):
-        assert_tree_bitwise(b.unpack("cpu"), tree_to(refs[k], "cpu"))
+        assert_tree_bitwise(b.unpack("cpu"), tree_kept(refs[k], "cpu"))
     del held, b
     settle(pc.arena, want_zero=False)
     pc.arena.reclaim_dead()
@@ -511,7 +511,7 @@ def test_backpressure_waits_for_room():
     dl = DataLoader(ds, batch_size=2, num_workers=1, prefetch_factor=4, collate_fn=pc)
     refs = reference(ds, batch_size=2)
     for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cpu", depth=1)):
-        assert_tree_bitwise(b, tree_to(refs[k], "cpu"), f"batch {k}")
+        assert_tree_bitwise(b, tree_kept(refs[k], "cpu"), f"batch {k}")
         time.sleep(0.05)
     s = settle(pc.arena)
     assert s["waits"] >= 1 and s["timeouts"] == 0 and s["high_water_slots"] <= 2, s
@@ -567,7 +567,7 @@ def _attempt(pc, pb, samples, **changes):
     except ValueError as e:
         assert "stale or forged" in str(e)
     else:
-        assert_tree_bitwise(out, tree_to(samples, "cpu"))
+        assert_tree_bitwise(out, tree_kept(samples, "cpu"))
     assert pc.arena._a.valid()
     return err
 
@@ -603,7 +603,7 @@ def test_forged_offsets_owners_sizes():
         err = _attempt(pc, pb, samples, **ch(_fields(pb)))
         assert err is not None, f"{name}: accepted"
         assert "mtc_loader" in str(err), (name, err)
-    assert_tree_bitwise(keep.unpack("cpu"), tree_to([seed_sample(9)], "cpu"))
+    assert_tree_bitwise(keep.unpack("cpu"), tree_kept([seed_sample(9)], "cpu"))
     assert settle(pc.arena)["slots_in_use"] == 0
 
 
@@ -652,7 +652,7 @@ def test_forged_layouts_every_single_bit_flip():
                 pb = pc(samples)
             assert pc.arena._a.valid()
     assert refused >= 0.9 * (refused + accepted), (refused, accepted)
-    assert_tree_bitwise(pb.unpack("cpu"), tree_to(samples, "cpu"))
+    assert_tree_bitwise(pb.unpack("cpu"), tree_kept(samples, "cpu"))
 
 
 def test_forged_skeletons():
@@ -685,7 +685,8 @@ def test_forged_shared_skeletons():
         err = _attempt(pc, pc(samples), samples, skeleton=_engine.skeleton(forged))
         assert isinstance(err, ValueError) and "does not match" in str(err), err
     atoms = _fields(pb)["atoms"]
-    assert atoms == ("sample-0", "sample-1")  # the per-batch atoms of this structure
+    # the per-batch atoms of this structure: each sample's numpy ego_pose (kept a numpy array) and token
+    assert [a if isinstance(a, str) else type(a) for a in atoms] == ["sample-0", np.ndarray, "sample-1", np.ndarray]
     for forged in (atoms[:1], atoms + ("x",), list(atoms), None):
         err = _attempt(pc, pc(samples), samples, atoms=forged)
         assert isinstance(err, ValueError) and "does not match" in str(err), (forged, err)
@@ -722,10 +723,11 @@ def test_a_shared_structure_is_walked_once_and_its_outputs_share_nothing():
     dl = DataLoader(SeedSamples(n=24), batch_size=4, num_workers=2, collate_fn=pc)
     outs = []
     for k, pb in enumerate(dl):
-        assert isinstance(pb._skeleton, Skeleton) and pb._skeleton.leaves == 4 * 34
-        assert pb._atoms == tuple(f"sample-{4 * k + j}" for j in range(4))
+        assert isinstance(pb._skeleton, Skeleton) and pb._skeleton.leaves == 4 * 33  # numpy ego_pose: an atom
+        assert pb._atoms[0::2] == tuple(f"sample-{4 * k + j}" for j in range(4))
+        assert all(type(a) is np.ndarray for a in pb._atoms[1::2])
         out = pb.unpack("cpu")
-        assert_tree_bitwise(out, tree_to([seed_sample(4 * k + j) for j in range(4)], "cpu"))
+        assert_tree_bitwise(out, tree_kept([seed_sample(4 * k + j) for j in range(4)], "cpu"))
         outs.append(out)
     assert len(C._SKELETONS) == 1
     a, b = outs[0], outs[1]
@@ -794,7 +796,7 @@ def test_a_held_batch_cannot_be_duplicated_in_its_process():
     import pickle
     with pytest.raises(RuntimeError, match="consumed once"):
         pickle.loads(pickle.dumps(pb))
-    assert_tree_bitwise(pb.unpack("cpu"), tree_to([seed_sample(0)], "cpu"))
+    assert_tree_bitwise(pb.unpack("cpu"), tree_kept([seed_sample(0)], "cpu"))
     assert pc.stats()["slots_in_use"] == 0
 
 
@@ -812,7 +814,7 @@ def _rank(rank: int, collate, worker_ctx: str, device: str) -> None:
         for k, b in enumerate(loader):
             out = b.to(device)
             sync(device)
-            assert_tree_bitwise(out, tree_to(refs[k], device), f"rank {rank} batch {k}")
+            assert_tree_bitwise(out, tree_kept(refs[k], device), f"rank {rank} batch {k}")
         check_epoch(loader, refs, device)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import mtc_loader
-from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_to
+from conftest import assert_tree_bitwise, requires_cuda, seed_batch, tree_kept
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -34,7 +34,7 @@ def test_packed_batches_to_cuda(workers, background):
         for k, b in enumerate(mtc_loader.PrefetchLoader(dl, "cuda:0", use_background_thread=background)):
             torch.cuda.current_stream().synchronize()
             ref = [SeedSamples()[16 * k + j] for j in range(16)]
-            assert_tree_bitwise(b, tree_to(ref, "cuda:0"))
+            assert_tree_bitwise(b, tree_kept(ref, "cuda:0"))
             n += 1
         assert n == 4
     del b
@@ -61,7 +61,7 @@ def test_region_freed_only_after_the_dma():
         torch.cuda.synchronize()
     assert held_during > 0
     assert pc.stats()["slots_in_use"] == 0
-    assert_tree_bitwise(out, tree_to([SeedSamples()[i] for i in range(16)], "cuda:0"))
+    assert_tree_bitwise(out, tree_kept([SeedSamples()[i] for i in range(16)], "cuda:0"))
 
 
 def test_default_collate_images_to_cuda():
@@ -78,4 +78,4 @@ def test_default_collate_images_to_cuda():
     plain = DataLoader(Images(), batch_size=8, num_workers=0)
     for b, ref in zip(mtc_loader.PrefetchLoader(dl, "cuda:0"), plain):
         torch.cuda.synchronize()
-        assert_tree_bitwise(b, tree_to(ref, "cuda:0"))
+        assert_tree_bitwise(b, tree_kept(ref, "cuda:0"))

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import mtc_loader
-from conftest import assert_tree_bitwise, requires_2gpus, requires_cuda, seed_batch, tree_to
+from conftest import assert_tree_bitwise, requires_2gpus, requires_cuda, seed_batch, tree_kept, tree_to
 from test_loader import ARENA, SeedSamples, reference, settle
 from test_prefetch import Recorder, wait_no_service_threads
 
@@ -40,7 +40,7 @@ def test_bitwise_on_the_consumer_stream(workers, consumer):
             # consume on the consumer stream only: clone there, compare after a sync
             copies = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b)
             stream.synchronize()
-            assert_tree_bitwise(copies, tree_to(refs[k], "cuda:0"), f"batch {k}")
+            assert_tree_bitwise(copies, tree_kept(refs[k], "cuda:0"), f"batch {k}")
             n += 1
     assert n == len(refs)
     wait_no_service_threads()
@@ -51,7 +51,7 @@ def test_plain_batches_through_start_copy_on_the_copy_stream():
     got = list(mtc_loader.PrefetchLoader(Recorder(6), "cuda:0", depth=2))
     torch.cuda.synchronize()
     for k, b in enumerate(got):
-        assert_tree_bitwise(b, tree_to(seed_batch(2, seed=k), "cuda:0"), f"batch {k}")
+        assert_tree_bitwise(b, tree_kept(seed_batch(2, seed=k), "cuda:0"), f"batch {k}")
 
 
 def test_copy_overlaps_a_long_kernel():
@@ -95,8 +95,8 @@ def test_next_batch_is_ready_while_the_step_runs():
     assert took < 0.1, f"__next__ waited {took:.3f} s: it waited for the GPU"
     assert not torch.cuda.current_stream().query(), "the long kernel ended too soon"
     torch.cuda.synchronize()
-    assert_tree_bitwise(first, tree_to(refs[0], "cuda:0"), "batch 0")
-    assert_tree_bitwise(second, tree_to(refs[1], "cuda:0"), "batch 1")
+    assert_tree_bitwise(first, tree_kept(refs[0], "cuda:0"), "batch 0")
+    assert_tree_bitwise(second, tree_kept(refs[1], "cuda:0"), "batch 1")
     del it
     wait_no_service_threads()
 
@@ -118,7 +118,7 @@ def test_batches_kept_alive_across_many_steps():
                 refs_k = refs[k - len(kept) + 1:k + 1]
                 side.synchronize()
                 for j, (got, ref) in enumerate(zip(kept, refs_k)):
-                    assert_tree_bitwise(got, tree_to(ref, "cuda:0"), f"batch {k - len(kept) + 1 + j}")
+                    assert_tree_bitwise(got, tree_kept(ref, "cuda:0"), f"batch {k - len(kept) + 1 + j}")
     torch.cuda.synchronize()
     del kept
     gc.collect()
@@ -223,7 +223,7 @@ def test_consumer_that_switches_streams_keeps_its_batches_safe():
     torch.cuda.synchronize()
     assert len(clones) == len(refs)
     for k, (got, ref) in enumerate(zip(clones, refs)):
-        assert_tree_bitwise(got, tree_to(ref, "cuda:0"), f"batch {k}")
+        assert_tree_bitwise(got, tree_kept(ref, "cuda:0"), f"batch {k}")
     del it
     wait_no_service_threads()
     assert settle(pc.arena, "cuda:0")["slots_in_use"] == 0
@@ -298,7 +298,7 @@ def test_hand_out_while_another_device_is_current():
                     lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b))
     torch.cuda.synchronize(0)
     for k, (g, ref) in enumerate(zip(got, refs)):
-        assert_tree_bitwise(g, tree_to(ref, "cuda:0"), f"batch {k}")
+        assert_tree_bitwise(g, tree_kept(ref, "cuda:0"), f"batch {k}")
     wait_no_service_threads()
 
 

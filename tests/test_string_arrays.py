@@ -67,10 +67,14 @@ def _check_passed(got, ref, where: str) -> None:
         assert np.array_equal(got, ref), where
 
 
-def _check_sample(got: dict, ref: dict, device: str, where: str) -> None:
+def _check_sample(got: dict, ref: dict, device: str, where: str, packed: bool = False) -> None:
     for k in ("gt_bboxes", "gt_labels"):
         assert got[k].device == torch.device(device) and torch.equal(got[k].cpu(), ref[k]), (where, k)
-    for k in ("lidar_points", "valid"):  # numeric and bool arrays become tensors
+    for k in ("lidar_points", "valid"):
+        if packed:  # a batch keeps the collate's numpy arrays
+            _check_passed(got[k], ref[k], f"{where}[{k!r}]")
+            continue
+        # start_copy converts numeric and bool arrays to tensors
         assert isinstance(got[k], torch.Tensor) and got[k].device == torch.device(device), (where, k)
         assert torch.equal(got[k].cpu(), torch.from_numpy(ref[k])), (where, k)
     for k, v in ref["info"].items():
@@ -107,7 +111,7 @@ def test_packed_collate_in_the_main_process():
     batch = mtc_loader.PackedCollate(list, arena_bytes=8 << 20)(samples)
     assert isinstance(batch, mtc_loader.PackedBatch)
     for i, s in enumerate(batch.to("cpu")):
-        _check_sample(s, samples[i], "cpu", f"batch[{i}]")
+        _check_sample(s, samples[i], "cpu", f"batch[{i}]", packed=True)
 
 
 def test_through_a_dataloader_with_two_workers():
@@ -121,16 +125,19 @@ def test_through_a_dataloader_with_two_workers():
     assert len(got) == len(plain) == 3
     for b, (batch, ref) in enumerate(zip(got, plain)):
         for i, (s, r) in enumerate(zip(batch, ref)):
-            _check_sample(s, r, "cpu", f"batch {b}[{i}]")
+            _check_sample(s, r, "cpu", f"batch {b}[{i}]", packed=True)
     for b, (packed, ref) in enumerate(zip(dl, plain)):
         for i, (s, r) in enumerate(zip(packed.to("cpu"), ref)):
-            _check_sample(s, r, "cpu", f"batch {b}[{i}] (PackedBatch.to)")
+            _check_sample(s, r, "cpu", f"batch {b}[{i}] (PackedBatch.to)", packed=True)
     del got, packed
 
 
 def test_numeric_arrays_that_torch_cannot_hold_are_still_refused():
+    # a packed batch keeps it a numpy array, as a plain DataLoader does; start_copy refuses it
+    batch = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": np.zeros(2, dtype=np.longdouble)}])
+    _check_passed(batch.to("cpu")[0]["x"], np.zeros(2, dtype=np.longdouble), "packed")
     with pytest.raises(TypeError) as ei:
-        mtc_loader.PackedCollate(list, arena_bytes=1 << 20)([{"x": np.zeros(2, dtype=np.longdouble)}])
+        mtc_loader.start_copy([{"x": np.zeros(2, dtype=np.longdouble)}], "cpu")
     msg = str(ei.value)
     assert "data[0]['x'] is a numpy array of dtype float128 (<f16), for which torch has no dtype" in msg, msg
     assert "arr.astype(np.float64)" in msg, msg
@@ -149,4 +156,4 @@ def test_to_a_gpu():
     for batch, ref in zip(mtc_loader.PrefetchLoader(dl, device="cuda"), plain):
         torch.cuda.synchronize()
         for i, (s, r) in enumerate(zip(batch, ref)):
-            _check_sample(s, r, "cuda:0", f"[{i}]")
+            _check_sample(s, r, "cuda:0", f"[{i}]", packed=True)

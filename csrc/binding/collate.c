@@ -370,7 +370,8 @@ static int _pack_parse_in_flight(PyObject *o, _in_flight *f)
     return 0;
 }
 
-/* pack(arena, data, align, timeout_s[, consumer_pid[, in_flight]]) -> (offset, nbytes, layout, skeleton, atoms)
+/* pack(arena, data, align, timeout_s[, consumer_pid[, in_flight[, numpy_tensors]]])
+ *   -> (offset, nbytes, layout, skeleton, atoms)
  * In a DataLoader worker: every tensor / numpy leaf of data is written into
  * one arena region, laid out by the planner as one chunk: read the leaves,
  * plan, take a region, write, describe (_pack_describe: atoms is None or the
@@ -381,8 +382,9 @@ static int _pack_parse_in_flight(PyObject *o, _in_flight *f)
 PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mtc_state *st = mtc_get_state(module);
-    if (nargs < 4 || nargs > 6) {
-        PyErr_SetString(PyExc_TypeError, "pack(arena, data, align, timeout_s[, consumer_pid[, in_flight]])");
+    if (nargs < 4 || nargs > 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pack(arena, data, align, timeout_s[, consumer_pid[, in_flight[, numpy_tensors]]])");
         return NULL;
     }
     mtc_arena *a = mtc_arenaobj_of(st, args[0]);
@@ -394,7 +396,7 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     unsigned long consumer = nargs >= 5 ? PyLong_AsUnsignedLong(args[4]) : 0;
     if (PyErr_Occurred()) return NULL;
     _in_flight f;
-    if (_pack_parse_in_flight(nargs == 6 ? args[5] : Py_None, &f)) return NULL;
+    if (_pack_parse_in_flight(nargs >= 6 ? args[5] : Py_None, &f)) return NULL;
     if (consumer > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "pack: consumer_pid must be a pid or 0");
         return NULL;
@@ -422,6 +424,10 @@ PyObject *mtc_collate_pack(PyObject *module, PyObject *const *args, Py_ssize_t n
     int have_region = 0;
     uint32_t me = (uint32_t)getpid();
     t.pack = 1; /* OnHost is walked into: its leaves are host-placed */
+    /* numpy arrays stay numpy (pickled in the skeleton), unless the consumer asked for tensors */
+    int numpy_tensors = nargs == 7 ? PyObject_IsTrue(args[6]) : 0;
+    if (numpy_tensors < 0) return NULL;
+    t.numpy_pass = !numpy_tensors;
     if (mtc_traverse(st, args[1], &t) || _pack_refuse_cuda(&t)) goto error;
     if (t.nleaves > MTC_LAYOUT_MAX_LEAVES) { /* the main process's decoder takes no more */
         PyErr_Format(PyExc_ValueError, "mtc_loader: the batch holds %u tensors and arrays; a packed batch "

@@ -111,6 +111,7 @@ typedef struct {
     PyObject *proto;        /* a tensor whose new_empty_strided makes strided outputs, or NULL */
     mtc_job *job;           /* NULL when nothing needs copying, or once submitted */
     uint32_t oi, ii;        /* ops and items filled so far */
+    int keep_numpy;         /* numpy arrays pass through as the same object (the prefetch service) */
 } _copy;
 
 static void _copy_clear(_copy *c)
@@ -131,8 +132,9 @@ static void _copy_clear(_copy *c)
 /* Stage 0: the arguments. 0, or -1 with ValueError/TypeError set. */
 static int _parse_args(PyObject *const *args, Py_ssize_t nargs, _copy *c)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "_engine.start_copy(data, target, staging, pack, align, max_chunk, background)");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_engine.start_copy(data, target, staging, pack, align, max_chunk, background[, keep_numpy])");
         return -1;
     }
     long target = PyLong_AsLong(args[1]); /* range-checked below, before any truncation */
@@ -142,6 +144,7 @@ static int _parse_args(PyObject *const *args, Py_ssize_t nargs, _copy *c)
     c->o.align = PyLong_AsLongLong(args[4]);
     c->o.max_chunk = PyLong_AsLongLong(args[5]);
     c->background = PyObject_IsTrue(args[6]);
+    c->keep_numpy = nargs == 8 ? PyObject_IsTrue(args[7]) : 0;
     if (PyErr_Occurred()) return -1;
     if (c->o.target < -1 || c->o.target >= MTC_MAX_DEVICES || c->o.align <= 0 || c->o.max_chunk <= 0) {
         PyErr_SetString(PyExc_ValueError, "mtc_loader: bad engine arguments");
@@ -517,7 +520,7 @@ static int _views_and_rebuild(_copy *c, mtc_handle *h)
     return 0;
 }
 
-/* _engine.start_copy(data, target, staging, pack, align, max_chunk, background)
+/* _engine.start_copy(data, target, staging, pack, align, max_chunk, background[, keep_numpy])
  * -> Handle: the stages above in order. New reference, or NULL with an
  * exception set (a submitted job is waited for before the inputs go). */
 PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -534,6 +537,7 @@ PyObject *mtc_copy_start(PyObject *module, PyObject *const *args, Py_ssize_t nar
     mtc_handle *h = mtc_handle_new(st);
     if (!h) return NULL;
     c.t = &h->tree;
+    c.t->numpy_pass = c.keep_numpy;
     /* the outputs: a tensor per leaf (and a gap's piece at most) and a container per node */
     if (_read_leaves(&c, args[0]) || _plan(&c) ||
         (!mtc_handle_on_service() && mtc_collector_before_outputs(st, (int64_t)c.t->nnodes + c.t->nleaves)) ||

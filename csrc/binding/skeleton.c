@@ -2,8 +2,11 @@
  * skeleton.c - a packed batch's structure, walked once and rebuilt from for
  * every batch of the same structure. See skeleton.h.
  */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL mtc_ARRAY_API
 #include "skeleton.h"
 
+#include <numpy/arrayobject.h>
 #include <string.h>
 
 static int _atom(PyObject *o)
@@ -11,6 +14,14 @@ static int _atom(PyObject *o)
     PyTypeObject *tp = Py_TYPE(o);
     return o == Py_None || tp == &PyUnicode_Type || tp == &PyLong_Type || tp == &PyFloat_Type ||
            tp == &PyBool_Type || tp == &PyBytes_Type;
+}
+
+/* A passthrough a shared structure may hold in an atom's place: an atom, or
+ * a numpy array (a batch keeps its collate's arrays; each travels pickled
+ * in the batch's atoms, never shared with another batch). Not a dict key. */
+static int _passthrough_atom(PyObject *o)
+{
+    return _atom(o) || PyArray_CheckExact(o);
 }
 
 int mtc_skeleton_atoms_only(const mtc_tree *t)
@@ -24,7 +35,7 @@ int mtc_skeleton_atoms_only(const mtc_tree *t)
         case MTC_NODE_HOST: /* an OnHost: not in the output, which holds its value */
             break;
         case MTC_NODE_PASS: /* no obj: a per-batch atom's place */
-            if (n->obj && !_atom(n->obj)) return 0;
+            if (n->obj && !_passthrough_atom(n->obj)) return 0;
             break;
         case MTC_NODE_DICT: /* obj: the keys, a list */
             for (Py_ssize_t k = 0; k < PyList_GET_SIZE(n->obj); k++)

@@ -221,8 +221,9 @@ static int _visit(mtc_state *st, mtc_tree *t, _stack *s, PyObject *obj, int32_t 
     else if ((kind = _classify(st, obj)) < 0) return -1;
     if (kind == MTC_KIND_NDARRAY && _array_passes(obj)) kind = MTC_KIND_LEAF;
 
-    if (kind == MTC_KIND_LEAF || (host && kind == MTC_KIND_NDARRAY)) {
-        /* (a numpy array under an OnHost passes through, pickled in the skeleton) */
+    if (kind == MTC_KIND_LEAF || ((host || t->numpy_pass || t->slots) && kind == MTC_KIND_NDARRAY)) {
+        /* (a numpy array under an OnHost, or in a walk that keeps numpy arrays, passes
+         * through: pickled in the skeleton, as a DataLoader worker pickles it) */
         int32_t n = _add_node(t, MTC_NODE_PASS, parent, pos);
         if (n < 0) return -1;
         Py_INCREF(obj);

@@ -67,6 +67,9 @@ typedef struct mtc_tree {
     int slots;           /* skeleton mode: the placeholder st->leaf_slot marks leaves (numbered
                             in order in nslots), tensors are not expected */
     int pack;            /* a walk for pack (PackedCollate): OnHost is walked into (see above) */
+    int numpy_pass;      /* numeric numpy arrays pass through as the same object, as under an
+                            OnHost (a pack walk that keeps them numpy, a slots walk, the prefetch
+                            service's copies): the structure keeps what the collate made */
     uint32_t nslots;
     uint32_t nhost;      /* host-placed leaves (slots mode: placeholders) */
     uint32_t natoms;     /* skeleton mode: the placeholder st->atom_slot marks a per-batch atom

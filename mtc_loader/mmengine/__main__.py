@@ -9,29 +9,26 @@ import datetime
 import functools
 import logging
 import os
-import re
 import sys
 import sysconfig
 import traceback
 import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from .._options import parse_size
 
-# what --arena-bytes takes: a number of bytes, or one with a binary unit
-_SIZE = re.compile(r"\s*(\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", re.IGNORECASE)
-_UNITS = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
 _MAX_ARENA_BYTES = 1 << 46  # the engine's limit (mtc_loader.Arena's)
 
 
 def _size(text: str) -> int:
     """``--arena-bytes``: bytes, as a number (``536870912``) or with a unit, K, M, G or T, powers
     of 1024 (``512M``, ``512MiB``, ``512MB`` all mean 512 MiB)."""
-    m = _SIZE.fullmatch(text)
-    if m is None:
+    n = parse_size(text)
+    if n is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size: give a number of bytes (536870912) or one with a unit, K, M, G or T, "
             "powers of 1024 (512M, 512MiB)")
-    n = int(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None]
     if not 1 <= n <= _MAX_ARENA_BYTES:
         raise argparse.ArgumentTypeError(f"{text!r} is not from 1 byte to 64 TiB (the arena's size)")
     return n

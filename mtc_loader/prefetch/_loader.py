@@ -66,6 +66,11 @@ class PrefetchLoader:
             in a plain loop's order, and the same seed gives the same data. ``None`` (default):
             for every iterable but a DataLoader with workers (or an iterator of one), whose
             pipeline runs in the workers; the thread then takes batches ahead of the step.
+        numpy_to_tensors: Whether numpy arrays come as tensors on ``device``. By default a batch
+            keeps the types its collate function made: its tensors move to ``device``, and its
+            numpy arrays stay numpy arrays on the host, bitwise as the collate made them (as
+            ``batch.to(device)`` leaves them). With ``True``, numeric numpy arrays become tensors
+            on ``device``, as :func:`~mtc_loader.start_copy` converts them.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
             ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
             here, whatever the batches are.
@@ -73,11 +78,16 @@ class PrefetchLoader:
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
                  gil_switch_interval: Optional[float] = 0.0005, produce_on_caller: Optional[bool] = None,
-                 **start_copy_options: Any) -> None:
+                 numpy_to_tensors: bool = False, **start_copy_options: Any) -> None:
         # over a stateful iterable: the class that has state_dict / load_state_dict (a class
         # lacking them otherwise, since frameworks probe for them with hasattr or the class).
         # Chosen here rather than by a __new__, whose (*args, **kwargs) help() and IDEs would
         # show instead of these parameters; the object escapes only once __init__ has run.
+        if isinstance(iterable, (str, bytes, torch.device)) or not (
+                hasattr(type(iterable), "__iter__") or hasattr(type(iterable), "__getitem__")):
+            # (iterating it would fail at the first epoch, with "'int' object is not iterable")
+            raise TypeError(f"mtc_loader: PrefetchLoader wraps an iterable of batches (a DataLoader), got "
+                            f"{type(iterable).__name__} {iterable!r:.80}: call PrefetchLoader(loader, device)")
         cls = type(self)
         if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
             _set_class(self, _resumable_class(cls))
@@ -89,6 +99,8 @@ class PrefetchLoader:
                              f"(0, 1], got {gil_switch_interval!r}")
         if produce_on_caller is not None and not isinstance(produce_on_caller, bool):
             raise TypeError(f"mtc_loader: produce_on_caller must be None, True or False, got {produce_on_caller!r}")
+        if not isinstance(numpy_to_tensors, bool):
+            raise TypeError(f"mtc_loader: numpy_to_tensors must be True or False, got {numpy_to_tensors!r}")
         target_index(device)  # fail early on a bad device
         _check_options(start_copy_options)
         self.produce_on_caller = produce_on_caller
@@ -97,6 +109,7 @@ class PrefetchLoader:
         self.depth = depth
         self.gil_switch_interval = gil_switch_interval
         self.options = start_copy_options
+        self.numpy_to_tensors = numpy_to_tensors
         self._stats = _new_stats()
         self._position = _Position()
 
@@ -159,10 +172,10 @@ class PrefetchLoader:
             on_caller = _produces_in_process(self.iterable)
         # before the DataLoader's workers start (the service's iter()): they check their first
         # batch against the room the arena has for what this loader keeps in flight
-        told = expect_in_flight(self.iterable, self.depth, index >= 0)
+        told = expect_in_flight(self.iterable, self.depth, index >= 0, self.numpy_to_tensors)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
-                           getattr(self, "_prepare", None), on_caller)
+                           getattr(self, "_prepare", None), on_caller, not self.numpy_to_tensors)
         hand, interrupted = None, False
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over

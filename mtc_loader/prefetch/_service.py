@@ -111,7 +111,7 @@ class _Service:
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"], snapshot: Optional[Callable[[], Any]] = None,
                  copy_snapshots: bool = False, prepare: Optional[Callable[[Any], Any]] = None,
-                 caller_produces: bool = False) -> None:
+                 caller_produces: bool = False, keep_numpy: bool = True) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
         # caller_produces: the caller's thread takes each batch from the iterable in its
         # __next__ (where a plain loop takes it) and posts it here; this thread only copies it
@@ -119,6 +119,9 @@ class _Service:
         # applied to each batch that is not packed before its copy starts (mtc_loader.mmengine
         # marks what mmengine leaves on the host), on this thread
         self.prepare = prepare
+        # numpy arrays of batches that are not packed stay numpy arrays (PrefetchLoader's
+        # numpy_to_tensors=False); a packed batch's were kept or packed by its worker
+        self.keep_numpy = keep_numpy
         # the iterable's state_dict (None: not stateful), called after each batch is taken and at
         # the end; copy_snapshots: its result may change later (deep-copied then)
         self.snapshot, self.copy_snapshots = snapshot, copy_snapshots
@@ -225,11 +228,11 @@ class _Service:
                 batch = self.prepare(batch)
             if _trace.active():  # free when no tool is attached
                 with _trace.Range(_RANGE_COPY):
-                    side = SideCopy(_start(batch, self.device, self.options), self.index)
+                    side = SideCopy(_start(batch, self.device, self.options, self.keep_numpy), self.index)
                     del batch
                     side._finish(self.consumer)
             else:
-                side = SideCopy(_start(batch, self.device, self.options), self.index)
+                side = SideCopy(_start(batch, self.device, self.options, self.keep_numpy), self.index)
                 del batch
                 side._finish(self.consumer)
             side._state = state

@@ -10,7 +10,7 @@ import torch
 from .. import _engine
 from .._device import target_index
 from ..collate import PackedBatch
-from ..copy import start_copy
+from ..copy import _start_copy, start_copy
 from ..handle import AsyncCopyHandle
 from ._resume import _NO_STATE
 
@@ -211,11 +211,14 @@ def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCo
         return SideCopy(_start(data, index, start_copy_options), index)
 
 
-def _start(batch: Any, device: Any, options: dict[str, Any]) -> Any:
+def _start(batch: Any, device: Any, options: dict[str, Any], keep_numpy: bool = False) -> Any:
     """The copy of one batch started: the engine's handle of a packed batch (its region DMA'd,
-    the structure built), or an AsyncCopyHandle."""
+    the structure built), or an AsyncCopyHandle. ``keep_numpy``: numpy arrays stay numpy arrays
+    on the host (a PrefetchLoader's batches keep the types their collate made)."""
     if type(batch) is PackedBatch and (not options or set(options) == {"use_background_thread"}):
         return batch._start(target_index(device), bool(options.get("use_background_thread", True)))
     if isinstance(batch, PackedBatch):
         return batch.start_copy(device, **options)
+    if keep_numpy:
+        return _start_copy(batch, device, True, **options)
     return start_copy(batch, device, **options)
