@@ -30,6 +30,11 @@
 int mtc_h2d_chunk(mtc_run *r, const mtc_op *ops, uint32_t nops);
 int mtc_h2d_large(mtc_run *r, const mtc_op *ops, uint32_t nops);
 int mtc_h2d_region(mtc_run *r, const mtc_op *op);
+/* h2d.c: the staged copies' piece and task sizes and store kind (nt: 1
+ * streaming stores, 0 memcpy) in place of the engine's; 0, 0, -1 give them
+ * back. For the C unit tests, whose rings of small pieces reuse every slab
+ * many times. */
+void mtc_h2d_tune(size_t piece, size_t task, int nt);
 
 /* d2h.c: D2H and D2H_CHUNK. */
 int mtc_d2h_run(mtc_run *r, const mtc_op *op);
