@@ -153,9 +153,9 @@ int mtc_pool_start(int nthreads)
         return 0;
     }
     if (nthreads <= 0) {
-        /* Staging memcpy from pageable memory runs at ~3 GB/s per thread on the
-         * GPU machine's VM: it takes most cores to approach the 50 GB/s of the
-         * bus. Leave two for the Python thread and the transfer thread. */
+        /* One thread's memcpy from pageable memory is far slower than the bus,
+         * so staging takes most cores to keep the DMA fed. Leave two for the
+         * Python thread and the transfer thread. */
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
         int64_t v;
         nthreads = mtc_env_int(MTC_ENV_HELPER_THREADS, &v) == 1 ? (int)v : cpus > 3 ? (int)(cpus - 2) : 1;
