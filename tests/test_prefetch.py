@@ -96,7 +96,7 @@ def test_an_in_process_iterable_is_produced_on_the_callers_thread_at_its_next():
 @pytest.mark.parametrize("loader_kw, expected", [
     (dict(num_workers=0), True), (dict(num_workers=2), False)])
 def test_produce_on_caller_by_default_where_the_pipeline_runs_in_process(loader_kw, expected):
-    from mtc_loader.prefetch import _produces_in_process
+    from mtc_loader.prefetch._service import _produces_in_process
     dl = torch.utils.data.DataLoader(list(range(4)), batch_size=2, **loader_kw)
     assert _produces_in_process(dl) is expected
     assert _produces_in_process(iter([1])) is True
@@ -479,7 +479,7 @@ def test_side_copy_takes_the_temporary_views_out_of_the_handle():
     """The service thread drops the engine's handle after the copy; the temporary views (whose
     drop releases the GIL) go with the SideCopy instead and are dropped at hand-out."""
     from mtc_loader import _engine
-    from mtc_loader.prefetch import SideCopy, _start
+    from mtc_loader.prefetch._side import SideCopy, _start
     data = seed_batch(2, seed=3)
     pc = mtc_loader.PackedCollate(list)
     # the split maker makes temporaries (torch's C shim makes none: see below)
