@@ -1,7 +1,7 @@
 /*
  * job.c - copy jobs, the engine's counters and clock, and what every runner
- * of a job uses: error recording, the current device, its event, file reads
- * (see job.h).
+ * of a job uses: error recording, the current device, its event, the batched
+ * driver copy, file reads (see job.h).
  */
 #include "job.h"
 
@@ -112,6 +112,39 @@ int mtc_run_event(int dev, CUevent *out)
     }
     *out = _tl_ev[dev];
     return 0;
+}
+
+static _Thread_local CUstream _tl_stream[MTC_MAX_DEVICES]; /* internal streams (see mtc_run_batch_copy) */
+
+/* One cuMemcpyBatchAsync ordered after the work of stream s. The batch API
+ * refuses the legacy default stream (torch's default, handle 0): then the
+ * batch runs on an internal non-blocking stream that waits for s, and s waits
+ * for the batch, so for every later user of s it is as if it ran on s. */
+int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m)
+{
+    mtc_cu_memcpy_attrs at;
+    memset(&at, 0, sizeof at);
+    at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
+    size_t idx0 = 0;
+    CUstream bs = s;
+    CUevent ev = NULL;
+    int rc;
+    if (!s) {
+        if (!_tl_stream[dev] && (rc = mtc_cu_rc(mtc_cu.cuStreamCreate(&_tl_stream[dev], MTC_CU_STREAM_NON_BLOCKING))))
+            return rc;
+        bs = _tl_stream[dev];
+        if ((rc = mtc_run_event(dev, &ev)) || (rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, s))) ||
+            (rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(bs, ev, 0))))
+            return rc;
+    }
+    rc = mtc_cu_rc(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, bs));
+    MTC_COUNT(dma_calls, 1);
+    MTC_COUNT(batch_calls, 1);
+    if (!rc && bs != s) {
+        /* cuStreamWaitEvent took the earlier record: the event can be re-recorded */
+        if (!(rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, bs)))) rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(s, ev, 0));
+    }
+    return rc;
 }
 
 int mtc_run_use_dev(mtc_run *r, int dev)

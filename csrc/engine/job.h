@@ -156,6 +156,9 @@ int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe
 int mtc_run_use_dev(mtc_run *r, int dev);
 /* This thread's event of device dev (created on first use, kept). */
 int mtc_run_event(int dev, CUevent *out);
+/* One cuMemcpyBatchAsync of m copies ordered after stream s of device dev
+ * (current): the D2H and D2D runners' batched copy. */
+int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m);
 /* Reads the file-backed items among items[0..n) to base + dst, as one batch. 0, or the failure
  * recorded in the job. */
 int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n);
