@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "hostcopy.h"
+#include "futex.h"
 #include "nvtx.h"
 
 int64_t mtc_now_ns(void)
