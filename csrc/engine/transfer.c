@@ -24,12 +24,8 @@
 
 void mtc_engine_get_stats(mtc_engine_stats *o)
 {
-#define _G(f) o->f = mtc_load_relaxed(&mtc_run_st.f)
-    _G(jobs_submitted); _G(jobs_inline); _G(jobs_done); _G(jobs_failed);
-    _G(items_copied); _G(bytes_h2d); _G(bytes_d2h); _G(bytes_d2d); _G(bytes_host);
-    _G(dma_calls); _G(chunks); _G(pieces); _G(ring_full_waits); _G(worker_wakeups);
-    _G(ns_stage); _G(ns_dma_issue); _G(ns_sync); _G(ns_queue); _G(threads);
-    _G(batch_calls); _G(batch_fallbacks); _G(jobs_taken_back);
+#define _G(f, key) o->f = mtc_load_relaxed(&mtc_run_st.f);
+    MTC_COUNTERS(_G)
 #undef _G
 }
 
