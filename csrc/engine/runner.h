@@ -1,7 +1,8 @@
 /*
  * runner.h - the per-direction op runners that the dispatch (transfer.c)
  * calls: h2d.c (host -> device: chunks, large staged copies, arena regions),
- * d2h.c (device -> host) and d2d.c (device -> another device).
+ * h2h.c (host -> host), d2h.c (device -> host) and d2d.c (device -> another
+ * device).
  *
  * Internal to the engine: only transfer.c and the runners include it. The
  * runners build on job.h (the job, the run state, counters, error recording,
@@ -34,6 +35,10 @@ int mtc_h2d_region(mtc_run *r, const mtc_op *op);
  * back. For the C unit tests, whose rings of small pieces reuse every slab
  * many times. */
 void mtc_h2d_tune(size_t piece, size_t task, int nt);
+
+/* h2h.c: HOST_COPY (a memcpy split over the helpers when large, or a strided
+ * copy, per item; file-backed items read in one batch). */
+int mtc_h2h_run(mtc_run *r, const mtc_op *op);
 
 /* d2h.c: D2H and D2H_CHUNK. */
 int mtc_d2h_run(mtc_run *r, const mtc_op *op);
