@@ -4,8 +4,8 @@
 # Per arm (AB_PARTS, default "train gpu ref"):
 #   train: bench_train's launch-bound loops (AB_CONFIGS, default launch4: the multi-camera loop
 #          under bf16 autocast, and launch), AB_METHODS (default: ideal packed, i.e. the
-#          preloaded loop against PackedCollate + PrefetchLoader; add ideal_beside_loader for the
-#          share of the DataLoader's workers), AB_TRAIN_ROUNDS (2) rounds of 60 batches;
+#          preloaded loop against PackedCollate + PrefetchLoader), AB_TRAIN_ROUNDS (2) rounds
+#          of 60 batches;
 #   gpu:   the GPU-bound loop, AB_GPU_BATCHES (60) batches, in every pair (AB_GPU=first: only in
 #          pair FIRST; AB_GPU=0: in none). The whole-epoch figure carries the epoch's first batch (a wait no loader
 #          avoids); over 30 batches of this 47 ms step that alone is about 1.3%;
