@@ -1,7 +1,7 @@
 /*
  * job.c - copy jobs, the engine's counters and clock, and what every runner
  * of a job uses: error recording, the current device, its event, the batched
- * driver copy, file reads (see job.h).
+ * driver copy, the file reads it hands to uring.c (see job.h).
  */
 #include "job.h"
 
@@ -180,44 +180,24 @@ int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe
 
 /* Reads the file-backed items among items[0..n) to address base + dst (base
  * 0: dst is the address; unsigned arithmetic, so a base below dst is fine)
- * as one batch of requests, one per file part. 0, or the failure recorded in
- * the job. */
+ * as one batch of requests (uring.c). 0, or the failure recorded in the job. */
 int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n)
 {
-    uint32_t nreq = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!items[i].file) continue;
-        mtc_file_spec_hdr h;
-        memcpy(&h, items[i].file, sizeof h);
-        nreq += h.nparts;
-    }
-    if (!nreq) return 0;
-    mtc_uring_req *reqs = malloc(nreq * sizeof *reqs);
-    if (!reqs) return mtc_run_fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
+    uint32_t nfiles = 0;
+    for (uint32_t i = 0; i < n; i++) nfiles += items[i].file != NULL;
+    if (!nfiles) return 0;
+    mtc_uring_leaf *leaves = malloc(nfiles * sizeof *leaves);
+    if (!leaves) return mtc_run_fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
     uint32_t q = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!items[i].file) continue;
-        mtc_file_spec s;
-        /* checked when the leaf was read (files.c); the bytes are immutable */
-        mtc_uring_spec_view(items[i].file, mtc_uring_spec_size(items[i].file), &s);
-        char *dst = (char *)(base + items[i].dst);
-        for (uint32_t k = 0; k < s.h.nparts; k++) {
-            mtc_file_part p;
-            const char *path;
-            mtc_uring_spec_part(&s, k, &p, &path);
-            reqs[q++] = (mtc_uring_req){.path = path, .offset = p.offset, .nbytes = p.nbytes, .dst = dst,
-                                        .tag = items[i].leaf, .part = k};
-            dst += p.nbytes;
-        }
-    }
+    for (uint32_t i = 0; i < n; i++)
+        if (items[i].file) leaves[q++] = (mtc_uring_leaf){items[i].file, (char *)(base + items[i].dst), items[i].leaf};
     mtc_uring_err fe = {0, 0};
+    int32_t tag = -1;
     mtc_nvtx_push_name("file reads"); /* inside its op's range: how much of the op is disk */
-    int rc = mtc_uring_read(reqs, nreq, &fe);
+    int rc = mtc_uring_read_leaves(leaves, nfiles, &fe, &tag);
     mtc_nvtx_pop();
-    if (rc) {
-        mtc_uring_err pe = {reqs[fe.index].part, fe.got};
-        mtc_run_fail_file(r, rc, reqs[fe.index].tag, &pe);
-    }
-    free(reqs);
+    free(leaves);
+    if (rc && fe.index == MTC_URING_UNPLANNED) return mtc_run_fail(r, rc, tag, "planning the file reads");
+    if (rc) mtc_run_fail_file(r, rc, tag, &fe);
     return rc;
 }
