@@ -43,14 +43,7 @@ static size_t _or(size_t tuned, size_t dflt) { return tuned ? tuned : dflt; }
 
 static void _stage_item(char *base, const mtc_item *it, int nt)
 {
-    if (it->file) return; /* read by mtc_run_read_files */
-    if (it->shape)
-        mtc_copy_strided_to(base + it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
-                            it->strides, it->elsize);
-    else if (it->nbytes && nt)
-        mtc_memcpy_nt(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
-    else if (it->nbytes)
-        memcpy(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
+    mtc_run_copy_item((uintptr_t)base, it, nt ? MTC_COPY_NT : MTC_COPY_PLAIN);
 }
 
 /* Staging of one chunk's items, split over helpers when the chunk is large. */

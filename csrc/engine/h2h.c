@@ -3,8 +3,6 @@
  */
 #include "runner.h"
 
-#include "hostcopy.h"
-
 /* Host -> host: a memcpy (split over the helpers when large) or a strided copy per item. */
 int mtc_h2h_run(mtc_run *r, const mtc_op *op)
 {
@@ -13,11 +11,7 @@ int mtc_h2h_run(mtc_run *r, const mtc_op *op)
     for (uint32_t k = 0; k < op->count; k++) {
         const mtc_item *it = &j->items[op->first + k];
         if (it->file) continue; /* read below, all files in one batch */
-        if (it->shape)
-            mtc_copy_strided_to((void *)it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
-                                it->strides, it->elsize);
-        else if (it->nbytes)
-            mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes, op->nt);
+        mtc_run_copy_item(0, it, op->nt ? MTC_COPY_SPLIT_NT : MTC_COPY_SPLIT);
         MTC_COUNT(bytes_host, it->nbytes);
     }
     int rc = mtc_run_read_files(r, 0, &j->items[op->first], op->count);

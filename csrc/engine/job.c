@@ -1,7 +1,8 @@
 /*
  * job.c - copy jobs, the engine's counters and clock, and what every runner
- * of a job uses: error recording, the current device, its event, the batched
- * driver copy, the file reads it hands to uring.c (see job.h).
+ * of a job uses: error recording, the current device, its event, an item's
+ * host copy, the batched driver copy, the file reads it hands to uring.c
+ * (see job.h).
  */
 #include "job.h"
 
@@ -12,6 +13,7 @@
 #include <time.h>
 
 #include "futex.h"
+#include "hostcopy.h"
 #include "nvtx.h"
 
 int64_t mtc_now_ns(void)
@@ -176,6 +178,23 @@ int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe
         j->err_got = fe->got;
     }
     return mtc_run_fail(r, err, leaf, "reading a file");
+}
+
+void mtc_run_copy_item(uintptr_t base, const mtc_item *it, int how)
+{
+    void *dst = (void *)(base + it->dst); /* unsigned: base 0 leaves dst the address */
+    const void *src = (const void *)it->src;
+    if (it->file) return;
+    if (it->shape)
+        mtc_copy_strided_to(dst, it->dst_strides, src, it->ndim, it->shape, it->strides, it->elsize);
+    else if (!it->nbytes)
+        return;
+    else if (how & MTC_COPY_SPLIT)
+        mtc_memcpy_parallel(dst, src, (size_t)it->nbytes, how & MTC_COPY_NT);
+    else if (how & MTC_COPY_NT)
+        mtc_memcpy_nt(dst, src, (size_t)it->nbytes);
+    else
+        memcpy(dst, src, (size_t)it->nbytes);
 }
 
 /* Reads the file-backed items among items[0..n) to address base + dst (base

@@ -172,6 +172,12 @@ int mtc_run_event(int dev, CUevent *out);
 /* One cuMemcpyBatchAsync of m copies ordered after stream s of device dev
  * (current): the D2H and D2D runners' batched copy. */
 int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m);
+/* How mtc_run_copy_item writes: memcpy, streaming stores, or either split
+ * over the helpers when large. */
+enum { MTC_COPY_PLAIN = 0, MTC_COPY_NT = 1, MTC_COPY_SPLIT = 2, MTC_COPY_SPLIT_NT = 3 };
+/* Copies an item's bytes from its source to base + dst (strided where it has
+ * a shape). File-backed items are left to mtc_run_read_files. */
+void mtc_run_copy_item(uintptr_t base, const mtc_item *it, int how);
 /* Reads the file-backed items among items[0..n) to base + dst, as one batch. 0, or the failure
  * recorded in the job. */
 int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n);
