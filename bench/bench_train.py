@@ -4,8 +4,7 @@ Usage::
 
     python3 bench/bench_train.py [--device cuda:0] [--config launch gpu] [--workers 4]
                                  [--batches N] [--rounds N] [--batch-size 8] [--methods ...]
-                                 [--beside-ms 0.4] [--pin-loop CPU|auto] [--sample-blocks] [--quick]
-                                 [--out DIR]
+                                 [--quick] [--out DIR]
 
 The loop: a small conv model trains on the 6 camera images of each sample, and the loss reads
 the sample's meta-data on the device. A sample is ``{"images": uint8 (6, 3, H, W), "meta":
@@ -29,8 +28,8 @@ Configurations (``--config``):
   about 15 kernels per batch), and workers that make every sample (``__getitem__`` draws the
   meta-data of index i and a new image tensor): the service's CPU per batch shows in full. A
   step of about 4.3 ms on an H100, of which the preloaded loop's training thread spends about
-  1.3 ms off the CPU, waiting for its backward with the GIL released (the second table's
-  ``off-CPU``): other threads take the GIL in that window at no cost to the loop;
+  1.3 ms off the CPU, waiting for its backward with the GIL released (the JSON's
+  ``step_off_cpu_ms``): other threads take the GIL in that window at no cost to the loop;
 - ``launch4``: the multi-camera loop of a user's report: the ``launch`` images, conv width 16,
   workers that make every sample, the full meta-data target (``meta_targets``: every meta tensor
   read, ~22 kernels per sample) and the forward and loss under bf16 autocast: a step of about
@@ -56,46 +55,8 @@ collate_samples)`` over the same dataset, except ``ideal``:
 - ``packed``: ``collate_fn=mtc_loader.PackedCollate(collate_samples, arena_bytes=...)`` wrapped
   in ``mtc_loader.PrefetchLoader(loader, device)``; the arena holds (workers * prefetch_factor +
   depth + 4) batches;
-- ``packed_align1`` (only with ``--methods``): the same with ``min_packed_alignment_bytes=1`` (no
-  gaps between the tensors of a group: each group's segment is cut with one split);
-- ``packed_memcpy`` (only with ``--methods``): the same with workers that write the arena with
-  ``memcpy`` (``MTC_PACK_NT=0`` set by a ``worker_init_fn``) instead of streaming stores;
-- ``packed_gil100us`` and ``packed_nobg`` (only with ``--methods``): the same with the service's
-  GIL switch interval at 0.1 ms (``gil_switch_interval=1e-4``), or with each batch's DMA issued by
-  the service thread itself rather than handed to the engine's transfer thread
-  (``use_background_thread=False``);
-- ``ideal_beside_loader`` and ``ideal_beside_service`` (only with ``--methods``): where ``packed``
-  loses against ``ideal``. The step trains on the preloaded batch, as in ``ideal``, while a thread
-  takes one batch per step (at most ``depth`` ahead) from ``packed``'s DataLoader and drops it
-  (``_loader``: the workers and the receive of each descriptor) or from ``packed``'s whole
-  ``PrefetchLoader`` (``_service``: also the copy to the device and the hand-out, made on that
-  thread). ``ideal`` to ``ideal_beside_loader`` is what the workers and the receive cost the
-  step, on to ``ideal_beside_service`` the copy, on to ``packed`` the step's own use of the
-  batches it is handed.
-- ``ideal_beside_spin`` and ``ideal_beside_nogil`` (only with ``--methods``): yardsticks for
-  those. The step trains on the preloaded batch while a thread spends ``--beside-ms`` of CPU per
-  step (default 0.4 ms, about the prefetch service's CPU per batch): spinning in Python, the GIL
-  held throughout (``_spin``), or hashing 16 KiB blocks with ``hashlib``, which releases the GIL
-  while it hashes (``_nogil``). The first is what a thread costs the loop through the GIL for that
-  much work; the second what it costs through the machine alone (shared cores, caches, memory).
-- ``ideal_beside_stream``, ``ideal_beside_dma`` and ``ideal_beside_dma_fn`` (only with
-  ``--methods``): the rest of what a loader does beside the step, one piece at a time. ``_stream``:
-  a thread reads a batch's bytes and writes them to another buffer per step, the GIL released
-  (a numpy ufunc: ordinary stores, through the shared cache, as the workers' dataset and collate
-  write each batch). ``_dma``: a thread copies a batch's bytes from page-locked memory to the
-  device per step, on a stream of its own (a few microseconds of Python, then the DMA engine's
-  work); ``_dma_fn`` also queues a host function that does nothing behind each copy (the driver's
-  callback machinery, which a packed batch's copy uses to free its arena region).
-- ``ideal_beside_workers`` and ``ideal_beside_packers`` (only with ``--methods``): the DataLoader's
-  workers beside the step, building each batch with ``collate_samples`` (``_workers``) or with
-  ``packed``'s ``PackedCollate`` (``_packers``, the region given back at once) and dropping it in
-  the worker: only a number crosses to the main process. What the workers' own work costs the
-  step through the machine they share; ``ideal_beside_loader`` adds the batch's hand-over.
-
-``--pin-loop CPU`` (``auto``: the highest CPU the process may use) puts the training thread alone
-on that CPU's core once an epoch's first batch is in hand, and every other thread and process of
-the benchmark (workers, service, the driver's threads) on the other cores: whether a method's loss
-is the scheduler placing other work on the training thread's core. Every method runs so placed.
+- ``packed_gil5ms``: ``packed`` with the service's GIL switch interval left at the interpreter's
+  (``gil_switch_interval=None``).
 
 The dataset pre-generates a pool of samples (``--pool``, default 4 batches) in ``__init__`` and
 serves index i from ``pool[i % pool]``: the images as they are (the collate copies them into a new
@@ -124,25 +85,12 @@ outside the timed region). Per epoch, from ``iter()`` to the synchronization aft
 - ``thread ms``: for the PrefetchLoader methods, the CPU time of its prefetch thread per batch
   (``PrefetchLoader.stats()`` over the timed epochs: an upper bound on the GIL it holds).
 
-A second table (Linux) gives the training thread's CPU time per step (``CPU``: where a method's
-step is longer by about as much, the thread ran its own code more slowly, see
-``tools/diagnostics/epoch_cpu.py``), and what drifts less with the host's speed than the step's
-time: the step's time off the CPU (``step ms`` less the thread's CPU time: autograd's backward,
-which the training thread waits for, and every wait for the GIL) and the context switches per batch of each
-kind of thread, voluntary / involuntary (``/proc/self/task/*/status``, read after batch 2 and
-every 16 batches: the rate between the first and the last reading). A voluntary switch of the
-training thread is a block: its backward (one per step in ``ideal``) or a wait for the GIL that
-another thread took (the prefetch service, the DataLoader's index-queue feeder threads); each such
-wait costs the step a hand-over of the GIL and back. The table also gives the training thread's
-CPU time in the kernel per batch (``RUSAGE_THREAD``: its system calls, the futex calls of every
-lock it hands over or waits for among them) and its time runnable but waiting for a CPU
-(``run_delay`` of ``/proc/thread-self/schedstat``: another thread on its core).
-
-``--sample-blocks`` (Linux) watches the training thread, autograd's device thread, the prefetch
-service's and the ``ideal_beside_*`` thread from a sampler process (``bench/blocks.py``: about a
-million readings a second of ``/proc/PID/task/TID/syscall``) and prints a third table: per method
-and thread, the time per batch running and blocked, by system call and, for a futex, by the
-library whose memory holds the lock (the GIL among them). The sampler takes a CPU of its own.
+The JSON also holds, per method (Linux), the training thread's CPU time per step
+(``step_cpu_ms``), the step's time off the CPU (``step_off_cpu_ms``: its backward and every wait
+for the GIL), its time in the kernel (``sys_ms``) and waiting for a CPU (``runq_ms``) per batch,
+and each kind of thread's context switches per batch, voluntary / involuntary (``switches``, read
+from ``/proc/self/task/*/status`` after batch 2 and every 16 batches).
+tools/diagnostics/ab_pairs_gpu.sh reads them.
 
 Outputs (in ``--out``, default ``bench/results``): ``bench_train.json`` (machine info, config,
 every epoch's samples and per-batch times, ``PrefetchLoader.stats()``, the arena's counters),
@@ -155,7 +103,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import itertools
 import json
 import os
@@ -174,18 +121,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import machine_info  # noqa: E402
-from blocks import BlockSampler, summary as block_summary  # noqa: E402
 from provenance import provenance  # noqa: E402
 from workloads import NUM_CAMERAS, NUM_CLASSES, count_tensors, iter_leaves, seed_sample, tree_map  # noqa: E402
 
 import mtc_loader  # noqa: E402
 
 METHODS = ["ideal", "plain", "sidestream", "start_copy", "prefetch_plain", "packed", "packed_gil5ms"]
-# run only when asked for (--methods): not part of the default set, nor of the release run
-EXTRA_METHODS = ["packed_align1", "packed_memcpy", "packed_gil100us", "packed_nobg", "ideal_beside_workers",
-                 "ideal_beside_packers", "ideal_beside_loader", "ideal_beside_service", "ideal_beside_spin",
-                 "ideal_beside_nogil", "ideal_beside_stream", "ideal_beside_dma", "ideal_beside_dma_fn"]
-BUSY_KINDS = {"ideal_beside_spin": "spin", "ideal_beside_nogil": "nogil", "ideal_beside_stream": "stream"}
 LABELS = {
     "ideal": "preloaded on the device (ideal)",
     "plain": "DataLoader(pin_memory) + .to(nb)",
@@ -194,19 +135,6 @@ LABELS = {
     "prefetch_plain": "PrefetchLoader(DataLoader)",
     "packed": "PackedCollate + PrefetchLoader",
     "packed_gil5ms": "  same, GIL switch interval left at 5 ms",
-    "packed_align1": "  same, min_packed_alignment_bytes=1",
-    "packed_gil100us": "  same, GIL switch interval 0.1 ms",
-    "packed_nobg": "  same, DMA issued by the service",
-    "packed_memcpy": "  packed, arena written by memcpy",
-    "ideal_beside_workers": "ideal + workers collating beside",
-    "ideal_beside_packers": "ideal + workers packing beside",
-    "ideal_beside_loader": "ideal + packed's loader beside",
-    "ideal_beside_service": "ideal + packed's service beside",
-    "ideal_beside_spin": "ideal + busy thread beside, GIL held",
-    "ideal_beside_nogil": "ideal + busy thread beside, no GIL",
-    "ideal_beside_stream": "ideal + batch-writing thread beside",
-    "ideal_beside_dma": "ideal + batch-sized DMA beside",
-    "ideal_beside_dma_fn": "ideal + DMA and host function beside",
 }
 PREFETCH_DEPTH = 2       # PrefetchLoader's default
 PREFETCH_FACTOR = 2      # the DataLoader's default
@@ -456,151 +384,6 @@ class SideStreamPrefetcher:
             yield batch
 
 
-class Beside:
-    """``ideal_beside_*``: the preloaded batch for every step, while a thread takes one batch of
-    ``background`` per step handed out (at most ``PREFETCH_DEPTH`` ahead) and drops it: what
-    running that loader costs the step when the step does not use its batches."""
-
-    def __init__(self, preloaded: Preloaded, background: Iterable):
-        self.preloaded, self.background = preloaded, background
-        if hasattr(background, "stats"):  # a PrefetchLoader: its service's counters in the report
-            self.stats, self.reset_stats = background.stats, background.reset_stats
-
-    def __iter__(self) -> Iterator[Any]:
-        tokens, stop = threading.Semaphore(PREFETCH_DEPTH), threading.Event()
-
-        def drain() -> None:
-            it = iter(self.background)
-            try:
-                while True:
-                    tokens.acquire()
-                    if stop.is_set():
-                        return
-                    try:
-                        next(it)  # dropped at once: its arena region (or device memory) goes back
-                    except StopIteration:
-                        return
-            finally:
-                close = getattr(it, "close", None)
-                if close is not None:
-                    close()
-
-        t = threading.Thread(target=drain, name="bench-beside", daemon=True)
-        t.start()
-        try:
-            for batch in self.preloaded:
-                tokens.release()
-                yield batch
-        finally:
-            stop.set()
-            tokens.release()
-            t.join()
-
-
-class BusyWork:
-    """``ideal_beside_spin`` / ``_nogil`` / ``_stream``'s background: endless items, each costing
-    the thread that takes it ``ms`` of CPU time in a Python loop (``spin``: the GIL held, the
-    interpreter's forced switches aside) or in ``hashlib`` over 16 KiB blocks (``nogil``: the GIL
-    released while hashing, the data in the core's own cache), or reading ``nbytes`` from one
-    buffer and writing them, plus one, to another (``stream``: a numpy ufunc, the GIL released, its
-    ordinary stores through the shared cache as a worker's dataset and collate write a batch; a
-    memcpy this large would stream past the cache)."""
-
-    BLOCK = bytes(range(256)) * 64  # 16 KiB: hashlib releases the GIL above 2047 bytes
-
-    def __init__(self, ms: float, kind: str, nbytes: int = 0):
-        if kind not in ("spin", "nogil", "stream"):
-            raise ValueError(f"BusyWork: kind must be spin, nogil or stream, not {kind!r}")
-        self.ms, self.kind, self.nbytes = ms, kind, nbytes
-        if kind == "stream":
-            import numpy as np
-
-            self.src = np.full(max(nbytes, 1), 7, dtype=np.uint8)
-            self.dst = np.empty_like(self.src)
-
-    def one(self) -> None:
-        if self.kind == "stream":
-            import numpy as np
-
-            np.add(self.src, 1, out=self.dst)  # numpy's loops release the GIL for plain numbers
-            return
-        end = time.thread_time() + self.ms / 1e3
-        if self.kind == "spin":
-            while time.thread_time() < end:
-                pass
-        else:
-            while time.thread_time() < end:
-                hashlib.sha256(self.BLOCK).digest()
-
-    def __iter__(self) -> Iterator[None]:
-        while True:
-            self.one()
-            yield None
-
-
-class DmaWork:
-    """``ideal_beside_dma`` / ``_dma_fn``'s background: endless items, each one host-to-device
-    copy of ``nbytes`` from page-locked memory on a stream of its own (torch's ``copy_(...,
-    non_blocking=True)``: a few microseconds of Python, then the DMA engine's), and for ``_fn``
-    also a host function queued behind it (``cuLaunchHostFunc`` with the C library's ``free`` of
-    NULL: nothing runs but the driver's own callback machinery), as a packed batch's copy frees
-    its arena region. What the copies themselves cost a launch-bound loop, without the service."""
-
-    def __init__(self, nbytes: int, device: torch.device, host_fn: bool):
-        if device.type != "cuda":
-            raise ValueError("ideal_beside_dma / ideal_beside_dma_fn copy to a CUDA device: run them with "
-                             "--device cuda:N")
-        self.device, self.host_fn = device, host_fn
-        self.src = torch.empty(max(nbytes, 1), dtype=torch.uint8).pin_memory()
-        self.dst = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        self.stream = torch.cuda.Stream(device)
-        self._launch = self._free = None
-        if host_fn:
-            import ctypes
-
-            cuda = ctypes.CDLL("libcuda.so.1")
-            self._launch = cuda.cuLaunchHostFunc
-            self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            self._launch.restype = ctypes.c_int
-            self._free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
-
-    def one(self) -> None:
-        with torch.cuda.stream(self.stream):
-            self.dst.copy_(self.src, non_blocking=True)
-        if self._launch is not None:
-            rc = self._launch(self.stream.cuda_stream, self._free, None)
-            if rc:
-                raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {rc}")
-
-    def __iter__(self) -> Iterator[None]:
-        torch.cuda.set_device(self.device)
-        while True:
-            self.one()
-            yield None
-
-
-class CollateAndDrop:
-    """``ideal_beside_workers`` / ``_packers``' ``collate_fn``: the workers build each batch with
-    ``fn`` (``collate_samples``, or a ``PackedCollate`` of it, whose region is given back at once)
-    and drop it; only the number of samples crosses to the main process. What the workers' own
-    work costs the loop (the machine they share), without the batch's hand-over."""
-
-    def __init__(self, fn: Callable[[list[Any]], Any]):
-        self.fn = fn
-
-    def __call__(self, samples: list[Any]) -> int:
-        batch = self.fn(samples)
-        if isinstance(batch, mtc_loader.PackedBatch):  # a worker's batch is freed by its consumer
-            batch._arena._a.release(batch._off, os.getpid())
-        return len(samples)
-
-
-def pack_with_memcpy(worker_id: int) -> None:
-    """``packed_memcpy``'s ``worker_init_fn``: this worker's packs write the arena with memcpy
-    (``MTC_PACK_NT=0``, read at every pack) instead of streaming stores."""
-    os.environ["MTC_PACK_NT"] = "0"
-
-
 def arena_bytes_for(ref_batch: Any, workers: int) -> int:
     """Room for (workers * prefetch_factor + depth + 4) batches, with alignment and slot slack."""
     n, nbytes = count_tensors(ref_batch)
@@ -610,7 +393,7 @@ def arena_bytes_for(ref_batch: Any, workers: int) -> int:
 
 
 def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: int, device: torch.device,
-                 preloaded: Any, ref_batch: Any, beside_ms: float = 0.4) -> tuple[dict[str, Iterable], dict[str, Any]]:
+                 preloaded: Any, ref_batch: Any) -> tuple[dict[str, Iterable], dict[str, Any]]:
     """The methods' iterables, and the PackedCollate of ``packed`` (for its arena's counters)."""
     common: dict[str, Any] = dict(batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0)
 
@@ -636,39 +419,10 @@ def make_methods(names: list[str], ds: CameraSamples, workers: int, batch_size: 
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
             extra["packed_collate"] = pc
-        elif name == "packed_nobg":  # the service issues each batch's DMA itself, not the transfer thread
+        elif name == "packed_gil5ms":  # the service's GIL switch interval left at the interpreter's
             pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
             out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
-                                                  use_background_thread=False)
-        elif name == "packed_align1":  # no gaps between a group's tensors (one split per segment)
-            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers),
-                                          min_packed_alignment_bytes=1)
-            out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH)
-        elif name == "packed_memcpy":  # the workers pack with memcpy rather than streaming stores
-            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
-            dl = DataLoader(ds, collate_fn=pc, worker_init_fn=pack_with_memcpy, **common)
-            out[name] = mtc_loader.PrefetchLoader(dl, device, depth=PREFETCH_DEPTH)
-        elif name in ("ideal_beside_workers", "ideal_beside_packers"):
-            fn: Callable = collate_samples
-            if name == "ideal_beside_packers":
-                fn = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
-            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), loader(collate_fn=CollateAndDrop(fn)))
-        elif name in ("ideal_beside_loader", "ideal_beside_service"):
-            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
-            background: Iterable = loader(collate_fn=pc)
-            if name == "ideal_beside_service":
-                background = mtc_loader.PrefetchLoader(background, device, depth=PREFETCH_DEPTH)
-            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size), background)
-        elif name in BUSY_KINDS:
-            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
-                               BusyWork(beside_ms, BUSY_KINDS[name], count_tensors(ref_batch)[1]))
-        elif name in ("ideal_beside_dma", "ideal_beside_dma_fn"):
-            out[name] = Beside(Preloaded(preloaded, len(ds) // batch_size),
-                               DmaWork(count_tensors(ref_batch)[1], device, host_fn=name == "ideal_beside_dma_fn"))
-        elif name in ("packed_gil5ms", "packed_gil100us"):  # the service's GIL switch interval: none, 0.1 ms
-            pc = mtc_loader.PackedCollate(collate_samples, arena_bytes=arena_bytes_for(ref_batch, workers))
-            out[name] = mtc_loader.PrefetchLoader(loader(collate_fn=pc), device, depth=PREFETCH_DEPTH,
-                                                  gil_switch_interval=None if name == "packed_gil5ms" else 1e-4)
+                                                  gil_switch_interval=None)
         else:
             raise ValueError(name)
     return out, extra
@@ -759,57 +513,13 @@ def switches_per_batch(before: dict[int, tuple[int, int]], after: dict[int, tupl
     return out
 
 
-def parse_cpu_list(text: str) -> set[int]:
-    """The CPUs of a sysfs list such as ``0-3,8,10-11``."""
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def core_siblings(cpu: int) -> set[int]:
-    """The logical CPUs that share ``cpu``'s core (itself included), from sysfs; ``{cpu}`` where
-    the topology is not known."""
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-            return parse_cpu_list(f.read()) | {cpu}
-    except (OSError, ValueError):
-        return {cpu}
-
-
-def loop_placement(spec: str | None) -> tuple[set[int], set[int]] | None:
-    """``--pin-loop``: (the training thread's CPUs, everything else's), or None. The training thread
-    gets one CPU (``auto``: the highest this process may use) and the core it is on: every other
-    thread and process of the benchmark (the workers, the service, the driver's threads) runs on
-    the other cores, so that nothing shares its core's caches or execution units."""
-    if spec is None:
-        return None
-    allowed = os.sched_getaffinity(0)
-    cpu = max(allowed) if spec == "auto" else int(spec)
-    if cpu not in allowed:
-        raise SystemExit(f"--pin-loop {spec}: CPU {cpu} is not one this process may use ({sorted(allowed)})")
-    rest = allowed - core_siblings(cpu)
-    if not rest:
-        raise SystemExit(f"--pin-loop {spec}: no other core left for the workers and the service")
-    return {cpu}, rest
-
-
 def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: torch.device, batch_size: int,
-              check: Callable[[Any], None] | None = None,
-              placement: tuple[set[int], set[int]] | None = None,
-              on_first: Callable[[], None] | None = None) -> dict[str, Any]:
+              check: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """One epoch, synchronized at its end only; the training thread's time in next() and the step.
 
     The threads' context switches are read after batch 2 and every SWITCH_EVERY batches after it
     (the same readings for every method, about 0.3 ms each): ``switches`` is the rate between the
-    first and the last reading, per kind of thread, while every thread of the loader is alive.
-
-    ``placement`` (loop_placement): the training thread moves to its own core once the first batch
-    is in hand (the loader's threads and processes, started by then, stay on the others) and back
-    to the others at the epoch's end. ``on_first`` is called once the first batch is in hand."""
+    first and the last reading, per kind of thread, while every thread of the loader is alive."""
     trainer = threading.get_native_id()
     sw_first: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
     sw_last: tuple[int, dict[int, tuple[int, int]], dict[int, str]] | None = None
@@ -824,43 +534,35 @@ def run_epoch(iterable: Iterable, step: Callable[[Any], torch.Tensor], device: t
         warnings.simplefilter("ignore")  # pin_memory without an accelerator warns per iterator
         t_start = time.perf_counter()
         it = iter(iterable)
-        try:
-            while True:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                t1, c1 = time.perf_counter(), time.thread_time()
-                if t_first is None:
-                    t_first = t1
-                    if placement is not None:
-                        os.sched_setaffinity(0, placement[0])  # this thread only (Linux)
-                    if check is not None:
-                        check(batch)
-                    if on_first is not None:
-                        on_first()
-                loss = step(batch)
-                del batch
-                t2, c2 = time.perf_counter(), time.thread_time()
-                next_ms.append((t1 - t0) * 1e3)
-                next_cpu_ms.append((c1 - c0) * 1e3)
-                step_ms.append((t2 - t1) * 1e3)
-                step_cpu_ms.append((c2 - c1) * 1e3)
-                k = len(step_ms)
-                if k >= 2 and (k - 2) % SWITCH_EVERY == 0:
-                    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-                    reading = (k, thread_switches(), names)
-                    if sw_first is None:
-                        sw_first = reading
-                    else:
-                        sw_last = reading
-            synchronize(device)
-            t_end = time.perf_counter()
-            ru1, rq1 = thread_rusage(), thread_run_delay()
-        finally:
-            if placement is not None:
-                os.sched_setaffinity(0, placement[1])
+        while True:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            t1, c1 = time.perf_counter(), time.thread_time()
+            if t_first is None:
+                t_first = t1
+                if check is not None:
+                    check(batch)
+            loss = step(batch)
+            del batch
+            t2, c2 = time.perf_counter(), time.thread_time()
+            next_ms.append((t1 - t0) * 1e3)
+            next_cpu_ms.append((c1 - c0) * 1e3)
+            step_ms.append((t2 - t1) * 1e3)
+            step_cpu_ms.append((c2 - c1) * 1e3)
+            k = len(step_ms)
+            if k >= 2 and (k - 2) % SWITCH_EVERY == 0:
+                names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+                reading = (k, thread_switches(), names)
+                if sw_first is None:
+                    sw_first = reading
+                else:
+                    sw_last = reading
+        synchronize(device)
+        t_end = time.perf_counter()
+        ru1, rq1 = thread_rusage(), thread_run_delay()
     del it
     n = len(next_ms)
     return {
@@ -962,89 +664,6 @@ def print_table(res: dict[str, dict[str, dict]], configs: dict[str, Config]) -> 
         print()
 
 
-SWITCH_COLUMNS = (("training", "training"), ("mtc_loader-prefetch", "service"), ("QueueFeederThread", "feeders"),
-                  ("bench-beside", "beside"), ("native", "native"))
-
-
-SAMPLED = ("training", "autograd", "service", "beside")  # the threads --sample-blocks watches
-
-
-def watch_threads(sampler: BlockSampler) -> None:
-    """Points the sampler at this epoch's autograd device thread (torch names it ``pt_autograd_N``),
-    prefetch service thread and ``Beside`` thread, those that run."""
-    for t in threading.enumerate():
-        if t.native_id is not None and t.name in ("mtc_loader-prefetch", "bench-beside"):
-            sampler.watch("service" if t.name == "mtc_loader-prefetch" else "beside", t.native_id)
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith("pt_autograd"):
-                    sampler.watch("autograd", int(tid))
-        except OSError:
-            continue
-
-
-def attach_blocks(res: dict[str, dict[str, dict]], report: dict[str, Any], top: int = 8) -> None:
-    """Each method's ``blocks``: per sampled thread, its ``top`` states (blocks.summary) as ms per
-    batch (the share of the samples times the sampled time per batch of its timed epochs)."""
-    for cfg_name, methods in res.items():
-        for m, r in methods.items():
-            label = f"{cfg_name}/{m}"
-            batches = sum(e["batches"] for e in r["epochs"])
-            secs = report["seconds"].get(label, 0.0)
-            if not batches or not secs:
-                continue
-            per_batch = secs * 1e3 / batches
-            r["blocks"] = {"ms_per_batch": per_batch, "threads": {}}
-            for thread in SAMPLED:
-                rows = block_summary(report, label, thread, top)
-                if rows and not (len(rows) == 1 and rows[0][0] == "gone"):
-                    r["blocks"]["threads"][thread] = [(k, share * per_batch) for k, share in rows]
-
-
-def print_blocks(res: dict[str, dict[str, dict]]) -> None:
-    print("\nthreads sampled (ms per batch): running, then the states each waited in, longest first (futex: "
-          "the lock or condition, by the library whose memory holds it; autograd: the device thread that runs "
-          "the backward)")
-    for cfg_name, methods in res.items():
-        for m, r in methods.items():
-            b = r.get("blocks")
-            if b is None:
-                continue
-            for thread, rows in b["threads"].items():
-                parts = "; ".join(f"{k} {ms:.3f}" for k, ms in rows)
-                print(f"{cfg_name:<7} {LABELS[m]:<37} {b['ms_per_batch']:7.3f} {thread:<8} {parts}")
-
-
-def print_switches(res: dict[str, dict[str, dict]]) -> None:
-    """Per method: the training thread's CPU time per step, the step's time off the CPU, and the
-    context switches per batch (voluntary/involuntary) of each kind of thread (medians over
-    rounds; Linux only)."""
-    if not any(r.get("switches") for methods in res.values() for r in methods.values()):
-        return
-    print("the training thread's CPU time per step and the step's time off the CPU, the training thread's time in "
-          "the kernel and waiting for a CPU (ms per batch), "
-          "and context switches per batch, voluntary/involuntary, by thread (training: the loop's; service: the "
-          "prefetch thread; feeders: the DataLoader's index-queue feeder threads; native: threads Python does "
-          "not know)")
-    header = (f"{'config':<7} {'method':<36} {'CPU':>7} {'off-CPU':>8} {'kernel':>7} {'runq':>6}" +
-              "".join(f" {label:>11}" for _, label in SWITCH_COLUMNS))
-    print(header)
-    print("-" * len(header))
-    for cfg, methods in res.items():
-        for name, r in methods.items():
-            sw = r.get("switches", {})
-            cells = "".join(f" {sw[g][0]:>5.2f}/{sw[g][1]:<5.2f}" if g in sw else f" {'-':>11}" for g, _ in SWITCH_COLUMNS)
-            print(f"{cfg:<7} {LABELS[name]:<36} {r['step_cpu_ms']:>7.3f} {r['step_off_cpu_ms']:>8.3f} "
-                  f"{r.get('sys_ms', -1.0):>7.3f} "
-                  f"{r.get('runq_ms', -1.0):>6.3f}{cells}")
-    print()
-
-
 def targets(res: dict[str, dict[str, dict]], device: torch.device, quick: bool) -> list[dict]:
     """The targets, each with the measured value and whether it applies to this run."""
     full_gpu = device.type == "cuda" and not quick
@@ -1135,26 +754,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
     p.add_argument("--pool", type=int, default=0, help="distinct samples in the dataset (default 4 batches)")
     p.add_argument("--warmup-steps", type=int, default=0, help="model warm-up steps (default 10; --quick 1)")
-    p.add_argument("--methods", nargs="+", choices=METHODS + EXTRA_METHODS, default=METHODS,
-                   help="(ideal is always run; packed_align1 and ideal_beside_* only when named)")
-    p.add_argument("--beside-ms", type=float, default=0.4,
-                   help="ideal_beside_spin / _nogil: the thread's CPU time per step, ms (default 0.4)")
-    p.add_argument("--pin-loop", metavar="CPU", default=None,
-                   help="the training thread alone on this CPU's core (auto: the highest CPU this process "
-                        "may use), every other thread and worker on the other cores (Linux; default: the "
-                        "scheduler places every thread)")
-    p.add_argument("--sample-blocks", action="store_true",
-                   help="watch the training thread, autograd's, the service's and the beside thread from a "
-                        "sampler process (bench/blocks.py; Linux, one more busy CPU): where their time goes per "
-                        "method, running or blocked, and in what")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS,
+                   help="(ideal is always run)")
     p.add_argument("--quick", action="store_true", help="tiny images, few batches and rounds: a smoke run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="output folder (default bench/results)")
     args = p.parse_args(argv)
-    if not args.beside_ms > 0:
-        p.error(f"--beside-ms must be a positive number of milliseconds, got {args.beside_ms}")
-    if args.pin_loop is not None and args.pin_loop != "auto" and not args.pin_loop.isdigit():
-        p.error(f"--pin-loop takes a CPU number or auto, got {args.pin_loop!r}")
     args.batches = args.batches or (6 if args.quick else 100)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.pool = args.pool or 4 * args.batch_size
@@ -1165,11 +770,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    placement = loop_placement(args.pin_loop)
-    if placement is not None:  # before CUDA and the workers start: their threads inherit it
-        os.sched_setaffinity(0, placement[1])
-        print(f"training thread on CPU {min(placement[0])} alone on its core; every other thread on CPUs "
-              f"{','.join(map(str, sorted(placement[1])))}", flush=True)
     # more workers than this machine's cores: torch warns; the benchmark means it
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     device = torch.device(args.device)
@@ -1184,8 +784,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     res: dict[str, dict[str, dict]] = {}
-    # the training thread (this one) watched from a process of its own
-    sampler = BlockSampler({"training": threading.get_native_id()}) if args.sample_blocks else None
     shapes: dict[str, dict] = {}
     arena_stats: dict[str, dict] = {}
     for cfg_name, cfg in configs.items():
@@ -1209,12 +807,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{cfg_name}] preloaded step: {(time.perf_counter() - t0) * 1e3 / args.warmup_steps:.2f} ms",
               flush=True)
 
-        methods, extra = make_methods(args.methods, ds, args.workers, args.batch_size, device, preloaded, ref,
-                                      args.beside_ms)
+        methods, extra = make_methods(args.methods, ds, args.workers, args.batch_size, device, preloaded, ref)
         res[cfg_name] = {m: {"epochs": []} for m in args.methods}
         check = make_checker(ref)
         for m, iterable in methods.items():  # warm-up epoch; its first batch checked bitwise
-            e = run_epoch(iterable, step, device, args.batch_size, check=check, placement=placement)
+            e = run_epoch(iterable, step, device, args.batch_size, check=check)
             res[cfg_name][m]["warmup"] = e
             if hasattr(iterable, "reset_stats"):  # PrefetchLoader: count the timed epochs only
                 iterable.reset_stats()
@@ -1222,14 +819,7 @@ def main(argv: list[str] | None = None) -> int:
             k = r % len(args.methods)
             for m in args.methods[k:] + args.methods[:k]:
                 gc.collect()
-                if sampler is not None:
-                    sampler.label(f"{cfg_name}/{m}")
-                res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size,
-                                                             placement=placement,
-                                                             on_first=(None if sampler is None else
-                                                                       lambda: watch_threads(sampler))))
-                if sampler is not None:
-                    sampler.label(None)
+                res[cfg_name][m]["epochs"].append(run_epoch(methods[m], step, device, args.batch_size))
         line = ", ".join(f"{m} {statistics.median(e['samples_per_s'] for e in res[cfg_name][m]['epochs']):.1f}"
                          for m in args.methods)
         print(f"[{cfg_name}] samples/s: {line}", flush=True)
@@ -1246,11 +836,6 @@ def main(argv: list[str] | None = None) -> int:
     summarize(res)
     print()
     print_table(res, configs)
-    print_switches(res)
-    if sampler is not None:
-        blocks = sampler.finish()
-        attach_blocks(res, blocks)
-        print_blocks(res)
     ts = targets(res, device, args.quick)
     print_targets(ts)
 

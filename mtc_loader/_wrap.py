@@ -14,7 +14,9 @@ from typing import Any, Generator, Iterable, Iterator
 from . import _engine
 from ._device import target_index
 from .handle import AsyncCopyHandle
-from .prefetch import _RESUMABLE, _STATE_METHODS, PrefetchLoader, _not_resumable, _ResumablePrefetchLoader
+from .prefetch import PrefetchLoader
+from .prefetch._loader import _RESUMABLE, _ResumablePrefetchLoader
+from .prefetch._resume import _STATE_METHODS, _not_resumable
 
 __all__ = ["OnDevice", "PrefetchingDataLoader"]
 
@@ -64,7 +66,7 @@ class PrefetchingDataLoader(PrefetchLoader):
         if iterable is None or name.startswith("__"):
             raise AttributeError(name)
         if name in _STATE_METHODS:  # the DataLoader's own would tell where the service has got to
-            raise _not_resumable(self, name)
+            raise _not_resumable(type(self).__name__, name, iterable)
         return getattr(iterable, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

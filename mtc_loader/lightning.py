@@ -26,7 +26,7 @@ except ImportError:  # the standalone package
                           "(pip install lightning)") from None
 
 from ._wrap import PrefetchingDataLoader, wrap
-from .prefetch import _Window
+from .prefetch._stats import _Window
 
 __all__ = ["PrefetchCallback"]
 
@@ -130,7 +130,7 @@ class PrefetchCallback(Callback):
         if not self.log_stats or loader is None or trainer.barebones:
             return None
         if self._windows is None or self._windows[0] is not loader:
-            self._windows = (loader, _Window(loader, from_start=True), _Window(loader, from_start=True))
+            self._windows = (loader, _Window(loader._stats, from_start=True), _Window(loader._stats, from_start=True))
         _, per_step_window, per_epoch_window = self._windows
         return per_epoch_window if per_epoch else per_step_window
 

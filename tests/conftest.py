@@ -240,7 +240,7 @@ _CONFIG: list = []  # the session's pytest config (pytest_configure), for progre
 
 def pytest_configure(config):
     _CONFIG[:] = [config]
-    # the process tools/diagnostics/exit_trap.c watches (when preloaded): the runner, until it ends
+    # the process tests/exit_trap.c watches (when preloaded): the runner, until it ends
     os.environ["MTC_EXIT_TRAP_PID"] = str(os.getpid())
 
 

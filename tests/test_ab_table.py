@@ -83,14 +83,14 @@ def test_the_table_carries_each_pairs_figures(tmp_path):
 def test_a_figure_an_arm_did_not_measure_is_left_out(tmp_path):
     log = tmp_path / "ab.log"
     log.write_text("pair 1 new latency seed16_H2D_mtc: mean 0.300 p50 0.290 p99 0.350 max 0.400 ms machine 1.02x\n"
-                   "pair 1 old gil   med   0.0200   0.1000   0.0300\n"
+                   "pair 1 old harness seed16 mtc: 0.250 ms 19.00x to_hardcoded\n"
                    "pair 1 new: done at 10 s\n")
     table = _load_table()
     rows = table.read([str(log)])
     assert set(rows) == {("H2D latency mean ms", "new"), ("H2D latency p50 ms", "new"),
                          ("H2D latency p99 ms", "new"), ("H2D latency max ms", "new"),
                          ("H2D latency: slowest CPU loop / median", "new"),
-                         ("GIL held by the service ms/batch (median)", "old"), ("gil_held __next__ ms", "old")}
+                         ("harness seed16 start_copy ms", "old"), ("harness seed16 x .to()", "old")}
     text = table.table(rows, markdown=False)
     assert "0.300 (0.300)" in text and " - (-)" in text
 

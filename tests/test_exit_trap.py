@@ -1,4 +1,4 @@
-"""tools/diagnostics/exit_trap.c, the LD_PRELOAD library that turns a silent non-zero exit of
+"""tests/exit_trap.c, the LD_PRELOAD library that turns a silent non-zero exit of
 the watched process into SIGABRT (so that faulthandler prints where it came from): built here,
 preloaded into a child that exits through the C library (each exit function, a raw exit_group
 through syscall(), Python's own sys.exit, a thread that blocks SIGABRT), watched and not
@@ -59,7 +59,7 @@ def trap(tmp_path_factory):
         pytest.skip("needs a C compiler on Linux")
     so = str(tmp_path_factory.mktemp("trap") / "exit_trap.so")
     subprocess.run([cc, "-O2", "-fPIC", "-shared", "-o", so,
-                    os.path.join(_ROOT, "tools", "diagnostics", "exit_trap.c"), "-ldl"], check=True, timeout=120)
+                    os.path.join(_ROOT, "tests", "exit_trap.c"), "-ldl"], check=True, timeout=120)
     return so
 
 

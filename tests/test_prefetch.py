@@ -96,7 +96,7 @@ def test_an_in_process_iterable_is_produced_on_the_callers_thread_at_its_next():
 @pytest.mark.parametrize("loader_kw, expected", [
     (dict(num_workers=0), True), (dict(num_workers=2), False)])
 def test_produce_on_caller_by_default_where_the_pipeline_runs_in_process(loader_kw, expected):
-    from mtc_loader.prefetch import _produces_in_process
+    from mtc_loader.prefetch._service import _produces_in_process
     dl = torch.utils.data.DataLoader(list(range(4)), batch_size=2, **loader_kw)
     assert _produces_in_process(dl) is expected
     assert _produces_in_process(iter([1])) is True
@@ -479,7 +479,7 @@ def test_side_copy_takes_the_temporary_views_out_of_the_handle():
     """The service thread drops the engine's handle after the copy; the temporary views (whose
     drop releases the GIL) go with the SideCopy instead and are dropped at hand-out."""
     from mtc_loader import _engine
-    from mtc_loader.prefetch import SideCopy, _start
+    from mtc_loader.prefetch._side import SideCopy, _start
     data = seed_batch(2, seed=3)
     pc = mtc_loader.PackedCollate(list)
     # the split maker makes temporaries (torch's C shim makes none: see below)
@@ -619,73 +619,6 @@ def test_ctrl_c_in_a_data_bound_loop_reaches_the_caller_at_once(tmp_path):
     for latency, _ in ours:
         assert latency < 0.2, (ours, bare)
     assert min(e for _, e in ours) < max(e for _, e in bare) + 1.0, (ours, bare)
-
-
-def test_gil_held_diagnostic_runs_on_the_cpu(tmp_path):
-    """tools/diagnostics/gil_held.py (the GIL the service holds per batch, as a spinning training
-    thread loses it) runs on the CPU and reports every figure per round."""
-    import json
-    from conftest import ROOT, package_parent, subprocess_env
-    out = tmp_path / "gil.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diagnostics", "gil_held.py"), "--device", "cpu",
-                        "--batches", "8", "--rounds", "2", "--workers", "1", "--step-ms", "2", "--json", str(out)],
-                       cwd=package_parent(), env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(out.read_text())
-    assert len(got["rounds"]) == 2 and got["cpu_cores"] >= 1
-    for row in got["rounds"]:
-        assert set(row) == {"held_ms", "handoffs", "next_ms", "next_mean_ms", "service_cpu_ms", "data_bound",
-                            "alone_gaps_ms"}
-        assert row["service_cpu_ms"] > 0 and row["next_ms"] >= 0 and row["alone_gaps_ms"] >= 0
-    assert "held_ms" in r.stdout
-    assert set(got["ways"]) == {"side_finish_c", "side_finish_python", "hand_out_c", "hand_out_python",
-                                "unpack_dma_in_alloc_window"}
-    assert sum(got["ways"].values()) == 0, "CPU batches take neither CUDA way"
-
-
-def test_gil_held_spin_sees_the_time_another_thread_holds_the_gil():
-    """gil_held.py's spin counts as held what another Python thread ran while it wanted the GIL: a
-    thread that holds it in known slices (each timed by itself) beside a spinning thread is seen
-    within a wide margin of the slices' sum, against the spin alone just before. Other processes
-    that take the CPU from the spin (a loaded machine) add gaps to either run: the pair is measured
-    again, up to three times, before the test fails."""
-    import importlib.util
-    import threading
-    from conftest import ROOT
-    spec = importlib.util.spec_from_file_location("gil_held", os.path.join(ROOT, "tools", "diagnostics", "gil_held.py"))
-    gil_held = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gil_held)
-
-    def measure() -> tuple[float, float, float, int]:
-        stop, busy = threading.Event(), []
-
-        def holder():
-            while not stop.is_set():
-                time.sleep(0.002)  # GIL released
-                t0 = time.perf_counter()
-                while time.perf_counter() - t0 < 0.001:  # 1 ms in Python: the GIL held
-                    pass
-                busy.append(time.perf_counter() - t0)
-
-        _, alone_gaps = gil_held.spin(0.5, 3e-6)
-        t = threading.Thread(target=holder, daemon=True)
-        t.start()
-        time.sleep(0.01)
-        busy.clear()
-        _, gaps = gil_held.spin(0.5, 3e-6)
-        held = sum(busy)
-        stop.set()
-        t.join()
-        return gaps, alone_gaps, held, len(busy)
-
-    runs = []
-    for _ in range(3):
-        gaps, alone_gaps, held, n = measure()
-        runs.append((gaps, alone_gaps, held, n))
-        if held > 0.02 and 0.5 * held < gaps - alone_gaps < 2.0 * held + 0.02:
-            break
-    else:
-        pytest.fail(f"(gaps, alone gaps, held, slices) of each run: {runs}")
 
 
 class _SlowNumbers(torch.utils.data.Dataset):

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import mtc_loader
 from mtc_loader._wrap import PrefetchingDataLoader, wrap
-from mtc_loader.prefetch import _produces_in_process
+from mtc_loader.prefetch._service import _produces_in_process
 
 tdl = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (the test extra installs it)")
 StatefulDataLoader = tdl.StatefulDataLoader
@@ -179,7 +179,7 @@ def test_snapshots_of_a_state_changed_in_place_are_copied():
 
 
 def test_snapshot_policy_copies_only_what_may_change():
-    from mtc_loader.prefetch import _snapshots_may_change
+    from mtc_loader.prefetch._resume import _snapshots_may_change
 
     assert not _snapshots_may_change(numbers(0, shuffle=True))
     assert not _snapshots_may_change(numbers(2))

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import mtc_loader
 from mtc_loader._wrap import PrefetchingDataLoader
-from mtc_loader.prefetch import _ResumablePrefetchLoader
+from mtc_loader.prefetch._loader import _ResumablePrefetchLoader
 
 
 def _public_params(sig: inspect.Signature) -> list[str]:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import mtc_loader
 from mtc_loader import FileTensor, PackedCollate, _tree
-from mtc_loader.prefetch import _SwitchInterval
+from mtc_loader.prefetch._service import _SwitchInterval
 from conftest import package_parent, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]

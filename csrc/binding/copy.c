@@ -442,13 +442,10 @@ static int _collect_buffers(_copy *c, mtc_handle *h)
 }
 
 /* Host -> device jobs of at most this many bytes to stage run on the calling
- * thread even with use_background_thread: staging them (150 KB for the
- * example batch: ~15 us) costs less than waking the transfer thread, whose
- * wake-up also lands on or beside the calling thread's CPU often enough to
- * slow the calls' views by half in phases of a shared machine (p99 of the
- * example batch 1.8-2.1x its median with the wake-up, 1.4x without). The
- * DMAs stay asynchronous. MTC_INLINE_MAX_BYTES (0: never) overrides it for
- * benchmarks. */
+ * thread even with use_background_thread: staging a small job costs less
+ * than waking the transfer thread, whose wake-up may also land on the
+ * calling thread's core and slow the caller's own work. The DMAs stay
+ * asynchronous. MTC_INLINE_MAX_BYTES (0: never) overrides it. */
 #define MTC_INLINE_MAX_BYTES ((int64_t)1 << 20)
 
 static int64_t _inline_max(void)

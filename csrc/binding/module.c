@@ -312,17 +312,11 @@ static PyObject *engine_stats(PyObject *module, PyObject *unused)
     P("side_finish_c", mtc_cnt.side_finish_c); P("hand_out_c", mtc_cnt.hand_out_c);
     P("pipe_reads_quiet", mtc_cnt.pipe_reads_quiet); P("pipe_reads_waited", mtc_cnt.pipe_reads_waited);
     P("pipe_writes_quiet", mtc_cnt.pipe_writes_quiet);
-    P("jobs_submitted", e.jobs_submitted); P("jobs_done", e.jobs_done);
-    P("jobs_failed", e.jobs_failed); P("jobs_inline", e.jobs_inline);
-    P("jobs_taken_back", e.jobs_taken_back);
+#define _P(f, key) P(key, e.f);
+    MTC_COUNTERS(_P)
+#undef _P
     P("jobs_in_flight", e.jobs_submitted + e.jobs_inline - e.jobs_done);
-    P("items_copied", e.items_copied); P("bytes_h2d", e.bytes_h2d); P("bytes_d2h", e.bytes_d2h);
-    P("bytes_d2d", e.bytes_d2d); P("bytes_host_copy", e.bytes_host); P("dma_calls", e.dma_calls);
-    P("chunks_copied", e.chunks); P("pieces", e.pieces); P("ring_full_waits", e.ring_full_waits);
-    P("worker_wakeups", e.worker_wakeups); P("ns_stage", e.ns_stage);
-    P("ns_dma_issue", e.ns_dma_issue); P("ns_sync", e.ns_sync); P("ns_queue", e.ns_queue);
-    P("transfer_threads", e.threads); P("batch_memcpy_calls", e.batch_calls);
-    P("batch_memcpy_fallbacks", e.batch_fallbacks); P("helper_threads", mtc_pool_size());
+    P("helper_threads", mtc_pool_size());
     P("pinned_cap_bytes", mtc_pinned_cap());
     mtc_slab_stats tot;
     memset(&tot, 0, sizeof tot);

@@ -136,7 +136,7 @@ typedef struct mtc_state {
                                            * int8): the dtype attribute tells them apart */
 
     /* interned names; s_split_with_sizes is unsafe_split_with_sizes: outputs are not
-     * tracked as autograd views of the private chunk (~40% cheaper per view) */
+     * tracked as autograd views of the private chunk (cheaper per view) */
     PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_get_device, *s_is_cuda,
         *s_is_neg, *s_is_conj, *s_contiguous, *s_is_contiguous, *s_split_with_sizes, *s_view,
         *s_as_strided, *s_unbind, *s_is_meta, *s_device, *s_pin_memory, *s_resolve, *s_data,

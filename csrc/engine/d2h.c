@@ -1,6 +1,5 @@
 /*
- * d2h.c - device -> host op runner (see runner.h), and the batched driver
- * copy that d2d.c uses too.
+ * d2h.c - device -> host op runner (see runner.h).
  */
 #include "runner.h"
 
@@ -8,39 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static _Thread_local CUstream _tl_stream[MTC_MAX_DEVICES]; /* internal streams (see mtc_run_batch_copy) */
 static _Atomic int _batch_broken;     /* the driver refused a batched D2H copy: per-item copies from then on */
-
-/* One cuMemcpyBatchAsync ordered after the work of stream s. The batch API
- * refuses the legacy default stream (torch's default, handle 0): then the
- * batch runs on an internal non-blocking stream that waits for s, and s waits
- * for the batch, so for every later user of s it is as if it ran on s. */
-int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m)
-{
-    mtc_cu_memcpy_attrs at;
-    memset(&at, 0, sizeof at);
-    at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
-    size_t idx0 = 0;
-    CUstream bs = s;
-    CUevent ev = NULL;
-    int rc;
-    if (!s) {
-        if (!_tl_stream[dev] && (rc = mtc_cu_rc(mtc_cu.cuStreamCreate(&_tl_stream[dev], MTC_CU_STREAM_NON_BLOCKING))))
-            return rc;
-        bs = _tl_stream[dev];
-        if ((rc = mtc_run_event(dev, &ev)) || (rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, s))) ||
-            (rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(bs, ev, 0))))
-            return rc;
-    }
-    rc = mtc_cu_rc(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, bs));
-    MTC_COUNT(dma_calls, 1);
-    MTC_COUNT(batch_calls, 1);
-    if (!rc && bs != s) {
-        /* cuStreamWaitEvent took the earlier record: the event can be re-recorded */
-        if (!(rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, bs)))) rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(s, ev, 0));
-    }
-    return rc;
-}
 
 /* Device -> host: one batched driver call per source device when the driver
  * has cuMemcpyBatchAsync (hundreds of small copies in one call), else one

@@ -5,6 +5,7 @@
  * page-locked arena regions.
  */
 #include "runner.h"
+#include "atomics.h"
 #include "env.h"
 
 #include <errno.h>
@@ -16,31 +17,33 @@
 #include "slab.h"
 
 /* Slabs of the staging ring (MTC_H2D_RING; 0: the windowed pipeline): 16 of
- * 2 MiB. On the GPU machine a ring of 8 MiB ran at half the speed (the
- * helpers wait for slabs, the DMA for pieces), one of 16 MiB at half or full
- * speed from one process to the next, and 32 MiB and 64 MiB alike. */
+ * 2 MiB. A ring must hold enough slabs that the helpers and the DMA rarely
+ * wait for each other, and stay small enough to live in the CPU's cache:
+ * fewer slabs starve one side, more leave the cache without gaining speed. */
 #define MTC_H2D_RING_SLABS 16
+/* The ring's pieces: 2 MiB, so that 16 of them fit the last-level cache. */
+#define MTC_H2D_RING_PIECE ((size_t)2 << 20)
+/* The ring's tasks: 256 KiB, so that each piece spreads over up to 8 helpers. */
+#define MTC_H2D_RING_TASK ((size_t)256 << 10)
+/* The windows' tasks: 512 KiB, so that every helper works on the first pieces. */
+#define MTC_H2D_WINDOW_TASK ((size_t)512 << 10)
 
-/* A size from the environment (tuning and benchmarks), else dflt. */
-static size_t _env_size(mtc_env_id id, size_t dflt)
+/* The C unit tests' sizes (mtc_h2d_tune); 0: the constants above. */
+static _Atomic size_t _tune_piece, _tune_task;
+static _Atomic int _tune_nt = -1;
+
+void mtc_h2d_tune(size_t piece, size_t task, int nt)
 {
-    int64_t v;
-    return mtc_env_int(id, &v) == 1 ? (size_t)v : dflt;
+    mtc_store_relaxed(&_tune_piece, piece); /* read by the next staged copy; a job's submit orders it */
+    mtc_store_relaxed(&_tune_task, task);
+    mtc_store_relaxed(&_tune_nt, nt);
 }
 
-/* Streaming stores for large staging copies (MTC_STAGE_NT=0 turns them off). */
-static int _stage_nt(void) { return mtc_env_bool(MTC_ENV_STAGE_NT, 1); }
+static size_t _or(size_t tuned, size_t dflt) { return tuned ? tuned : dflt; }
 
 static void _stage_item(char *base, const mtc_item *it, int nt)
 {
-    if (it->file) return; /* read by mtc_run_read_files */
-    if (it->shape)
-        mtc_copy_strided_to(base + it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
-                            it->strides, it->elsize);
-    else if (it->nbytes && nt)
-        mtc_memcpy_nt(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
-    else if (it->nbytes)
-        memcpy(base + it->dst, (const void *)it->src, (size_t)it->nbytes);
+    mtc_run_copy_item((uintptr_t)base, it, nt ? MTC_COPY_NT : MTC_COPY_PLAIN);
 }
 
 /* Staging of one chunk's items, split over helpers when the chunk is large. */
@@ -60,7 +63,7 @@ static void _stage_items(char *base, const mtc_item *items, uint32_t n, int64_t 
         /* about 1 MiB of items per task */
         uint32_t tasks = (uint32_t)(bytes >> 20);
         if (tasks > n) tasks = n;
-        _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks, _stage_nt()};
+        _stage_ctx c = {base, items, n, (n + tasks - 1) / tasks, 1};
         mtc_parallel_for(_stage_task, &c, (n + c.per_task - 1) / c.per_task);
     } else if (n == 1 && !items[0].shape && !items[0].file) {
         mtc_memcpy_parallel(base + items[0].dst, (const void *)items[0].src, (size_t)items[0].nbytes, 0);
@@ -422,7 +425,8 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
     if (!pool) return mtc_run_fail(r, rc, leaf0, "creating the pinned pool");
 
     uint32_t helpers = (uint32_t)mtc_pool_size();
-    size_t ring = helpers ? _env_size(MTC_ENV_H2D_RING, MTC_H2D_RING_SLABS) : 0;
+    int64_t v;
+    size_t ring = !helpers ? 0 : mtc_env_int(MTC_ENV_H2D_RING, &v) == 1 ? (size_t)v : MTC_H2D_RING_SLABS;
     if (ring > 64) ring = 64;
     size_t piece, task;
     int nt;
@@ -430,18 +434,18 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         /* Ring: slabs small enough that R of them stay in the cache, tasks
          * that spread a piece over several helpers, plain stores (streaming
          * ones would send the bytes to memory). */
-        piece = _env_size(MTC_ENV_H2D_PIECE_BYTES, (size_t)2 << 20);
-        task = _env_size(MTC_ENV_H2D_TASK_BYTES, (size_t)256 << 10);
-        nt = mtc_env_bool(MTC_ENV_STAGE_NT, 0);
+        piece = _or(mtc_load_relaxed(&_tune_piece), MTC_H2D_RING_PIECE);
+        task = _or(mtc_load_relaxed(&_tune_task), MTC_H2D_RING_TASK);
+        nt = mtc_load_relaxed(&_tune_nt) == 1;
     } else {
         /* Windows: pieces large enough that the per-piece DMA and fence stay
          * cheap, small enough that the first DMA starts early and every
          * helper gets two: 1 to 4 MiB. Tasks of 512 KiB keep every helper on
          * the first pieces; streaming stores. */
-        piece = _env_size(MTC_ENV_H2D_PIECE_BYTES, MTC_PIECE_BYTES);
+        piece = _or(mtc_load_relaxed(&_tune_piece), MTC_PIECE_BYTES);
         while (piece > ((size_t)1 << 20) && total / piece < 2 * (size_t)(helpers ? helpers : 1)) piece /= 2;
-        task = _env_size(MTC_ENV_H2D_TASK_BYTES, (size_t)512 << 10);
-        nt = _stage_nt();
+        task = _or(mtc_load_relaxed(&_tune_task), MTC_H2D_WINDOW_TASK);
+        nt = mtc_load_relaxed(&_tune_nt) != 0;
     }
     /* The slabs held at once stay within a quarter of the cap, or the pool's
      * backpressure would wait on slabs only this run releases (or, with two
@@ -469,9 +473,7 @@ static int _h2d_staged(mtc_run *r, const mtc_op *ops, uint32_t nops, size_t tota
         if (ring > cap_pieces) ring = cap_pieces ? cap_pieces : 1;
         _h2d_ring(&pp, s, piece, (uint32_t)ring);
     } else {
-        uint32_t W = helpers ? 2 * helpers : 1;
-        size_t wenv = _env_size(MTC_ENV_H2D_WINDOW, 0); /* pieces per window */
-        if (wenv) W = wenv < 4096 ? (uint32_t)wenv : 4096;
+        uint32_t W = helpers ? 2 * helpers : 1; /* pieces per window: two per helper */
         if (W > cap_pieces) W = cap_pieces ? (uint32_t)cap_pieces : 1;
         if (W > pp.np) W = pp.np;
         pp.W = W;

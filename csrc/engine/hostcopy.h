@@ -5,8 +5,8 @@
  * The pool: any thread may submit a batch of `n` independent tasks; helpers
  * take task indices from an atomic counter; the submitter can help, and waits
  * for the batch with mtc_batch_wait(). Per-task completion can be observed
- * with mtc_flag (a futex word), which is what lets the transfer thread issue
- * the DMA of piece k while helpers still copy piece k+1.
+ * with mtc_flag (futex.h), which is what lets the transfer thread issue the
+ * DMA of piece k while helpers still copy piece k+1.
  *
  * No Python here; functions return 0 or a negative errno. Names starting with
  * `_` are internal to hostcopy.c.
@@ -18,21 +18,7 @@
 #include <stdint.h>
 
 #include "atomics.h"
-
-/* A one-shot completion flag: set once, waited on by any number of threads. */
-typedef struct mtc_flag { _Atomic uint32_t v; } mtc_flag;
-void mtc_flag_init(mtc_flag *f);
-void mtc_flag_set(mtc_flag *f);
-int mtc_flag_is_set(mtc_flag *f);
-/* Waits until set or timeout_ns passes (<0: forever). 0 when set, -ETIMEDOUT. */
-int mtc_flag_wait(mtc_flag *f, int64_t timeout_ns);
-
-/* futex helpers over a 32-bit word */
-void mtc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t timeout_ns);
-void mtc_futex_wake_all(_Atomic uint32_t *addr);
-/* Waits while *word == busy: spins `spins` times, then sleeps on the futex.
- * 0 once the word changed, -ETIMEDOUT after timeout_ns (< 0: forever). */
-int mtc_futex_wait_while(_Atomic uint32_t *word, uint32_t busy, int spins, int64_t timeout_ns);
+#include "futex.h" /* the flags a batch's tasks are observed with */
 
 typedef void (*mtc_task_fn)(void *arg, uint32_t index);
 

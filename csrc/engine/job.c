@@ -1,6 +1,7 @@
 /*
  * job.c - copy jobs, the engine's counters and clock, and what every runner
- * of a job uses: error recording, the current device, its event, file reads
+ * of a job uses: error recording, the current device, its event, an item's
+ * host copy, the batched driver copy, the file reads it hands to uring.c
  * (see job.h).
  */
 #include "job.h"
@@ -11,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "futex.h"
 #include "hostcopy.h"
 #include "nvtx.h"
 
@@ -114,6 +116,39 @@ int mtc_run_event(int dev, CUevent *out)
     return 0;
 }
 
+static _Thread_local CUstream _tl_stream[MTC_MAX_DEVICES]; /* internal streams (see mtc_run_batch_copy) */
+
+/* One cuMemcpyBatchAsync ordered after the work of stream s. The batch API
+ * refuses the legacy default stream (torch's default, handle 0): then the
+ * batch runs on an internal non-blocking stream that waits for s, and s waits
+ * for the batch, so for every later user of s it is as if it ran on s. */
+int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m)
+{
+    mtc_cu_memcpy_attrs at;
+    memset(&at, 0, sizeof at);
+    at.srcAccessOrder = MTC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM; /* after the producing kernels */
+    size_t idx0 = 0;
+    CUstream bs = s;
+    CUevent ev = NULL;
+    int rc;
+    if (!s) {
+        if (!_tl_stream[dev] && (rc = mtc_cu_rc(mtc_cu.cuStreamCreate(&_tl_stream[dev], MTC_CU_STREAM_NON_BLOCKING))))
+            return rc;
+        bs = _tl_stream[dev];
+        if ((rc = mtc_run_event(dev, &ev)) || (rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, s))) ||
+            (rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(bs, ev, 0))))
+            return rc;
+    }
+    rc = mtc_cu_rc(mtc_cu.cuMemcpyBatchAsync(dst, src, sz, m, &at, &idx0, 1, bs));
+    MTC_COUNT(dma_calls, 1);
+    MTC_COUNT(batch_calls, 1);
+    if (!rc && bs != s) {
+        /* cuStreamWaitEvent took the earlier record: the event can be re-recorded */
+        if (!(rc = mtc_cu_rc(mtc_cu.cuEventRecord(ev, bs)))) rc = mtc_cu_rc(mtc_cu.cuStreamWaitEvent(s, ev, 0));
+    }
+    return rc;
+}
+
 int mtc_run_use_dev(mtc_run *r, int dev)
 {
     if (r->cur_dev == dev) return 0;
@@ -145,46 +180,43 @@ int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe
     return mtc_run_fail(r, err, leaf, "reading a file");
 }
 
+void mtc_run_copy_item(uintptr_t base, const mtc_item *it, int how)
+{
+    void *dst = (void *)(base + it->dst); /* unsigned: base 0 leaves dst the address */
+    const void *src = (const void *)it->src;
+    if (it->file) return;
+    if (it->shape)
+        mtc_copy_strided_to(dst, it->dst_strides, src, it->ndim, it->shape, it->strides, it->elsize);
+    else if (!it->nbytes)
+        return;
+    else if (how & MTC_COPY_SPLIT)
+        mtc_memcpy_parallel(dst, src, (size_t)it->nbytes, how & MTC_COPY_NT);
+    else if (how & MTC_COPY_NT)
+        mtc_memcpy_nt(dst, src, (size_t)it->nbytes);
+    else
+        memcpy(dst, src, (size_t)it->nbytes);
+}
+
 /* Reads the file-backed items among items[0..n) to address base + dst (base
  * 0: dst is the address; unsigned arithmetic, so a base below dst is fine)
- * as one batch of requests, one per file part. 0, or the failure recorded in
- * the job. */
+ * as one batch of requests (uring.c). 0, or the failure recorded in the job. */
 int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n)
 {
-    uint32_t nreq = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!items[i].file) continue;
-        mtc_file_spec_hdr h;
-        memcpy(&h, items[i].file, sizeof h);
-        nreq += h.nparts;
-    }
-    if (!nreq) return 0;
-    mtc_uring_req *reqs = malloc(nreq * sizeof *reqs);
-    if (!reqs) return mtc_run_fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
+    uint32_t nfiles = 0;
+    for (uint32_t i = 0; i < n; i++) nfiles += items[i].file != NULL;
+    if (!nfiles) return 0;
+    mtc_uring_leaf *leaves = malloc(nfiles * sizeof *leaves);
+    if (!leaves) return mtc_run_fail(r, -ENOMEM, items[0].leaf, "planning the file reads");
     uint32_t q = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (!items[i].file) continue;
-        mtc_file_spec s;
-        /* checked when the leaf was read (files.c); the bytes are immutable */
-        mtc_uring_spec_view(items[i].file, mtc_uring_spec_size(items[i].file), &s);
-        char *dst = (char *)(base + items[i].dst);
-        for (uint32_t k = 0; k < s.h.nparts; k++) {
-            mtc_file_part p;
-            const char *path;
-            mtc_uring_spec_part(&s, k, &p, &path);
-            reqs[q++] = (mtc_uring_req){.path = path, .offset = p.offset, .nbytes = p.nbytes, .dst = dst,
-                                        .tag = items[i].leaf, .part = k};
-            dst += p.nbytes;
-        }
-    }
+    for (uint32_t i = 0; i < n; i++)
+        if (items[i].file) leaves[q++] = (mtc_uring_leaf){items[i].file, (char *)(base + items[i].dst), items[i].leaf};
     mtc_uring_err fe = {0, 0};
+    int32_t tag = -1;
     mtc_nvtx_push_name("file reads"); /* inside its op's range: how much of the op is disk */
-    int rc = mtc_uring_read(reqs, nreq, &fe);
+    int rc = mtc_uring_read_leaves(leaves, nfiles, &fe, &tag);
     mtc_nvtx_pop();
-    if (rc) {
-        mtc_uring_err pe = {reqs[fe.index].part, fe.got};
-        mtc_run_fail_file(r, rc, reqs[fe.index].tag, &pe);
-    }
-    free(reqs);
+    free(leaves);
+    if (rc && fe.index == MTC_URING_UNPLANNED) return mtc_run_fail(r, rc, tag, "planning the file reads");
+    if (rc) mtc_run_fail_file(r, rc, tag, &fe);
     return rc;
 }

@@ -127,14 +127,27 @@ void mtc_job_after_fork_child(void);
 /* CLOCK_MONOTONIC in nanoseconds. */
 int64_t mtc_now_ns(void);
 
-/* The engine's counters (mtc_engine_get_stats), bumped by the dispatch and every runner. */
+/* The engine's counters (mtc_engine_get_stats), bumped by the dispatch and
+ * every runner, listed once: X(field, the key mtc_loader.stats() gives it).
+ * jobs_* count jobs; items_copied, bytes_* what they moved; dma_calls the
+ * driver's copy calls (batch_calls of them batched, batch_fallbacks the times
+ * the driver refused a batch); ns_* time on the transfer thread; threads the
+ * transfer threads started. */
+#define MTC_COUNTERS(X) \
+    X(jobs_submitted, "jobs_submitted") X(jobs_done, "jobs_done") X(jobs_failed, "jobs_failed") \
+    X(jobs_inline, "jobs_inline") X(jobs_taken_back, "jobs_taken_back") \
+    X(items_copied, "items_copied") X(bytes_h2d, "bytes_h2d") X(bytes_d2h, "bytes_d2h") \
+    X(bytes_d2d, "bytes_d2d") X(bytes_host, "bytes_host_copy") X(dma_calls, "dma_calls") \
+    X(chunks, "chunks_copied") X(pieces, "pieces") X(ring_full_waits, "ring_full_waits") \
+    X(worker_wakeups, "worker_wakeups") X(ns_stage, "ns_stage") X(ns_dma_issue, "ns_dma_issue") \
+    X(ns_sync, "ns_sync") X(ns_queue, "ns_queue") X(threads, "transfer_threads") \
+    X(batch_calls, "batch_memcpy_calls") X(batch_fallbacks, "batch_memcpy_fallbacks")
+
+#define _MTC_COUNTER_FIELD(f, key) _Atomic uint64_t f;
 typedef struct mtc_run_counters {
-    _Atomic uint64_t jobs_submitted, jobs_inline, jobs_done, jobs_failed;
-    _Atomic uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
-    _Atomic uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
-    _Atomic uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    _Atomic uint64_t threads, batch_calls, batch_fallbacks, jobs_taken_back;
+    MTC_COUNTERS(_MTC_COUNTER_FIELD)
 } mtc_run_counters;
+#undef _MTC_COUNTER_FIELD
 
 extern mtc_run_counters mtc_run_st;
 
@@ -156,6 +169,15 @@ int mtc_run_fail_file(mtc_run *r, int err, int32_t leaf, const mtc_uring_err *fe
 int mtc_run_use_dev(mtc_run *r, int dev);
 /* This thread's event of device dev (created on first use, kept). */
 int mtc_run_event(int dev, CUevent *out);
+/* One cuMemcpyBatchAsync of m copies ordered after stream s of device dev
+ * (current): the D2H and D2D runners' batched copy. */
+int mtc_run_batch_copy(CUstream s, int dev, CUdeviceptr *dst, CUdeviceptr *src, size_t *sz, size_t m);
+/* How mtc_run_copy_item writes: memcpy, streaming stores, or either split
+ * over the helpers when large. */
+enum { MTC_COPY_PLAIN = 0, MTC_COPY_NT = 1, MTC_COPY_SPLIT = 2, MTC_COPY_SPLIT_NT = 3 };
+/* Copies an item's bytes from its source to base + dst (strided where it has
+ * a shape). File-backed items are left to mtc_run_read_files. */
+void mtc_run_copy_item(uintptr_t base, const mtc_item *it, int how);
 /* Reads the file-backed items among items[0..n) to base + dst, as one batch. 0, or the failure
  * recorded in the job. */
 int mtc_run_read_files(mtc_run *r, uintptr_t base, const mtc_item *items, uint32_t n);

@@ -1,7 +1,7 @@
 /*
  * transfer.c - the dispatch of copy jobs (see transfer.h): the op runner,
- * host copies, the per-device transfer threads and their submission rings,
- * the fork handler. The runners of each direction are in h2d.c, d2h.c and
+ * the per-device transfer threads and their submission rings, the fork
+ * handler. The runners of each direction are in h2d.c, h2h.c, d2h.c and
  * d2d.c (runner.h); jobs and what every runner uses are in job.c, the
  * pinned pools in pinned.c.
  */
@@ -24,36 +24,12 @@
 
 void mtc_engine_get_stats(mtc_engine_stats *o)
 {
-#define _G(f) o->f = mtc_load_relaxed(&mtc_run_st.f)
-    _G(jobs_submitted); _G(jobs_inline); _G(jobs_done); _G(jobs_failed);
-    _G(items_copied); _G(bytes_h2d); _G(bytes_d2h); _G(bytes_d2d); _G(bytes_host);
-    _G(dma_calls); _G(chunks); _G(pieces); _G(ring_full_waits); _G(worker_wakeups);
-    _G(ns_stage); _G(ns_dma_issue); _G(ns_sync); _G(ns_queue); _G(threads);
-    _G(batch_calls); _G(batch_fallbacks); _G(jobs_taken_back);
+#define _G(f, key) o->f = mtc_load_relaxed(&mtc_run_st.f);
+    MTC_COUNTERS(_G)
 #undef _G
 }
 
-/* ---- the op runner: host copies, the dispatch to the runners (runner.h) ---- */
-
-/* Host -> host: a memcpy (split over the helpers when large) or a strided copy per item. */
-static void _op_host_copy(mtc_run *r, const mtc_op *op)
-{
-    mtc_job *j = r->job;
-    int64_t t0 = mtc_now_ns();
-    for (uint32_t k = 0; k < op->count; k++) {
-        const mtc_item *it = &j->items[op->first + k];
-        if (it->file) continue; /* read below, all files in one batch */
-        if (it->shape)
-            mtc_copy_strided_to((void *)it->dst, it->dst_strides, (const void *)it->src, it->ndim, it->shape,
-                                it->strides, it->elsize);
-        else if (it->nbytes)
-            mtc_memcpy_parallel((void *)it->dst, (const void *)it->src, (size_t)it->nbytes, op->nt);
-        MTC_COUNT(bytes_host, it->nbytes);
-    }
-    mtc_run_read_files(r, 0, &j->items[op->first], op->count);
-    MTC_COUNT(items_copied, op->count);
-    MTC_COUNT(ns_stage, mtc_now_ns() - t0);
-}
+/* ---- the dispatch to the runners (runner.h) ---- */
 
 /* Waits for the streams that carry reads of inputs or writes of CPU outputs. */
 static void _sync_streams(mtc_run *r)
@@ -103,7 +79,7 @@ int mtc_job_run(mtc_job *j)
         const mtc_op *op = &j->ops[i];
         mtc_nvtx_push(MTC_NVTX_OP);
         switch (op->kind) {
-        case MTC_OP_HOST_COPY: _op_host_copy(&r, op); break;
+        case MTC_OP_HOST_COPY: mtc_h2h_run(&r, op); break;
         case MTC_OP_H2D_CHUNK: {
             /* the storage groups of one chunk share its staging slab */
             uint32_t e = i + 1;

@@ -36,14 +36,12 @@ int mtc_job_take_back(mtc_job *job);
  * takes a reference for the engine. 0, or -errno when the thread cannot start. */
 int mtc_job_submit(mtc_job *job);
 
-/* The engine's counters (job.h's mtc_run_st), read at one instant each. */
+/* The engine's counters (job.h's MTC_COUNTERS), read at one instant each. */
+#define _MTC_STATS_FIELD(f, key) uint64_t f;
 typedef struct mtc_engine_stats {
-    uint64_t jobs_submitted, jobs_inline, jobs_done, jobs_failed;
-    uint64_t items_copied, bytes_h2d, bytes_d2h, bytes_d2d, bytes_host;
-    uint64_t dma_calls, chunks, pieces, ring_full_waits, worker_wakeups;
-    uint64_t ns_stage, ns_dma_issue, ns_sync, ns_queue;
-    uint64_t threads, batch_calls, batch_fallbacks, jobs_taken_back;
+    MTC_COUNTERS(_MTC_STATS_FIELD)
 } mtc_engine_stats;
+#undef _MTC_STATS_FIELD
 
 void mtc_engine_get_stats(mtc_engine_stats *out);
 /* Stops the transfer threads (interpreter exit): waits for queued jobs. */

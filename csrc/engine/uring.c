@@ -676,3 +676,43 @@ int mtc_uring_read(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err)
     if (rc) _COUNT(errors, 1);
     return rc;
 }
+
+int mtc_uring_read_leaves(const mtc_uring_leaf *leaves, uint32_t n, mtc_uring_err *err, int32_t *tag)
+{
+    uint32_t nreq = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        mtc_file_spec_hdr h;
+        memcpy(&h, leaves[i].spec, sizeof h);
+        nreq += h.nparts;
+    }
+    if (!nreq) return 0;
+    mtc_uring_req *reqs = malloc(nreq * sizeof *reqs);
+    if (!reqs) {
+        *err = (mtc_uring_err){MTC_URING_UNPLANNED, 0};
+        *tag = leaves[0].tag;
+        return -ENOMEM;
+    }
+    uint32_t q = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        mtc_file_spec s;
+        /* checked when the leaf was read (files.c); the bytes are immutable */
+        mtc_uring_spec_view(leaves[i].spec, mtc_uring_spec_size(leaves[i].spec), &s);
+        char *dst = leaves[i].dst;
+        for (uint32_t k = 0; k < s.h.nparts; k++) {
+            mtc_file_part p;
+            const char *path;
+            mtc_uring_spec_part(&s, k, &p, &path);
+            reqs[q++] = (mtc_uring_req){.path = path, .offset = p.offset, .nbytes = p.nbytes, .dst = dst,
+                                        .tag = leaves[i].tag, .part = k};
+            dst += p.nbytes;
+        }
+    }
+    mtc_uring_err fe = {0, 0};
+    int rc = mtc_uring_read(reqs, nreq, &fe);
+    if (rc) {
+        *err = (mtc_uring_err){reqs[fe.index].part, fe.got};
+        *tag = reqs[fe.index].tag;
+    }
+    free(reqs);
+    return rc;
+}

@@ -93,6 +93,27 @@ enum { MTC_URING_MODE_URING = 1, MTC_URING_MODE_PREAD = 2 };
  */
 int mtc_uring_read(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err);
 
+/* One file-backed leaf to read: its spec (checked with mtc_uring_spec_view
+ * when the leaf was read), where its bytes go, and the caller's tag (a leaf
+ * index) for the error. */
+typedef struct mtc_uring_leaf {
+    const void *spec;
+    void *dst;
+    int32_t tag;
+} mtc_uring_leaf;
+
+/* The index an error carries when the requests could not be planned. */
+#define MTC_URING_UNPLANNED UINT32_MAX
+
+/*
+ * Reads every part of every leaf as one batch of requests (mtc_uring_read).
+ * 0, or the first failure's code with *err (index: the failed part of its
+ * leaf, got: the bytes of that part that arrived) and *tag (that leaf's
+ * tag); -ENOMEM with err->index MTC_URING_UNPLANNED and *tag the first
+ * leaf's when the requests cannot be allocated.
+ */
+int mtc_uring_read_leaves(const mtc_uring_leaf *leaves, uint32_t n, mtc_uring_err *err, int32_t *tag);
+
 /*
  * Reads bytes [begin, begin + len) of the leaf a spec describes into dst
  * with pread on the calling thread (a helper's piece of a large leaf).

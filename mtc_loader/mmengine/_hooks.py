@@ -3,18 +3,25 @@ the loop's figures in the message hub."""
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Protocol
 
 from mmengine.hooks import Hook
 
-from ..prefetch import _figures, _Window
-
-if TYPE_CHECKING:
-    from ._loops import MTCEpochBasedTrainLoop, MTCIterBasedTrainLoop
+from ..prefetch import PrefetchLoader
+from ..prefetch._stats import _figures, _Window
 
 __all__: list[str] = []
 
 _CKPT_KEY = "mtc_loader"  # the checkpoint's entry for the train loader's position
+
+
+class _Prefetching(Protocol):
+    """What the hooks read and set of the prefetching train loop that registers them."""
+
+    _prefetch: Optional[PrefetchLoader]
+    _saved_position: Optional[dict[str, Any]]
+
+    def _loader_state(self) -> Optional[dict[str, Any]]: ...
 
 
 class _LoaderStateHook(Hook):  # type: ignore[misc]
@@ -23,7 +30,7 @@ class _LoaderStateHook(Hook):  # type: ignore[misc]
 
     priority = "VERY_LOW"
 
-    def __init__(self, loop: "MTCEpochBasedTrainLoop") -> None:
+    def __init__(self, loop: _Prefetching) -> None:
         self.loop = loop
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict[str, Any]) -> None:
@@ -46,7 +53,7 @@ class _StatsHook(Hook):  # type: ignore[misc]
 
     priority = "NORMAL"  # after IterTimerHook (NORMAL, registered with the runner's default hooks)
 
-    def __init__(self, loop: Union["MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop"]) -> None:
+    def __init__(self, loop: _Prefetching) -> None:
         self.loop = loop
         self.window: Optional[_Window] = None
         self.recent: deque[tuple[float, float, int]] = deque()  # (wait, step, batches) per iteration
@@ -56,7 +63,7 @@ class _StatsHook(Hook):  # type: ignore[misc]
         if loader is None:
             return
         if self.window is None or self.window.stats is not loader._stats:  # a new loader
-            self.window = _Window(loader, from_start=True)
+            self.window = _Window(loader._stats, from_start=True)
             self.recent.clear()
         size = _window_size(runner)
         recent = self.recent

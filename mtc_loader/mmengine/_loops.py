@@ -11,7 +11,8 @@ from mmengine.registry import LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
 
 from ..collate import PackedBatch
-from ..prefetch import PrefetchLoader, _is_stateful
+from ..prefetch import PrefetchLoader
+from ..prefetch._resume import _is_stateful
 from ._collate import _place
 from ._hooks import _check_log_stats, _LoaderStateHook, _StatsHook
 from ._preprocessor import _MOVED

@@ -20,25 +20,8 @@ start_side_copy), ``_service`` (the daemon thread of an epoch and the switch int
 """
 from __future__ import annotations
 
-from ._handout import (
-    _EpochEnd as _EpochEnd, _HandOut as _HandOut)
-from ._loader import (
-    _RESUMABLE as _RESUMABLE, PrefetchLoader as PrefetchLoader, _check_options as _check_options,
-    _ResumablePrefetchLoader as _ResumablePrefetchLoader, _resumable_class as _resumable_class)
-from ._resume import (
-    _NO_STATE as _NO_STATE, _STATE_METHODS as _STATE_METHODS, _UNSET as _UNSET,
-    _FailedSnapshot as _FailedSnapshot, _is_stateful as _is_stateful, _not_resumable as _not_resumable,
-    _NotResumableError as _NotResumableError, _Position as _Position,
-    _snapshots_may_change as _snapshots_may_change)
-from ._service import (
-    _END as _END, _STOP_JOIN_S as _STOP_JOIN_S, _SWITCH as _SWITCH, _next_of as _next_of,
-    _produces_in_process as _produces_in_process, _reclaim_dead as _reclaim_dead, _Service as _Service,
-    _SwitchInterval as _SwitchInterval)
-from ._side import (
-    SideCopy as SideCopy, _copy_stream as _copy_stream, _start as _start, copy_stream as copy_stream,
-    start_side_copy as start_side_copy)
-from ._stats import (
-    _figures as _figures, _new_stats as _new_stats, _Window as _Window)
+from ._loader import PrefetchLoader
+from ._side import SideCopy, copy_stream, start_side_copy
 
 __all__ = ["PrefetchLoader", "SideCopy", "copy_stream", "start_side_copy"]
 

@@ -120,7 +120,7 @@ class PrefetchLoader:
     else:
         def __getattr__(self, name: str) -> Any:
             if name in _STATE_METHODS:
-                raise _not_resumable(self, name)
+                raise _not_resumable(type(self).__name__, name, self.__dict__.get("iterable"))
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __len__(self) -> int:

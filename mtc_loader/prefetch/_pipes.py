@@ -5,9 +5,8 @@ Per batch, a DataLoader with workers reads its result queue (``multiprocessing.Q
 ``poll`` and two ``read`` calls) and puts the next indices on a worker's index queue (``put``,
 which wakes that queue's feeder thread to pickle and write them). Each of those gives up the GIL
 and takes it back, and the feeder takes it twice. Beside a training thread that holds the GIL
-(a launch-bound loop), every such hand-over makes the training thread wait for the GIL: about
-seven waits per batch, measured as its context switches (``bench/bench_train.py``'s second
-table), where the copy itself needs two or three.
+(a launch-bound loop), every such hand-over makes the training thread wait for the GIL, so the
+service's own reads and writes keep the GIL where the pipe call cannot block.
 
 Here the service's calls into a DataLoader iterator (``_service._dataloader_next``: its
 ``__next__``, or its ``_next_data`` where the service skips the profiler range) see the iterator's

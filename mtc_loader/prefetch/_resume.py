@@ -3,10 +3,7 @@ batches, and what a loader over an iterable without state says when asked for on
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from ._loader import PrefetchLoader
+from typing import Any, Callable
 
 _NO_STATE = object()  # a batch of an iterable without state_dict (or no snapshot taken)
 _UNSET = object()  # PrefetchLoader._state before its first hand-out: the iterable's own state
@@ -57,10 +54,12 @@ class _NotResumableError(AttributeError, TypeError):
     accelerate probe) says the loader has none."""
 
 
-def _not_resumable(loader: "PrefetchLoader", name: str) -> _NotResumableError:
+def _not_resumable(owner: str, name: str, iterable: object) -> _NotResumableError:
+    """The error of ``owner.name`` (a loader class's name, ``state_dict`` or ``load_state_dict``)
+    where the loader wraps ``iterable``, which has no state."""
     return _NotResumableError(
-        f"mtc_loader: {type(loader).__name__}.{name} needs an iterable with state_dict() and "
-        f"load_state_dict(), and this one wraps a {type(loader.__dict__.get('iterable')).__name__}, which has none; "
+        f"mtc_loader: {owner}.{name} needs an iterable with state_dict() and "
+        f"load_state_dict(), and this one wraps a {type(iterable).__name__}, which has none; "
         "to save and resume the position in an epoch, wrap torchdata's StatefulDataLoader "
         "(from torchdata.stateful_dataloader import StatefulDataLoader; pip install torchdata) instead "
         "of a DataLoader")

@@ -149,9 +149,8 @@ class _Service:
         it = take = None
         # the copies this thread starts keep their temporary views for the hand-out to drop
         # (SideCopy._keep; a copy started on any other thread drops them as it goes). They
-        # keep the early collection and the staging of small jobs on this thread: skipping both
-        # does not make the launch-bound training benchmark faster (docs/profiler.md), and
-        # without the early collection the batches meet full collections
+        # keep the early collection and the staging of small jobs on this thread, as any
+        # caller's copies do: without the early collection the batches meet full collections
         _engine.keep_temporaries(True)
         try:
             self._wait_for_previous()

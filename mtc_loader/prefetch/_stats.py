@@ -2,10 +2,7 @@
 that the framework integrations log."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._loader import PrefetchLoader
+from typing import Any
 
 def _new_stats() -> dict[str, Any]:
     return {"batches": 0, "wait_s": 0.0, "step_s": 0.0, "steps": 0, "service_cpu_s": 0.0,
@@ -20,8 +17,8 @@ class _Window:
 
     __slots__ = ("stats", "mark", "resets")
 
-    def __init__(self, loader: PrefetchLoader, from_start: bool = False) -> None:
-        self.stats = loader._stats  # updated in place, reset_stats() included
+    def __init__(self, stats: dict[str, Any], from_start: bool = False) -> None:
+        self.stats = stats  # a loader's counters (_new_stats), updated in place, reset_stats() included
         self.resets = self.stats["resets"]
         # from_start: the first window holds all that the loader counted, not only what comes next
         self.mark: tuple[float, float, int] = (0.0, 0.0, 0) if from_start else self._now()

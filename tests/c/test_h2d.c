@@ -90,7 +90,9 @@ static const src_spec SRCS_B2B[] = {{MIB + 11, 2 * MIB + 3}, {5, MIB}};
 
 #define NSRC(a) (sizeof(a) / sizeof((a)[0]))
 
-/* How a case runs: the environment knobs (NULL: unset), the fake DMA's delay. */
+/* How a case runs: the ring (MTC_H2D_RING; NULL: unset), the staged copy's
+ * piece, task and store kind (mtc_h2d_tune; NULL: the engine's), the fake
+ * DMA's delay. */
 typedef struct cfg {
     const char *ring, *piece, *task, *nt;
     unsigned delay_min_us, delay_max_us;
@@ -105,9 +107,9 @@ static void set_env(const char *name, const char *v)
 static void apply(const cfg *c)
 {
     set_env("MTC_H2D_RING", c->ring);
-    set_env("MTC_H2D_PIECE_BYTES", c->piece);
-    set_env("MTC_H2D_TASK_BYTES", c->task);
-    set_env("MTC_STAGE_NT", c->nt);
+    size_t task = c->task ? (size_t)atoll(c->task) : 0;
+    if (c->task && !task) task = SIZE_MAX; /* "0": one task per piece (the engine bounds it by the piece) */
+    mtc_h2d_tune(c->piece ? (size_t)atoll(c->piece) : 0, task, c->nt ? atoi(c->nt) : -1);
     fk->set_delay(c->delay_min_us, c->delay_max_us);
 }
 
@@ -118,7 +120,7 @@ static size_t total_of(const src_spec *s, int n)
     return t;
 }
 
-/* The piece size c sets (MTC_H2D_PIECE_BYTES, at least 64 KiB as _h2d_staged
+/* The piece size c sets (mtc_h2d_tune, at least 64 KiB as _h2d_staged
  * bounds it), or 0 where c leaves it to the engine. */
 static size_t piece_of(const cfg *c)
 {
@@ -894,7 +896,6 @@ int main(void)
     setenv("MTC_HELPER_THREADS", HELPERS_STR, 1);
     unsetenv("MTC_PINNED_CAP_BYTES");
     unsetenv("MTC_SLAB_HUGEPAGES");
-    unsetenv("MTC_H2D_WINDOW");
     mtc_engine_init_once();
     bind_fake();
     g_reps = UNDER_TSAN ? 2 : 4;

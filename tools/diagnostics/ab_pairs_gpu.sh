@@ -1,17 +1,16 @@
 #!/bin/bash
 # This tree against another build, in pairs of processes on one machine (GPU), the pair's order
 # rotating (new old, old new, ...) so that a machine whose speed drifts favours neither build.
-# Per arm (AB_PARTS, default "train gpu ref gil"):
+# Per arm (AB_PARTS, default "train gpu ref"):
 #   train: bench_train's launch-bound loops (AB_CONFIGS, default launch4: the multi-camera loop
 #          under bf16 autocast, and launch), AB_METHODS (default: ideal packed, i.e. the
-#          preloaded loop against PackedCollate + PrefetchLoader; add ideal_beside_loader for the
-#          share of the DataLoader's workers), AB_TRAIN_ROUNDS (2) rounds of 60 batches;
+#          preloaded loop against PackedCollate + PrefetchLoader), AB_TRAIN_ROUNDS (2) rounds
+#          of 60 batches;
 #   gpu:   the GPU-bound loop, AB_GPU_BATCHES (60) batches, in every pair (AB_GPU=first: only in
 #          pair FIRST; AB_GPU=0: in none). The whole-epoch figure carries the epoch's first batch (a wait no loader
 #          avoids); over 30 batches of this 47 ms step that alone is about 1.3%;
 #   ref:   the reference's harness on seed16 (bench_reference.py: start_copy's mean against .to(),
 #          AB_REF_RUNS (2) runs, and its latency distribution);
-#   gil:   the GIL the prefetch service holds per batch (gil_held.py);
 #   stages: where one start_copy's time goes (profile_stages.py: the engine's stage counters and
 #          its driver calls per call), collector on.
 # AB_PREV=TREE adds a third arm, "prev" (say the build before this change, beside the older
@@ -42,7 +41,6 @@ fi
 TRAIN="bench/bench_train.py --config ${AB_CONFIGS:-launch4 launch} --methods ${AB_METHODS:-ideal packed} --rounds ${AB_TRAIN_ROUNDS:-2} --batches 60"
 GPU="bench/bench_train.py --config gpu --methods ideal packed --rounds 1 --batches ${AB_GPU_BATCHES:-60}"
 REF="bench/bench_reference.py --runs ${AB_REF_RUNS:-2} --iters 300 --warmup 50 --calls 500 --baseline-calls 100 --only seed16"
-GIL="tools/diagnostics/gil_held.py --device cuda:0 --batches 100 --rounds 2 --workers 4"
 STAGES="tools/diagnostics/profile_stages.py --device cuda:0 --calls 300 --gc on"
 summary() {  # ARM PAIR DIR: the figures of one arm
   python3 - "$@" <<'EOF'
@@ -102,14 +100,13 @@ for i in $(seq "$first" "$last"); do
   for a in $order; do
     root=$PWD; [ "$a" = old ] && root=$old; [ "$a" = prev ] && root=$prev
     d="$scratch/$a$i"; mkdir -p "$d"
-    parts=" ${AB_PARTS:-train gpu ref gil} "; gpu=${AB_GPU:-each}
+    parts=" ${AB_PARTS:-train gpu ref} "; gpu=${AB_GPU:-each}
     [[ $parts == *" train "* ]] && PYTHONPATH=$root python3 $TRAIN --out "$d/train" > "$d/train.log" 2>&1
     [[ $parts == *" gpu "* ]] && { [ "$gpu" = each ] || { [ "$gpu" = first ] && [ "$i" = "$first" ]; }; } &&
       PYTHONPATH=$root python3 $GPU --out "$d/gpu" > "$d/gpu.log" 2>&1
     [[ $parts == *" ref "* ]] && PYTHONPATH=$root python3 $REF --out "$d/ref" > "$d/ref.log" 2>&1
-    [[ $parts == *" gil "* ]] && PYTHONPATH=$root python3 $GIL > "$d/gil.log" 2>&1
     [[ $parts == *" stages "* ]] && PYTHONPATH=$root python3 $STAGES > "$d/stages.log" 2>&1
-    { summary "$a" "$i" "$d"; grep -sE "^ *med" "$d/gil.log" | sed "s/^/pair $i $a gil /"
+    { summary "$a" "$i" "$d"
       grep -sE "^seed16 +gc" "$d/stages.log" | sed "s/^/pair $i $a stages /"
     } | tee -a "$out/ab.log"
     echo "pair $i $a: done at $((SECONDS - t0)) s" | tee -a "$out/ab.log"

@@ -34,8 +34,6 @@ PATTERNS: list[tuple[str, str]] = [
     ("{c} training thread's CPU ms/step, preloaded", rf"train (?P<c>\S+): .* cpu_ms=\S+?/{NUM}"),
     ("{c} packed step p99 ms", rf"tails (?P<c>\S+) packed step_ms: .* p99 {NUM}"),
     ("{c} packed step max ms", rf"tails (?P<c>\S+) packed step_ms: .* max {NUM}"),
-    ("GIL held by the service ms/batch (median)", rf"gil +med +{NUM}"),
-    ("gil_held __next__ ms", rf"gil +med +\S+ +\S+ +{NUM}"),
     ("harness seed16 start_copy ms", rf"harness seed16 mtc: {NUM} ms"),
     ("harness seed16 x .to()", rf"harness seed16 mtc: \S+ ms {NUM}x"),
     ("H2D latency mean ms", rf"latency seed16_H2D_mtc: mean {NUM}"),

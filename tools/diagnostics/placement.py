@@ -2,7 +2,7 @@
 and why?
 
     python3 tools/diagnostics/placement.py [--device cuda:0] [--calls 1500] [--warmup 200]
-                                           [--experiments] [--json PATH]
+                                           [--drift SECONDS] [--json PATH]
 
 It times ``start_copy(seed16, device).get()`` with a synchronize after each call (the reference
 batch: 528 small tensors), ``--calls`` calls after ``--warmup``, and prints:
@@ -23,10 +23,7 @@ batch: 528 small tensors), ``--calls`` calls after ``--warmup``, and prints:
   (``/proc/self/numa_maps``).
 
 ``--drift SECONDS`` then sweeps every CPU's speed once a second (which CPUs run slow, and for how
-long they stay so). ``--experiments`` pins the threads in turn and times each placement (``--calls`` / 2 calls
-each): as the scheduler placed them; the transfer thread on the main thread's CPU, on its SMT
-sibling, on another core, on another NUMA node (where there is one); the helpers off the main
-thread's core; and the fixed loop on every CPU (a CPU that runs it slower is one the host shares).
+long they stay so): a CPU that runs the fixed loop slower is one the host shares.
 
 The output's last line is JSON (also written to ``--json``), so that a script can collect many
 processes. Run it several times, each in a fresh process: a process keeps the placement it got.
@@ -250,55 +247,6 @@ def gpu_dma_us(batch: Any, device: str, calls: int = 100) -> Optional[float]:
     return statistics.median(times)
 
 
-# --------------------------------------------------------------------------- experiments
-
-def _setaff(tids: list[int], cpus: set[int]) -> None:
-    for t in tids:
-        try:
-            os.sched_setaffinity(t, cpus)
-        except OSError:
-            pass
-
-
-def experiments(batch: Any, device: str, calls: int, m: dict[str, Any]) -> dict[str, Any]:
-    allowed = os.sched_getaffinity(0)
-    eng = engine_threads()
-    main_cpu = _stat(os.getpid())[0]  # type: ignore[index]
-    sib = next((c for core in m["cores"] if main_cpu in core for c in core if c != main_cpu), None)
-    core_of = {c: tuple(core) for core in m["cores"] for c in core}
-    node_of = {c: n for n, cs in m["nodes"].items() for c in cs}
-    other_core = next((c for c in sorted(allowed) if core_of.get(c) != core_of.get(main_cpu)
-                       and node_of.get(c) == node_of.get(main_cpu)), None)
-    other_node = next((c for c in sorted(allowed) if node_of.get(c) != node_of.get(main_cpu)), None)
-    plans: list[tuple[str, Optional[int]]] = [("xfer on the main thread's CPU", main_cpu),
-                                              ("xfer on its SMT sibling", sib),
-                                              ("xfer on another core", other_core),
-                                              ("xfer on another NUMA node", other_node)]
-    out: dict[str, Any] = {"main_cpu": main_cpu}
-    os.sched_setaffinity(0, {main_cpu})
-    out["as placed (main pinned)"] = measure(batch, device, calls, with_stages=True)
-    for name, cpu in plans:
-        if cpu is None:
-            continue
-        _setaff(eng["xfer"], {cpu})
-        out[f"{name} ({cpu})"] = measure(batch, device, calls, with_stages=True)
-    _setaff(eng["xfer"], allowed)
-    away = allowed - set(core_of.get(main_cpu, (main_cpu,)))
-    if away:
-        _setaff(eng["helpers"] + eng["xfer"], away)
-        out["engine threads off the main thread's core"] = measure(batch, device, calls, with_stages=True)
-        _setaff(eng["helpers"] + eng["xfer"], allowed)
-    os.sched_setaffinity(0, allowed)
-    # the fixed loop on each CPU: the host's share of each
-    loop = {}
-    for c in sorted(allowed):
-        os.sched_setaffinity(0, {c})
-        loop[c] = min(machine_speed() for _ in range(5)) * 1e3
-    os.sched_setaffinity(0, allowed)
-    out["cpu_loop_ms_per_cpu"] = loop
-    return out
-
-
 def drift(seconds: float, period: float = 1.0) -> dict[str, Any]:
     """Every ``period`` s for ``seconds``: the fixed loop's best of 3 on each CPU in turn (this
     thread pinned there). Which CPUs run slow, and for how long they stay so."""
@@ -334,7 +282,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--baseline-calls", type=int, default=100)
-    ap.add_argument("--experiments", action="store_true")
     ap.add_argument("--drift", type=float, default=0.0, metavar="SECONDS",
                     help="then sweep every CPU's speed once a second for SECONDS (how long slow CPUs stay slow)")
     ap.add_argument("--json")
@@ -363,8 +310,6 @@ def main() -> None:
         to = time_calls(lambda: tree_map(lambda t: t.to(dev), batch), sync, args.baseline_calls)
         res["pin_memory_to_ms"] = summary(pin)
         res["to_ms"] = summary(to)
-    if args.experiments:
-        res["experiments"] = experiments(batch, dev, max(args.calls // 2, 50), m)
     if args.drift:
         res["drift"] = drift(args.drift)
 
@@ -393,14 +338,6 @@ def main() -> None:
     for k in ("pin_memory_to_ms", "to_ms"):
         if k in res:
             print(f"control {k[:-3]}: mean {res[k]['mean']:.3f} p50 {res[k]['p50']:.3f} ms")
-    if args.experiments:
-        for name, v in res["experiments"].items():
-            if isinstance(v, dict) and "ms" in v:
-                print(f"experiment {name}: mean {v['ms']['mean']:.3f} p50 {v['ms']['p50']:.3f} ms, "
-                      f"loop {v['cpu_loop_ms']:.3f} ms; " +
-                      " ".join(f"{k}={x:.0f}" for k, x in v["stages_us"].items() if x >= 1))
-        loop = res["experiments"]["cpu_loop_ms_per_cpu"]
-        print("fixed loop per CPU (ms): " + " ".join(f"{c}:{v:.3f}" for c, v in loop.items()))
     if args.drift:
         d = res["drift"]
         print(f"CPU speed over {d['sweeps']} sweeps, {d['period_s']} s apart ('s': the fixed loop over 1.3x "

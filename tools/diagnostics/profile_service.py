@@ -19,17 +19,10 @@ tensor + 264 small tensors (265 leaves). Every figure is the calling thread's CP
   before the next call, as a training loop drops them (outside the timed call);
 - ``to``, asleep before each: the same with the thread asleep for ``--idle-ms`` before each call
   (as the service sleeps between batches), with the engine split;
-- ``torch floor``: what torch alone costs for what the service cannot avoid: the batch's count of
-  tensor objects made with one ``unsafe_split_with_sizes`` (hot, and asleep before each), and a
-  DataLoader's receive of a batch of 8 ints over 2 workers;
 - ``service``: a PrefetchLoader over a DataLoader of 2 workers, its consumer spinning in Python for
   ``--step-ms`` per batch: ``stats()`` (``service_cpu_ms_per_batch``, of it
   ``service_next_ms_per_batch``) and the engine split per batch; then the same with a consumer that
-  sleeps (the service alone with the GIL);
-- ``gil retakes``: the service's path run next to a thread that spins in Python (as a
-  launch-bound training thread holds the GIL): every time the service releases the GIL it waits
-  for a forced switch (``sys.setswitchinterval``, 2 ms here), so (wall - CPU) / interval counts
-  the hand-offs per batch.
+  sleeps (the service alone with the GIL).
 
 The ``--height/--width`` default is bench_train's launch loop; on the CPU the copy is a memcpy of
 the whole batch, so ``--device cpu`` defaults to 8x8 images to leave the per-leaf work visible.
@@ -42,7 +35,6 @@ import os
 import pickle
 import statistics
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -177,47 +169,6 @@ def timed_loop(fn, items: list, idle_s: float = 0.0, device: str = "cpu") -> lis
     return out
 
 
-class _Tiny(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 1 << 20
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-def _tiny_collate(samples: list) -> tuple:
-    return tuple(samples)
-
-
-def torch_floor(leaves: int, n: int, idle_s: float, device: str) -> dict[str, float]:
-    """What torch alone costs for the parts of a batch the service cannot avoid, thread CPU ms
-    per batch (median of n): ``leaves`` tensor objects made with torch's cheapest call per view
-    (one ``unsafe_split_with_sizes`` of a flat tensor), in a hot loop and after ``idle_s``
-    asleep; and the receive of a DataLoader over 2 workers whose batch is a tuple of 8 ints
-    (torch's own queue, unpickle and index bookkeeping, no tensor), ``idle_s`` asleep before each
-    as the service waits for a batch."""
-    from mtc_loader.prefetch import _next_of
-    base = torch.empty(leaves * 4, device=device)
-    sizes = [4] * leaves
-    split = lambda _: base.unsafe_split_with_sizes(sizes)  # noqa: E731
-    out = {"views hot": timed_loop(split, list(range(n))),
-           "views idle": timed_loop(split, list(range(n)), idle_s, device)}
-    loader = torch.utils.data.DataLoader(_Tiny(), batch_size=8, num_workers=2, collate_fn=_tiny_collate)
-    it = iter(loader)
-    take = _next_of(it)
-    for _ in range(8):
-        take()
-    times = []
-    for _ in range(n):
-        time.sleep(idle_s)
-        t0 = time.thread_time()
-        take()
-        times.append(time.thread_time() - t0)
-    out["DataLoader receive"] = times
-    del take, it, loader
-    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
-
-
 def timed(fn, items) -> list[float]:
     out = []
     for x in items:
@@ -230,25 +181,6 @@ def timed(fn, items) -> list[float]:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def cprofile_service(batches: list, dev: str, cpu: bool) -> None:
-    """The service's per-batch path (start on the copy stream, finish, hand out) under cProfile."""
-    import cProfile
-    import pstats
-    from mtc_loader.prefetch import SideCopy, _start
-    index = -1 if cpu else torch.device(dev).index or 0
-    consumer = None if cpu else torch.cuda.current_stream(index)
-    prof = cProfile.Profile()
-    outs = []
-    prof.enable()
-    for b in batches:
-        side = SideCopy(_start(b, index if not cpu else "cpu", {}), index)
-        side._finish(consumer)
-        outs.append(side.get())
-    prof.disable()
-    sync(dev)
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def engine_split(run: Callable[[], Any], device: str) -> dict[str, float]:
@@ -264,35 +196,6 @@ def engine_split(run: Callable[[], Any], device: str) -> dict[str, float]:
     return {k[10:]: (after[k] - before[k]) / max(n, 1) / 1e6 for k in STAGES}
 
 
-def gil_retakes(fn, items, interval: float = 2e-3) -> tuple[float, float]:
-    """(retakes per batch, CPU ms per batch) of fn next to a thread spinning in Python."""
-    stop = False
-
-    def spin() -> None:
-        x = 0
-        while not stop:
-            x += 1
-
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
-    th = threading.Thread(target=spin, daemon=True)
-    th.start()
-    time.sleep(0.05)
-    walls, cpus, outs = [], [], []
-    try:
-        for x in items:
-            w0, c0 = time.perf_counter(), time.thread_time()
-            outs.append(fn(x))  # kept: the outputs are dropped by the training thread, not here
-            cpus.append(time.thread_time() - c0)
-            walls.append(time.perf_counter() - w0)
-    finally:
-        stop = True
-        th.join()
-        sys.setswitchinterval(saved)
-    wall, cpu = statistics.median(walls), statistics.median(cpus)
-    return (wall - cpu) / interval, cpu * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -301,7 +204,6 @@ def main() -> int:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cprofile", action="store_true", help="cProfile of the service's per-batch path")
     ap.add_argument("--receive", action="store_true", help="time the receive (forks a packing child)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="the spinning consumer's step (service stage)")
     ap.add_argument("--idle-ms", type=float, default=5.0, help="sleep before each call of the idle loop")
@@ -353,14 +255,6 @@ def main() -> int:
     put(f"PackedBatch.to(dev), {a.idle_ms:g} ms asleep before each", med(idle))
     for k, v in split.items():
         put(f"  engine {k}", v)
-    for k, v in torch_floor(leaves, n, a.idle_ms / 1e3, dev).items():
-        put(f"torch floor: {k}", v)
-    path = (lambda b: mtc_loader.start_side_copy(b, dev).get()) if not cpu else (lambda b: b.start_copy(dev).get())
-    retakes, busy_cpu = gil_retakes(path, fresh())
-    put("GIL retakes per batch (next to a spinning thread)", retakes)
-    put("  CPU ms per batch next to a spinning thread", busy_cpu)
-    if a.cprofile:
-        cprofile_service(fresh(), dev, cpu)
     for key, v in service(collate, ds, dev, n, a.samples, a.step_ms / 1e3).items():
         put(f"service: {key}", v)
     with split_service_thread() as parts:

@@ -6,55 +6,23 @@
 #   bash tools/release/gpu_checks.sh soak      # tools/diagnostics/soak.py (100,000 start_copy, 10,000 loader batches)
 #   bash tools/release/gpu_checks.sh cuda      # build in place; the CUDA tests only (-m cuda)
 #   bash tools/release/gpu_checks.sh train     # bench_train.py (both loops) and bench_loader.py with a 5 ms step
-#   bash tools/release/gpu_checks.sh ab DIR    # bench_copy.py of this tree and of the tree in DIR (built in
-#                                      # place there), alternating: new, old, old, new
 #   bash tools/release/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
 #   bash tools/release/gpu_checks.sh sanitize-prefetch  # memcheck + racecheck over the prefetch CUDA tests
-#   bash tools/release/gpu_checks.sh ab-next DIR  # bench_loader --step-ms 5 (packed_prefetch: the training
-#                                      # thread's __next__) with this tree's package and DIR's,
-#                                      # alternating: new, old, old, new
-#   bash tools/release/gpu_checks.sh ab-train DIR  # bench_train.py (ideal and packed; TRAIN_CONFIG: launch
-#                                      # and/or gpu, default launch) with this tree's package and
-#                                      # DIR's, alternating: new, old, old, new
-#   bash tools/release/gpu_checks.sh frameworks  # Lightning and accelerate tests (CUDA and CPU), the
-#                                      # launcher (ddp_spawn) tests, then the profile ranges of a
-#                                      # PackedCollate + PrefetchLoader loop: torch.profiler (Chrome
-#                                      # trace and summary) and the engine's NVTX ranges (tests/
-#                                      # nvtx_tool.c). Wheels carried in .whl (tools/release/fetch_wheels.sh)
-#                                      # are installed into /tmp/site where the machine lacks them
-#                                      # (FORCE_WHEELS=1: all), with no index and no dependency resolution;
-#                                      # it builds the engine in place itself (NO_INSTALL=1 skips pip -e);
-#                                      # FRAMEWORKS_ON_CPU=1 lets it run without a GPU (a dry run)
-#   bash tools/release/gpu_checks.sh release    # tools/release/run_benchmarks.sh --out $OUT/release: every
-#                                      # benchmark of docs/benchmarks.md (~7 min on one H100) and a
-#                                      # preview of the page; RELEASE_QUICK=1: --quick,
-#                                      # RELEASE_DEVICE=cpu: a dry run without a GPU
-#   bash tools/release/gpu_checks.sh openmmlab # OpenMMLab's real stack: the carried wheels (.whl: mmengine,
-#                                      # mmdet, mmdet3d and their pure-Python needs, setuptools<81)
-#                                      # into /tmp/site, mmcv 2.1.0 built there with its CPU ops from
-#                                      # the carried .whl/mmcv-2.1.0.tar.gz (the machine has no
-#                                      # index), the engine in place; then tests/test_openmmlab.py and
-#                                      # bench/bench_openmmlab.py. SETUP_ONLY=1: the set-up alone
-#                                      # (then: export PYTHONPATH=$PWD:/tmp/site)
-#   bash tools/release/gpu_checks.sh openmmlab-train  # the openmmlab mode's set-up, then
-#                                      # bench/bench_openmmlab_train.py for each model of TRAIN_MODELS
-#                                      # (default: yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs
-#                                      # of plain and switched arms each, trained through the Runner:
-#                                      # it/s per pair and the ratios' median and spread, data_time,
-#                                      # the step's split, the losses' agreement. The models share the
-#                                      # time left until TRAIN_DEADLINE_S (530) after the mode's start
-#                                      # (weights 2 : 3 : 3): each bench sizes its iterations per arm to
-#                                      # its share (--budget-s) from a warm-up arm. $OUT gets five files:
-#                                      # openmmlab_train.log (the summaries), one JSON per model, and
-#                                      # openmmlab_train.tgz (the child configs, each model's log and
-#                                      # its arms' log, the set-up's logs). A dry run without a GPU:
-#                                      # TRAIN_DEVICE=cpu TRAIN_QUICK=1 (and NO_INSTALL=1 where this
-#                                      # tree must not be pip-installed)
-#   bash tools/release/gpu_checks.sh mmengine  # mtc_loader.mmengine: the register_container and mmengine tests
-#                                      # (CUDA and CPU) and bench/bench_mmengine.py (mmengine's own
-#                                      # pseudo_collate + cast_data against the config switch); the
-#                                      # carried wheels (.whl, tools/release/fetch_wheels.sh) that are missing
-#                                      # here go to /tmp/site as in the frameworks mode
+#   bash tools/release/gpu_checks.sh frameworks  # Lightning, accelerate and launcher tests, then
+#       torch.profiler's and the engine's NVTX ranges (tests/nvtx_tool.c) over a prefetching loop
+#   bash tools/release/gpu_checks.sh release    # tools/release/run_benchmarks.sh: every benchmark
+#       of docs/benchmarks.md (~7 min on one H100) and a preview of the page
+#   bash tools/release/gpu_checks.sh openmmlab  # OpenMMLab's stack set up offline (mmcv 2.1.0 built
+#       with its CPU ops), then tests/test_openmmlab.py and bench/bench_openmmlab.py
+#   bash tools/release/gpu_checks.sh openmmlab-train  # that set-up, then bench_openmmlab_train.py
+#       per model of TRAIN_MODELS (yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs each,
+#       sharing the time until TRAIN_DEADLINE_S (530) by weight (2 : 3 : 3)
+#   bash tools/release/gpu_checks.sh mmengine  # the mmengine tests and bench/bench_mmengine.py
+# Wheels carried in .whl (tools/release/fetch_wheels.sh) go to /tmp/site where missing (no index;
+# FORCE_WHEELS=1: all). Dry runs without a GPU: FRAMEWORKS_ON_CPU=1, RELEASE_DEVICE=cpu
+# (RELEASE_QUICK=1: --quick), TRAIN_DEVICE=cpu TRAIN_QUICK=1. NO_INSTALL=1 skips pip -e;
+# SETUP_ONLY=1 stops openmmlab after its set-up (then: export PYTHONPATH=$PWD:/tmp/site).
+# A/B comparisons of two builds: tools/diagnostics/ab_pairs_gpu.sh.
 # Results go to $OUT (the device tool's output folder) or bench/results.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -64,20 +32,6 @@ mkdir -p "$out"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py"
 for t in tests/test_loader.py tests/test_faults.py tests/test_fuzz.py; do [ -f "$t" ] && cuda_tests="$cuda_tests $t"; done
-# alternate OLD LOG PATTERN SCRIPT ARGS...: builds the tree OLD in place, then runs SCRIPT with
-# this tree's package and OLD's, alternating new, old, old, new, keeping the lines that match
-# PATTERN in $out/LOG
-alternate() {
-    local old=$1 log=$2 pattern=$3 v p
-    shift 3
-    (cd "$old" && python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error")
-    for v in new old old new; do
-        p=$PWD; [ $v = old ] && p=$(cd "$old" && pwd)
-        echo "== $v ($p)" >> "$out/$log"
-        PYTHONPATH=$p python3 "$@" --out /tmp/alternate_$v 2>&1 | grep -E "$pattern" >> "$out/$log"
-    done
-    cat "$out/$log"
-}
 # openmmlab_setup: OpenMMLab's stack on a machine with no index: the carried wheels (.whl) that
 # are missing here, and setuptools<81, into /tmp/site; mmcv 2.1.0 built from the carried sdist
 # with its CPU ops (no GPU visible to the build: what mmdet3d.structures imports; training a model
@@ -131,9 +85,6 @@ train)
     python3 bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --out /tmp/loader_step \
         > "$out/loader.log" 2>&1
     echo "bench_loader rc=$?"; tail -12 "$out/loader.log" ;;
-ab)
-    alternate "${2:?ab needs the old tree}" copy.log " mtc | to " \
-        bench/bench_copy.py --only seed16 seed4 seed64 4096x64B --rounds 12 ;;
 profile)
     { python3 tools/diagnostics/profile_stages.py --calls 100 --gc both
       for n in 4 8 14; do
@@ -149,13 +100,6 @@ sanitize-prefetch)
     timeout 60 "$cs" --tool racecheck \
         python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or switches" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
-ab-next)
-    alternate "${2:?ab-next needs the old tree}" next.log "PrefetchLoader  |__next__" \
-        bench/bench_loader.py --device cuda:0 --workers 4 --rounds 2 --step-ms 5 --methods packed_prefetch ;;
-ab-train)
-    alternate "${2:?ab-train needs the old tree}" train_ab.log "^(launch[45]?|gpu) " \
-        bench/bench_train.py --config ${TRAIN_CONFIG:-launch} --workers 4 --batches "${TRAIN_BATCHES:-150}" \
-        --rounds 2 --methods packed ;;
 frameworks)
     site=/tmp/site
     if [ -d .whl ]; then

@@ -11,7 +11,7 @@
  * ends normally, so a run that ends by its own summary is left alone. Other processes (children,
  * forked tests) have other pids and exit as usual.
  *
- *     cc -O2 -fPIC -shared -o /tmp/exit_trap.so tools/diagnostics/exit_trap.c -ldl
+ *     cc -O2 -fPIC -shared -o /tmp/exit_trap.so tests/exit_trap.c -ldl
  *     LD_PRELOAD=/tmp/exit_trap.so python3 -m pytest -q -m "not ctests" tests/test_faults.py
  *
  * The line it writes first goes to the process's stderr (under pytest's capture, into the
