@@ -78,8 +78,8 @@ def warn_environment(check: bool = False) -> None:
 # Every MTC_* variable the project reads: the engine's (csrc/engine/env.c), the build's (setup.py),
 # and those of its tests, benchmarks and tools (tests/test_env.py checks the list against them).
 KNOWN_ENVIRONMENT = frozenset({
-    "MTC_PINNED_CAP_BYTES", "MTC_NO_BATCH_MEMCPY", "MTC_SLAB_HUGEPAGES", "MTC_H2D_RING", "MTC_H2D_PIECE_BYTES",
-    "MTC_H2D_TASK_BYTES", "MTC_H2D_WINDOW", "MTC_STAGE_NT", "MTC_INLINE_MAX_BYTES", "MTC_EARLY_GC",
+    "MTC_PINNED_CAP_BYTES", "MTC_NO_BATCH_MEMCPY", "MTC_SLAB_HUGEPAGES", "MTC_H2D_RING", "MTC_INLINE_MAX_BYTES",
+    "MTC_EARLY_GC",
     "MTC_HELPER_THREADS", "MTC_FILE_READER", "MTC_URING_DEPTH", "MTC_FILE_DIRECT", "MTC_ARENA_POPULATE",
     "MTC_URING_ASYNC", "MTC_URING_MAX_IO", "MTC_TORCH_SHIM", "MTC_C_HANDOFF", "MTC_QUIET_PIPES", "MTC_PACK_NT",
     # the build

@@ -24,7 +24,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from . import _dtypes, _engine, _tree
 from ._device import target_index
-from ._options import seconds, size
+from ._options import positive_int, seconds, size
 from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
 from ._tree import LEAF
 from .handle import AsyncCopyHandle
