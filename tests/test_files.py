@@ -422,11 +422,15 @@ def test_mixed_with_tensors_and_numpy(tmp_path, reader):
     lidar.tofile(tmp_path / "l.bin")
     batch = [{"lidar": FileTensor(tmp_path / "l.bin", torch.float32, (-1, 5)),
               "t": torch.arange(10) + i, "n": np.full(3, i, np.int16), "name": f"s{i}"} for i in range(4)]
-    for out in (start_copy(batch, "cpu").get(), PackedCollate(list, arena_bytes=ARENA)(batch).unpack()):
+    for out, kept in ((start_copy(batch, "cpu").get(), False),
+                      (PackedCollate(list, arena_bytes=ARENA)(batch).unpack(), True)):
         for i, s in enumerate(out):
             check_equal(s["lidar"], lidar, torch.float32)
             assert torch.equal(s["t"], torch.arange(10) + i)
-            assert torch.equal(s["n"], torch.full((3,), i, dtype=torch.int16))
+            if kept:  # a packed batch keeps its numpy arrays
+                assert s["n"].dtype == np.int16 and np.array_equal(s["n"], np.full(3, i, np.int16))
+            else:  # start_copy converts them
+                assert torch.equal(s["n"], torch.full((3,), i, dtype=torch.int16))
             assert s["name"] == f"s{i}"
 
 

@@ -280,13 +280,17 @@ def _is_namedtuple(x) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def check_tree(out, data, device: str, reuse: bool, where: str = "data") -> None:
+def check_tree(out, data, device: str, reuse: bool, where: str = "data", packed: bool = False) -> None:
     """out mirrors data: same container types, tensors equal to their reference bitwise,
-    passthrough leaves (and, when reuse, tensors already on device) the same objects."""
+    passthrough leaves (and, when reuse, tensors already on device) the same objects; numpy
+    arrays converted (start_copy) or, ``packed``, kept as they are (a packed batch)."""
     if isinstance(data, torch.Tensor):
         assert_bits(out, tensor_ref(data, device), where)
         if reuse and data.device == torch.device(device):
             assert out is data, f"{where}: a tensor already on {device} was not returned as is"
+    elif isinstance(data, np.ndarray) and packed:
+        assert type(out) is np.ndarray and out.dtype == data.dtype and out.shape == data.shape, where
+        assert out.tobytes() == data.tobytes(), f"{where}: bytes differ"
     elif isinstance(data, np.ndarray):
         assert_bits(out, array_ref(data, device), where)
     elif isinstance(data, (list, tuple, dict)) or (dataclasses.is_dataclass(data) and not isinstance(data, type)):
@@ -296,16 +300,16 @@ def check_tree(out, data, device: str, reuse: bool, where: str = "data") -> None
             if isinstance(data, collections.defaultdict):
                 assert out.default_factory is data.default_factory, f"{where}: default_factory lost"
             for k in data:
-                check_tree(out[k], data[k], device, reuse, f"{where}[{k!r}]")
+                check_tree(out[k], data[k], device, reuse, f"{where}[{k!r}]", packed)
         elif isinstance(data, (list, tuple)):
             assert len(out) == len(data), f"{where}: length {len(out)} != {len(data)}"
             sep = "." if _is_namedtuple(data) else ""
             names = type(data)._fields if sep else range(len(data))
             for name, o, d in zip(names, out, data):
-                check_tree(o, d, device, reuse, f"{where}.{name}" if sep else f"{where}[{name}]")
+                check_tree(o, d, device, reuse, f"{where}.{name}" if sep else f"{where}[{name}]", packed)
         else:
             for f in dataclasses.fields(data):
-                check_tree(getattr(out, f.name), getattr(data, f.name), device, reuse, f"{where}.{f.name}")
+                check_tree(getattr(out, f.name), getattr(data, f.name), device, reuse, f"{where}.{f.name}", packed)
     else:
         assert out is data, f"{where}: passthrough leaf {data!r} came back as {out!r}"
 
@@ -387,7 +391,7 @@ def test_packed_collate_roundtrip(device, samples, align, alias):
     out = batch.unpack(device)
     if device.startswith("cuda"):
         torch.cuda.current_stream().synchronize()
-    check_tree(out, samples, device, reuse=False)
+    check_tree(out, samples, device, reuse=False, packed=True)
     # every region went back to the arena (CPU: at unpack; CUDA: once its DMA completed)
     if device == "cpu":
         assert pc.stats()["slots_in_use"] == 0

@@ -238,7 +238,7 @@ def test_arena_carries_its_creators_table_to_the_processes_it_is_pickled_to():
     import pickle
     arena = mtc_loader.Arena(1 << 16)
     args = arena.__reduce__()[1]
-    assert args[-1] == _dtypes.TABLE
+    assert args[3] == _dtypes.TABLE  # (dupfd, token, expected, the creator's table, ...)
     pickle.dumps(arena)  # the resource sharer's registration; closed with the arena
 
 

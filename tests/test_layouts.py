@@ -290,12 +290,16 @@ def test_numpy_writeable_to_cpu_is_shared(name, a):
 def test_numpy_packed_batch_keeps_layout(device):
     arrays = dict(_arrays())
     pc = mtc_loader.PackedCollate(lambda s: s[0], arena_bytes=ARENA)
-    out = pc([arrays]).unpack(device)
-    sync(device)
-    for k, a in arrays.items():
-        ref = _numpy_ref(a, device)
-        assert out[k].stride() == ref.stride(), f"{k}: {out[k].stride()} != {ref.stride()}"
-        assert_bitwise(out[k], ref, k)
+    kept = pc([arrays]).unpack(device)
+    assert all(type(kept[k]) is np.ndarray and kept[k].dtype == a.dtype for k, a in arrays.items())
+    # packed as tensors where the consumer asks for them (PrefetchLoader(numpy_to_tensors=True) tells the arena)
+    pc.arena._numpy_tensors = True
+    for out in (pc([arrays]).unpack(device), pc([arrays]).unpack(device, numpy_to_tensors=True)):
+        sync(device)
+        for k, a in arrays.items():
+            ref = _numpy_ref(a, device)
+            assert out[k].stride() == ref.stride(), f"{k}: {out[k].stride()} != {ref.stride()}"
+            assert_bitwise(out[k], ref, k)
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -115,7 +115,7 @@ UNPACK_CASES = [pytest.param("cpu", id="cpu"), pytest.param("cuda:0", id="cuda:0
 @given(samples=st.lists(trees(max_leaves=16), min_size=1, max_size=4), align=st.sampled_from(ALIGNMENTS))
 def test_unpack_makers_agree(device, samples, align):
     wrapped, stolen, split_out = _unpack_both(samples, align, device)
-    check_tree(wrapped, samples, device, reuse=False)
+    check_tree(wrapped, samples, device, reuse=False, packed=True)
     assert_same_layout(wrapped, split_out)
     assert_same_layout(stolen, split_out)
 
@@ -166,7 +166,7 @@ def test_seed_batch_through_the_shim_one_storage_per_dtype_no_gap_pieces(device,
     assert len(storages) == len({t.dtype for t in outs}) == 3
     assert all(len(dtypes) == 1 for dtypes in storages.values())
     assert all(t.data_ptr() % 16 == 0 for t in outs)
-    check_tree(out, batch, device, reuse=False)
+    check_tree(out, batch, device, reuse=False, packed=True)
     if kept is not None:
         # never a piece per gap
         assert len(kept) <= 8, len(kept)
