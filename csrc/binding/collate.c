@@ -290,7 +290,7 @@ static int _pack_write(const mtc_tree *t, const mtc_plan *p, uint8_t *dst)
     job->nops = 1;
     job->nitems = t->nleaves;
     Py_BEGIN_ALLOW_THREADS
-    mtc_job_run(job);
+    mtc_transfer_run(job);
     Py_END_ALLOW_THREADS
     int rc = 0;
     if (job->err) { /* only file reads fail here */

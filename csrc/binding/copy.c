@@ -487,14 +487,14 @@ static int _submit(_copy *c, mtc_handle *h)
 {
     if (!c->job) return 0;
     if (c->background && (mtc_handle_on_service() || !_small_h2d(c->job))) {
-        int rc = mtc_job_submit(c->job);
+        int rc = mtc_transfer_submit(c->job);
         if (rc) {
             PyErr_Format(PyExc_RuntimeError, "mtc_loader: cannot start the transfer thread: %s", strerror(-rc));
             return -1;
         }
     } else {
         Py_BEGIN_ALLOW_THREADS
-        mtc_job_run(c->job);
+        mtc_transfer_run(c->job);
         Py_END_ALLOW_THREADS
     }
     h->job = c->job;

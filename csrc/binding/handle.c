@@ -126,7 +126,7 @@ static int _handle_wait(mtc_handle *h)
     int rc, ran;
     /* still queued (the transfer thread has not woken up yet): run it here */
     Py_BEGIN_ALLOW_THREADS
-    ran = mtc_job_take_back(j);
+    ran = mtc_transfer_take_back(j);
     Py_END_ALLOW_THREADS
     (void)ran;
     for (;;) {

@@ -289,8 +289,8 @@ static int _put(PyObject *d, const char *k, unsigned long long v)
 
 static PyObject *engine_stats(PyObject *module, PyObject *unused)
 {
-    mtc_engine_stats e;
-    mtc_engine_get_stats(&e);
+    mtc_transfer_stats e;
+    mtc_transfer_get_stats(&e);
     PyObject *d = PyDict_New();
     if (!d) return NULL;
 #define P(name, v) if (_put(d, name, (unsigned long long)(v))) goto error
@@ -364,7 +364,7 @@ static PyObject *engine_trim(PyObject *module, PyObject *unused)
 static PyObject *engine_shutdown(PyObject *module, PyObject *unused)
 {
     Py_BEGIN_ALLOW_THREADS
-    mtc_engine_shutdown();
+    mtc_transfer_shutdown();
     mtc_uring_shutdown();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -695,7 +695,7 @@ static int engine_exec(PyObject *module)
     st->kw_dtype_device_pin = Py_BuildValue("(sss)", "dtype", "device", "pin_memory");
     if (!st->kw_dtype_device || !st->kw_dtype_device_pin) return -1;
     if (mtc_collector_init(st)) return -1;
-    mtc_engine_init_once();
+    mtc_transfer_init_once();
     mtc_nvtx_init();
     if (PyModule_AddObjectRef(module, "Skeleton", (PyObject *)st->skeleton_type)) return -1;
     return PyModule_AddObjectRef(module, "mtc_handle", (PyObject *)st->handle_type);

@@ -118,7 +118,7 @@ static void _unpack_issue(mtc_job *job, const uint8_t *region, const mtc_group *
         if (!groups[g].host)
             job->items[k++] = (mtc_item){.src = (uintptr_t)(region + groups[g].lo), .dst = ptr[g],
                                          .nbytes = groups[g].hi - groups[g].lo, .dev = -1, .leaf = -1};
-    if (!background || mtc_job_submit(job)) mtc_job_run(job);
+    if (!background || mtc_transfer_submit(job)) mtc_transfer_run(job);
 }
 
 /* The memcpy of the host groups (every group for a CPU target, the

@@ -77,7 +77,7 @@ enum { MTC_JOB_PENDING = 0, MTC_JOB_DONE = 1, MTC_JOB_FAILED = 2 };
 
 typedef struct mtc_job {
     _Atomic uint32_t state;     /* futex word: MTC_JOB_* */
-    _Atomic uint32_t claimed;   /* 1 once a thread took the job to run it (mtc_job_run) */
+    _Atomic uint32_t claimed;   /* 1 once a thread took the job to run it (mtc_transfer_run) */
     _Atomic int32_t refs;
     int32_t target;             /* MTC_DEV_CPU (-1) or a CUDA device */
     int staging;                /* use_pinned_staging */
@@ -127,7 +127,7 @@ void mtc_job_after_fork_child(void);
 /* CLOCK_MONOTONIC in nanoseconds. */
 int64_t mtc_now_ns(void);
 
-/* The engine's counters (mtc_engine_get_stats), bumped by the dispatch and
+/* The engine's counters (mtc_transfer_get_stats), bumped by the dispatch and
  * every runner, listed once: X(field, the key mtc_loader.stats() gives it).
  * jobs_* count jobs; items_copied, bytes_* what they moved; dma_calls the
  * driver's copy calls (batch_calls of them batched, batch_fallbacks the times

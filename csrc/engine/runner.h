@@ -13,7 +13,7 @@
  * the caller of an inline job), never touches Python, and returns 0 or a
  * negative code (errno, or a CUDA error as in cuda.h). A runner that fails
  * records the error in its job (mtc_run_fail) and returns it; the dispatch in
- * mtc_job_run stops issuing ops after the first one.
+ * mtc_transfer_run stops issuing ops after the first one.
  */
 #ifndef MTC_RUNNER_H
 #define MTC_RUNNER_H

@@ -22,7 +22,7 @@
 
 /* ---- counters ---- */
 
-void mtc_engine_get_stats(mtc_engine_stats *o)
+void mtc_transfer_get_stats(mtc_transfer_stats *o)
 {
 #define _G(f, key) o->f = mtc_load_relaxed(&mtc_run_st.f);
     MTC_COUNTERS(_G)
@@ -49,7 +49,7 @@ static void _sync_streams(mtc_run *r)
     MTC_COUNT(ns_sync, mtc_now_ns() - t0);
 }
 
-int mtc_job_run(mtc_job *j)
+int mtc_transfer_run(mtc_job *j)
 {
     /* one thread runs a job: the transfer thread that pops it, or a caller of
      * get() that finds it still queued (it would otherwise wait for the
@@ -124,9 +124,9 @@ int mtc_job_run(mtc_job *j)
     return 1;
 }
 
-int mtc_job_take_back(mtc_job *j)
+int mtc_transfer_take_back(mtc_job *j)
 {
-    if (!j->t_submit || !mtc_job_run(j)) return 0;
+    if (!j->t_submit || !mtc_transfer_run(j)) return 0;
     MTC_COUNT(jobs_taken_back, 1);
     return 1;
 }
@@ -161,7 +161,7 @@ static void *_worker_main(void *arg)
         if (!item) {
             uint32_t bell = mtc_load_acquire(&w->doorbell); /* pairs with the release bump in _wake */
             mtc_store_relaxed(&w->sleeping, 1);
-            /* Dekker handshake with mtc_job_submit: either the producer sees
+            /* Dekker handshake with mtc_transfer_submit: either the producer sees
              * sleeping=1 and rings, or this re-check sees its item. */
             mtc_fence_seq_cst();
             item = mtc_ring_pop_sc(&w->ring);
@@ -175,7 +175,7 @@ static void *_worker_main(void *arg)
         }
         if (item == _STOP) break;
         mtc_job *j = item;
-        mtc_job_run(j);
+        mtc_transfer_run(j);
         mtc_job_release(j); /* the engine's reference: its last touch of the job */
     }
     return NULL;
@@ -237,7 +237,7 @@ static void _push(_worker *w, void *item)
     _wake(w);
 }
 
-int mtc_job_submit(mtc_job *j)
+int mtc_transfer_submit(mtc_job *j)
 {
     int err = 0;
     if (j->target < -1 || j->target >= MTC_MAX_DEVICES) return -EINVAL;
@@ -250,7 +250,7 @@ int mtc_job_submit(mtc_job *j)
     return 0;
 }
 
-void mtc_engine_shutdown(void)
+void mtc_transfer_shutdown(void)
 {
     pthread_mutex_lock(&_workers_lock);
     for (int i = 0; i <= MTC_MAX_DEVICES; i++) {
@@ -282,4 +282,4 @@ static void _after_fork_child(void)
 
 static pthread_once_t _init_once = PTHREAD_ONCE_INIT;
 static void _init(void) { pthread_atfork(NULL, NULL, _after_fork_child); }
-void mtc_engine_init_once(void) { pthread_once(&_init_once, _init); }
+void mtc_transfer_init_once(void) { pthread_once(&_init_once, _init); }

@@ -246,10 +246,10 @@ static void sync_stream(CUstream s) { CHECK_EQ(mtc_cu.cuStreamSynchronize(s), MT
 static void run_job(mtc_job *j, int submit)
 {
     if (submit) {
-        CHECK_EQ(mtc_job_submit(j), 0);
+        CHECK_EQ(mtc_transfer_submit(j), 0);
         CHECK_EQ(mtc_job_wait(j, WAIT_NS), 0);
     } else {
-        mtc_job_run(j);
+        mtc_transfer_run(j);
     }
     CHECK(mtc_job_complete(j));
 }
@@ -270,8 +270,8 @@ static uint64_t run_case(const char *name, const cfg *c, const src_spec *s, int 
         snprintf(g_case, sizeof g_case, "%s, rep %d", name, rep);
         dev_fill(s, n, dev);
         fk->reset_stats();
-        mtc_engine_stats e0, e1;
-        mtc_engine_get_stats(&e0);
+        mtc_transfer_stats e0, e1;
+        mtc_transfer_get_stats(&e0);
         mtc_job *j = h2d_job(s, n, dev, stream);
         run_job(j, rep & 1);
         if (j->err) FAILF("job failed: %d at leaf %d, %s", j->err, j->err_leaf, j->err_where);
@@ -282,7 +282,7 @@ static uint64_t run_case(const char *name, const cfg *c, const src_spec *s, int 
 
         fake_cuda_stats f;
         fk->get_stats(&f);
-        mtc_engine_get_stats(&e1);
+        mtc_transfer_get_stats(&e1);
         check_driver_clean(&f);
         pieces = e1.pieces - e0.pieces;
         if (np) CHECK_EQ(pieces, np);
@@ -415,8 +415,8 @@ static void test_two_rings(const char *name, const cfg *c, size_t cap, int max_i
         dev_fill(SRCS_BIG, nb, da);
         dev_fill(SRCS_MID, nm, db);
         mtc_job *a = h2d_job(SRCS_BIG, nb, da, g_stream), *b = h2d_job(SRCS_MID, nm, db, s2);
-        CHECK_EQ(mtc_job_submit(a), 0);
-        mtc_job_run(b);
+        CHECK_EQ(mtc_transfer_submit(a), 0);
+        mtc_transfer_run(b);
         if (mtc_job_wait(a, wait_ns)) FAILF("%s: the job on the transfer thread hung", name);
         CHECK_EQ(a->err, 0);
         CHECK_EQ(b->err, 0);
@@ -459,8 +459,8 @@ static void test_back_to_back(const char *name, const cfg *c)
             j[k] = h2d_job(s, n, dev[k], g_stream);
         }
         for (int k = 0; k < NJOBS; k++) {
-            if (rep & 1) mtc_job_run(j[k]);
-            else CHECK_EQ(mtc_job_submit(j[k]), 0);
+            if (rep & 1) mtc_transfer_run(j[k]);
+            else CHECK_EQ(mtc_transfer_submit(j[k]), 0);
         }
         for (int k = 0; k < NJOBS; k++) {
             CHECK_EQ(mtc_job_wait(j[k], WAIT_NS), 0);
@@ -737,7 +737,7 @@ static void test_region_items(void)
         fk->get_stats(&f0);
         /* the empty item issues no DMA: DMA 1 is the third item's */
         if (fail_at >= 0) fk->fail(FAKE_FAIL_HTOD, (unsigned)fail_at, 1, 999);
-        mtc_job_run(j);
+        mtc_transfer_run(j);
         CHECK_EQ(mtc_job_wait(j, WAIT_NS), 0);
         sync_stream(g_stream);
         fk->clear_failures();
@@ -803,15 +803,15 @@ static void test_chunk_groups(void)
             j->nops = (uint32_t)NG;
             j->nitems = (uint32_t)NI;
             fk->reset_stats();
-            mtc_engine_stats e0, e1;
-            mtc_engine_get_stats(&e0);
+            mtc_transfer_stats e0, e1;
+            mtc_transfer_get_stats(&e0);
             if (fail_at >= 0) fk->fail(FAKE_FAIL_HTOD, (unsigned)fail_at, 1, 999);
             run_job(j, fail_at & 1);
             sync_stream(g_stream);
             fk->clear_failures();
             fake_cuda_stats f;
             fk->get_stats(&f);
-            mtc_engine_get_stats(&e1);
+            mtc_transfer_get_stats(&e1);
             check_driver_clean(&f);
             check_pool_idle();
             /* the groups whose DMA ran: every item at its offset in its group's buffer */
@@ -854,7 +854,7 @@ static void test_small_cap(const char *name, const cfg *c, size_t cap, int want_
     trim_all(g_stream);
     CHECK_EQ(mtc_pinned_set_cap(cap), 0);
     mtc_job *j = h2d_job(s, n, dev, g_stream);
-    CHECK_EQ(mtc_job_submit(j), 0);
+    CHECK_EQ(mtc_transfer_submit(j), 0);
     if (mtc_job_wait(j, 20LL * 1000000000LL)) {
         mtc_slab_stats st;
         mtc_pinned_stats(0, &st);
@@ -896,7 +896,7 @@ int main(void)
     setenv("MTC_HELPER_THREADS", HELPERS_STR, 1);
     unsetenv("MTC_PINNED_CAP_BYTES");
     unsetenv("MTC_SLAB_HUGEPAGES");
-    mtc_engine_init_once();
+    mtc_transfer_init_once();
     bind_fake();
     g_reps = UNDER_TSAN ? 2 : 4;
 
@@ -937,7 +937,7 @@ int main(void)
     test_two_rings("two rings at once, cap of 5 MiB", &(cfg){.delay_max_us = 20}, 5 * MIB, 0, 20LL * 1000000000LL);
 
     snprintf(g_case, sizeof g_case, "teardown");
-    mtc_engine_shutdown();
+    mtc_transfer_shutdown();
     /* every pinned allocation and every event belongs to an idle slab: trimmed, nothing is left */
     sync_stream(g_stream);
     sync_stream(NULL);

@@ -68,7 +68,7 @@ static void test_many_waiters_own_references(void)
         memset(dst, 0, n);
         mtc_job *j = host_job(src, dst, PIECES, piece);
         CHECK(!mtc_job_orphaned(j));
-        CHECK_EQ(mtc_job_submit(j), 0);
+        CHECK_EQ(mtc_transfer_submit(j), 0);
         pthread_t th[NW];
         waiter w[NW];
         for (int k = 0; k < NW; k++) {
@@ -97,13 +97,13 @@ static void test_orphaned_by_fork(void)
     for (size_t i = 0; i < n; i++) src[i] = (uint8_t)i;
     /* start the parent's transfer thread first: the child must not inherit it */
     mtc_job *warm = host_job(src, dst, 1, n);
-    CHECK_EQ(mtc_job_submit(warm), 0);
+    CHECK_EQ(mtc_transfer_submit(warm), 0);
     CHECK_EQ(mtc_job_wait(warm, -1), 0);
     mtc_job_release(warm);
 
     mtc_job *pending = host_job(src, dst, 1, n);   /* never submitted before the fork */
     mtc_job *done = host_job(src, dst, 1, n);
-    mtc_job_run(done);                              /* complete before the fork */
+    mtc_transfer_run(done);                              /* complete before the fork */
     uint32_t gen = mtc_engine_fork_gen();
     pid_t pid = fork();
     CHECK(pid >= 0);
@@ -119,7 +119,7 @@ static void test_orphaned_by_fork(void)
             CHILD_CHECK(d2 != NULL);
             mtc_job *mine = host_job(src, d2, 1, n);
             CHILD_CHECK(!mtc_job_orphaned(mine));
-            CHILD_CHECK(mtc_job_submit(mine) == 0);
+            CHILD_CHECK(mtc_transfer_submit(mine) == 0);
             CHILD_CHECK(mtc_job_wait(mine, 20LL * 1000000000) == 0);
             CHILD_CHECK(memcmp(src, d2, n) == 0);
             mtc_job_release(mine);
@@ -133,7 +133,7 @@ static void test_orphaned_by_fork(void)
     CHECK_EQ(mtc_engine_fork_gen(), gen);
     CHECK(!mtc_job_orphaned(pending));
     memset(dst, 0, n);
-    CHECK_EQ(mtc_job_submit(pending), 0);
+    CHECK_EQ(mtc_transfer_submit(pending), 0);
     CHECK_EQ(mtc_job_wait(pending, -1), 0);
     CHECK(memcmp(src, dst, n) == 0);
     mtc_job_release(pending);
@@ -145,10 +145,10 @@ static void test_orphaned_by_fork(void)
 
 int main(void)
 {
-    mtc_engine_init_once(); /* the atfork handler */
+    mtc_transfer_init_once(); /* the atfork handler */
     test_many_waiters_own_references();
     test_orphaned_by_fork();
-    mtc_engine_shutdown();
+    mtc_transfer_shutdown();
     printf("test_transfer: all passed (%ld checks)\n", (long)atomic_load(&g_checks));
     return 0;
 }
