@@ -33,8 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import collate
-from .collate import Arena
+from ._arena import Arena, set_word_at_start
 
 __all__: list[str] = []
 
@@ -126,5 +125,5 @@ def word_at_start(arena: Optional[Arena]) -> None:
     found._expect(word, False)
 
 
-collate._WORD_AT_START = word_at_start
+set_word_at_start(word_at_start)
 os.register_at_fork(before=lambda: word_at_start(None))

@@ -8,7 +8,7 @@ import torch
 from . import _engine
 from ._device import target_index
 from ._options import positive_int
-from .collate import PackedBatch
+from ._packed import PackedBatch
 from .handle import AsyncCopyHandle
 
 __all__ = ["AsyncCopyHandle", "start_copy"]

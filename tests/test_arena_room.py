@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 import mtc_loader
 from mtc_loader import PackedCollate, PrefetchLoader
 from mtc_loader._flight import _arena_of, in_flight
-from mtc_loader.collate import _attach
+from mtc_loader._arena import _attach
 
 SLOT = 64 << 10
 

@@ -22,7 +22,8 @@ SIZING = ["README.md", "docs/api.md", "docs/getting_started.md", "docs/mmengine.
 
 def _pages() -> list[str]:
     paths = ["README.md"] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-    paths += ["mtc_loader/collate.py", "mtc_loader/_flight.py", "mtc_loader/mmengine/_preprocessor.py"]
+    paths += ["mtc_loader/collate.py", "mtc_loader/_arena.py", "mtc_loader/_packed.py", "mtc_loader/_flight.py",
+              "mtc_loader/mmengine/_preprocessor.py"]
     return [os.path.relpath(os.path.join(ROOT, p), ROOT) for p in paths]
 
 

@@ -576,7 +576,7 @@ def _worker_batches(pc: PackedCollate, n: int) -> tuple[int, list]:
 
 
 def test_rejected_descriptors_free_their_region():
-    from mtc_loader import collate
+    from mtc_loader import _packed
     pc = PackedCollate(list, arena_bytes=1 << 20)
     cases = [("_nbytes", 2 * 65536), ("_nbytes", -1), ("_nbytes", "12"), ("_nbytes", 2 ** 64),
              ("_nbytes", 1.0), ("_layout", "not bytes"), ("_layout", b"garbage")]
@@ -597,9 +597,9 @@ def test_rejected_descriptors_free_their_region():
         # an offset of 2^64 or more never names a region (no truncation to the real one)
         b = pc([torch.ones(2)])
         with pytest.raises(ValueError, match="^mtc_loader: a packed batch names arena offset"):
-            collate._rebuild_batch(pc.arena.token, b._off + 2 ** 64, b._nbytes, pid, b._layout, b._skeleton)
+            _packed._rebuild_batch(pc.arena.token, b._off + 2 ** 64, b._nbytes, pid, b._layout, b._skeleton)
         with pytest.raises(ValueError, match="^mtc_loader: a packed batch names arena offset"):
-            collate._rebuild_batch(pc.arena.token, -1, b._nbytes, pid, b._layout, b._skeleton)
+            _packed._rebuild_batch(pc.arena.token, -1, b._nbytes, pid, b._layout, b._skeleton)
         assert torch.equal(b.unpack("cpu")[0], torch.ones(2))
         assert pc.stats()["slots_in_use"] == 0
     finally:
@@ -610,12 +610,12 @@ def test_rejected_descriptors_free_their_region():
 
 @pytest.mark.parametrize("delta", [2 ** 32, -(2 ** 32), 2 ** 64])
 def test_owner_pid_off_by_2_32_is_refused(delta):
-    from mtc_loader import collate
+    from mtc_loader import _packed
     pc = PackedCollate(list, arena_bytes=1 << 20)
     b = pc([torch.arange(5)])  # held by this process
     with pytest.raises(ValueError, match=r"^mtc_loader: a packed batch names owner -?\d+, which is not a "
                                          r"process id"):
-        collate._rebuild_batch(pc.arena.token, b._off, b._nbytes, os.getpid() + delta, b._layout,
+        _packed._rebuild_batch(pc.arena.token, b._off, b._nbytes, os.getpid() + delta, b._layout,
                                b._skeleton)
     with pytest.raises(ValueError, match="not a process id"):
         pc.arena._a.release(b._off, os.getpid() + delta)

@@ -275,7 +275,7 @@ def test_kept_exception_does_not_keep_the_workers_or_regions():
 # ----------------------------------------------------------------------- corrupt descriptors
 
 def test_corrupt_descriptors_raise_clear_errors():
-    from mtc_loader.collate import _rebuild_batch
+    from mtc_loader._packed import _rebuild_batch
     pc = PackedCollate(list, arena_bytes=4 << 20)
     ref = expected(0, 2)
     # a descriptor naming a region its sender does not hold (forged or stale owner)

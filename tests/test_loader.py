@@ -536,7 +536,7 @@ def forge(pb: PackedBatch, **changes):
     f = _fields(pb)
     f.update(changes)
     if f["token"] != pb._arena.token:
-        return mtc_loader.collate._rebuild_batch(*(f[k] for k in _FIELDS))  # unknown arena: refused
+        return mtc_loader._packed._rebuild_batch(*(f[k] for k in _FIELDS))  # unknown arena: refused
     # Built directly: pickling a held batch within its own process is refused by
     # PackedBatch itself, and what matters here is what the engine does with the fields.
     forged = PackedBatch.__new__(PackedBatch)
@@ -676,7 +676,8 @@ def test_forged_shared_skeletons():
     count does not match the layout, or a pickle holding anything but plain containers and atoms,
     is refused as a forged descriptor."""
     from mtc_loader import _engine
-    from mtc_loader.collate import LEAF, _skeleton_of
+    from mtc_loader._packed import _skeleton_of
+    from mtc_loader.collate import LEAF
     pc = mtc_loader.PackedCollate(list, arena_bytes=1 << 20)
     samples = [seed_sample(0), seed_sample(1)]
     pb = pc(samples)
@@ -716,7 +717,7 @@ def test_a_shared_structure_is_walked_once_and_its_outputs_share_nothing():
     process walks each distinct structure once and rebuilds every batch from that walk: new
     containers per batch, the same values as the collate made. A batch holding any other object
     carries its skeleton as before (its objects are its own)."""
-    from mtc_loader import collate as C
+    from mtc_loader import _packed as C
     from mtc_loader._engine import Skeleton
     C._SKELETONS.clear()
     pc = mtc_loader.PackedCollate(list, arena_bytes=ARENA)

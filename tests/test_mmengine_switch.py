@@ -719,12 +719,12 @@ def test_arena_is_replaced_when_a_later_model_asks_for_more():
     assert batch.unpack("cpu")["inputs"][0].shape == (3 << 20,)
     token = small.token
     del small
-    assert mtc_loader.collate._ARENAS.get(token) is not None  # kept for the batch in it
+    assert mtc_loader._arena.ARENAS.get(token) is not None  # kept for the batch in it
     assert torch.equal(held.unpack("cpu")["inputs"][0], torch.arange(4.))
     del held
     pc.arm(None)  # drops the old arena now that it is empty
     gc.collect()
-    assert mtc_loader.collate._ARENAS.get(token) is None and pc._retired == []
+    assert mtc_loader._arena.ARENAS.get(token) is None and pc._retired == []
     with pytest.raises(ValueError, match="arena_bytes must be positive, got -1"):
         pc.arm(-1)
     assert pc.arm(4 << 20) is large
@@ -739,11 +739,11 @@ def test_a_replaced_arena_goes_with_its_last_batch():
     held = pc([{"inputs": torch.arange(4.)}])
     del small
     pc.arm(4 << 20)
-    assert mtc_loader.collate._ARENAS.get(token) is not None
+    assert mtc_loader._arena.ARENAS.get(token) is not None
     assert torch.equal(held.unpack("cpu")["inputs"][0], torch.arange(4.))
     del held
     gc.collect()
-    assert mtc_loader.collate._ARENAS.get(token) is None
+    assert mtc_loader._arena.ARENAS.get(token) is None
     assert not os.path.exists(f"/proc/self/fd/{fd}") or "memfd" not in os.readlink(f"/proc/self/fd/{fd}")
 
 
@@ -782,10 +782,10 @@ def test_persistent_workers_keep_their_arena_when_a_later_model_replaces_it(cont
     later = torch.utils.data.DataLoader(_Numbered(), batch_size=2, num_workers=1, multiprocessing_context=context,
                                         collate_fn=partial(pc))
     assert epoch(later) == want and new.stats()["allocs"] == 2
-    assert mtc_loader.collate._ARENAS.get(token) is not None
+    assert mtc_loader._arena.ARENAS.get(token) is not None
     del loader, later
     gc.collect()
-    assert mtc_loader.collate._ARENAS.get(token) is None
+    assert mtc_loader._arena.ARENAS.get(token) is None
 
 
 @pytest.mark.parametrize("value,kind", [(True, "bool"), (1.5e6, "float"), ("1MiB", "str")])

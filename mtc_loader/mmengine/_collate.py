@@ -18,7 +18,9 @@ from torch.utils.data import get_worker_info
 from .. import _tree
 from .._options import positive_int
 from .._tree import OnHost
-from ..collate import _MAX_ARENA_BYTES, Arena, PackedBatch, PackedCollate
+from .._arena import MAX_ARENA_BYTES, Arena
+from .._packed import PackedBatch
+from ..collate import PackedCollate
 from ._elements import _COPY_METAINFO
 
 __all__ = ["PackedPseudoCollate", "packed_collate"]
@@ -80,7 +82,7 @@ def _arena_bytes(value: Any) -> int:
     """``arena_bytes`` checked as :class:`~mtc_loader.Arena` checks it (a ValueError for
     anything but a positive int within the arena's limit: ``True`` and ``1.5e6`` too)."""
     try:
-        return positive_int("arena_bytes", value, _MAX_ARENA_BYTES)
+        return positive_int("arena_bytes", value, MAX_ARENA_BYTES)
     except TypeError as e:  # a ValueError, as Arena raises it
         raise ValueError(str(e)) from None
 

@@ -10,7 +10,7 @@ import torch
 from mmengine.registry import LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
 
-from ..collate import PackedBatch
+from .._packed import PackedBatch
 from ..prefetch import PrefetchLoader
 from ..prefetch._resume import _is_stateful
 from ._collate import _place

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 from mmengine.model import BaseDataPreprocessor
 from mmengine.registry import MODELS
 
-from ..collate import PackedBatch
+from .._packed import PackedBatch
 from ._collate import packed_collate
 
 __all__ = ["MTCDataPreprocessor"]

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from .. import _engine, _trace
-from ..collate import _ARENAS, PackedBatch, _consumes
+from .._arena import consumed_here
+from .._packed import PackedBatch
 from ._pipes import standins
 from ._resume import _NO_STATE, _FailedSnapshot
 from ._side import SideCopy, _copy_stream, _start
@@ -517,6 +518,5 @@ threading._register_atexit(_stop_all_services)  # type: ignore[attr-defined]
 def _reclaim_dead() -> None:
     """Frees the arena regions of worker processes that have exited (the arenas this process
     consumes)."""
-    for arena in list(_ARENAS.values()):
-        if _consumes(arena):
-            arena.reclaim_dead()
+    for arena in consumed_here():
+        arena.reclaim_dead()

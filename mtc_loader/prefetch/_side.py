@@ -9,7 +9,7 @@ import torch
 
 from .. import _engine
 from .._device import target_index
-from ..collate import PackedBatch
+from .._packed import PackedBatch
 from ..copy import _start_copy, start_copy
 from ..handle import AsyncCopyHandle
 from ._resume import _NO_STATE

@@ -55,7 +55,7 @@ def make_batches(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, s
 def received(collate: mtc_loader.PackedCollate, ds: CameraSamples, n: int, samples: int) -> tuple[list, list]:
     """Batches as a worker sends them: packed in a forked child, their descriptors pickled, and
     here ``pickle.loads`` + the PackedBatch's rebuild (the arena's region taken over), timed."""
-    from mtc_loader.collate import _rebuild_batch
+    from mtc_loader._packed import _rebuild_batch
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the "worker"
