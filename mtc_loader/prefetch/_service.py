@@ -147,7 +147,7 @@ class _Service:
         # the copies this thread starts keep their temporary views for the hand-out to drop
         # (SideCopy._keep; a copy started on any other thread drops them as it goes). They
         # keep the early collection and the staging of small jobs on this thread: skipping both
-        # does not make the launch-bound training benchmark faster (docs/profiler.md), and
+        # does not make the launch-bound training benchmark faster (docs/design_notes.md), and
         # without the early collection the batches meet full collections
         _engine.keep_temporaries(True)
         try:
