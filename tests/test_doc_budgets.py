@@ -156,7 +156,7 @@ def test_the_benchmarks_page_names_its_machine_once_at_the_top():
     assert not re.search(r"\bH100\b", rest), re.findall(r".{60}\bH100\b.{20}", rest)
 
 
-_FIGURE = re.compile(r"\b(\d+(?:\.\d+)?)\s?(?:x|ms|µs|GB/s)(?![\w/])")
+_FIGURE = re.compile(r"\b(\d+(?:\.\d+)?)\s?(?:x|ms|µs|GB/s|%)(?![\w/])")
 # settings, not measurements: the GIL switch interval PrefetchLoader sets, and Python's default
 SETTINGS = {"0.5 ms", "5 ms"}
 
