@@ -36,6 +36,7 @@ def test_placeholders_without_results(tmp_path):
     text = page.read_text()
     for name in render_results.SECTIONS:
         assert f"No `bench_{name}.json` in `bench/results/release/`" in text
+    assert "**The machine:** no release run yet." in text
 
 
 def test_renders_what_bench_copy_writes(tmp_path):
@@ -56,6 +57,10 @@ def test_renders_what_bench_copy_writes(tmp_path):
     assert "| seed4_np (np2cpu) | 132, 35 KB |" in copy
     assert "2 processes of `python3 bench/bench_copy.py --device cpu --quick" in copy
     assert "abc1234" not in copy  # the commit stays in the JSON: the page cites none
+    machine = text.split("<!-- BEGIN render:machine -->")[1].split("<!-- END render:machine -->")[0]
+    named = json.loads((results / "copy" / "1" / "bench_copy.json").read_text())["provenance"]["machine"]
+    assert machine.strip() == f"**The machine:** {named}.", machine
+    assert named not in copy  # named once, at the top
     assert "--out" not in copy
     assert "Not measured" not in copy and "Not measured" in text  # the other three stay placeholders
 

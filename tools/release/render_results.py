@@ -116,16 +116,23 @@ def _command(cmd: str) -> str:
 
 
 def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
-    """Machine, date and command of a table's runs (the commit stays in the JSON)."""
+    """Date and command of a table's runs (the machine is named once, at the page's top, by
+    machine_line; the commit stays in the JSON)."""
     provs = [r.get("provenance") or {} for r in runs]
-    machines = sorted({p.get("machine", "unknown machine") for p in provs})
     commands = sorted({_command(p.get("command", "?")) for p in provs})
     times = sorted(p.get("time", "") for p in provs if p.get("time"))
     n = len(runs)
     procs = f"{n} processes" if n > 1 else "one process"
-    when = f", {times[0][:10]}" if times else ""
-    return (f"{'; '.join(machines)}{when}; {procs} of "
-            + ", ".join(f"`{c}`" for c in commands) + f". {what}")
+    when = f"{times[0][:10]}; " if times else ""
+    return (f"{when}{procs} of " + ", ".join(f"`{c}`" for c in commands) + f". {what}")
+
+
+def machine_line(runs: list[dict[str, Any]]) -> list[str]:
+    """The machine (or machines) of the release run's tables, named once at the page's top."""
+    machines = sorted({(r.get("provenance") or {}).get("machine", "unknown machine") for r in runs})
+    if not machines:
+        return ["**The machine:** no release run yet."]
+    return [f"**The machine:** {'; '.join(machines)}."]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -413,13 +420,16 @@ def render(page: str, results: str) -> str:
     if len(commits) > 1:
         raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
                          "release run; run `tools/release/run_benchmarks.sh`, which empties the folder first")
+    bodies: dict[str, Callable[[], list[str]]] = {
+        "machine": lambda: machine_line([r for name in SECTIONS for r in load(results, name)])}
     for name, fn in SECTIONS.items():
+        bodies[name] = (lambda fn=fn, runs=load(results, name): fn(runs, docs) if runs else placeholder(name))
+    for name, make in bodies.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:
             raise SystemExit(f"{page}: the markers {begin} ... {end} are missing")
-        runs = load(results, name)
         try:
-            body = fn(runs, docs) if runs else placeholder(name)
+            body = make()
         except (KeyError, TypeError, ValueError, statistics.StatisticsError) as exc:
             raise SystemExit(f"bench_{name}.json in {results}: not in the form this renderer reads "
                              f"({type(exc).__name__}: {exc})")
