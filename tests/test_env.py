@@ -130,7 +130,7 @@ def test_an_unknown_name_warns_once_with_the_closest_known_one():
     assert [m for m in msgs if "MTC_TORCH_SHIN" in m] == [
         "mtc_loader: the environment variable MTC_TORCH_SHIN is not one mtc_loader reads, and has no effect: "
         "did you mean MTC_TORCH_SHIM?"], msgs
-    assert len([m for m in msgs if "MTC_ZZZ_QQ" in m and "docs/api.md lists them" in m]) == 1, msgs
+    assert len([m for m in msgs if "MTC_ZZZ_QQ" in m and "docs/engine.md lists them" in m]) == 1, msgs
     assert len(msgs) == 2, msgs
 
 
