@@ -92,6 +92,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from openmmlab_train import paired  # noqa: E402
+from provenance import provenance  # noqa: E402
 from openmmlab_train.models import MODELS, Model, base_config  # noqa: E402
 
 DEFAULT_CONFIG = MODELS["yolov3"].config
@@ -471,6 +472,7 @@ def main() -> int:
         warmup=args.warmup, pairs=args.pairs, process=args.process, quick=args.quick, data=summary,
         stand_ins=stand_ins, plan=plan_info, elapsed_s=time.time() - t_begin, versions=versions,
         commit=os.environ.get("MTC_BENCH_COMMIT") or _commit(repo), command=sys.argv,
+        provenance=provenance(),
         results=rows, pair_ratios=pairs, paired=stats, medians=medians, law=the_law, batch=batch,
         records={name: rec for name, rec in timed},
     )

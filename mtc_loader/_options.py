@@ -102,6 +102,6 @@ def unknown_environment() -> list[str]:
             continue
         _UNKNOWN_SAID.add(name)
         close = difflib.get_close_matches(name, sorted(KNOWN_ENVIRONMENT), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "it is not one of mtc_loader's (docs/api.md lists them)"
+        hint = f"did you mean {close[0]}?" if close else "it is not one of mtc_loader's (docs/engine.md lists them)"
         out.append(f"mtc_loader: the environment variable {name} is not one mtc_loader reads, and has no effect: {hint}")
     return out

@@ -1,4 +1,4 @@
-"""``start_copy`` and ``AsyncCopyHandle``: the explicit API (docs/api.md describes it)."""
+"""``start_copy`` and ``AsyncCopyHandle``: the explicit API (docs/copies.md describes it)."""
 from __future__ import annotations
 
 from typing import Any, Union

@@ -61,7 +61,7 @@ def run_child(code: str, **env: str) -> dict:
 def _pread_fallback_warning(tmp_path_factory):
     """Where FileTensor reads fall back to pread without being asked to (a build without
     liburing, or io_uring that cannot be set up here), the process's first read warns once
-    (a RuntimeWarning that says why, docs/api.md). The session expects that warning here, from
+    (a RuntimeWarning that says why, docs/files.md). The session expects that warning here, from
     one read, so that it is asserted once rather than failing whichever test reads a file first.
     Every other warning stays an error. (tests/test_files.py checks the warning's text, and that
     io_uring and MTC_FILE_READER=pread give none, in fresh processes.)"""

@@ -16,7 +16,7 @@ RULE = "num_workers * prefetch_factor + 1"
 # the DataLoader needs to go on
 FORMULAS = {RULE, "num_workers * prefetch_factor", "(num_workers - 1) * prefetch_factor + 1", "prefetch_factor"}
 # the pages and sources that size the arena, each of which must give the rule
-SIZING = ["README.md", "docs/api.md", "docs/getting_started.md", "docs/mmengine.md", "mtc_loader/_flight.py",
+SIZING = ["docs/dataloader.md", "docs/getting_started.md", "docs/mmengine.md", "mtc_loader/_flight.py",
           "mtc_loader/mmengine/_preprocessor.py", "mtc_loader/mmengine/__main__.py"]
 
 

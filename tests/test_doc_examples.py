@@ -11,7 +11,7 @@ A runnable block runs in a fresh interpreter, as ``python3 -c BLOCK`` in an empt
 imports the mtc_loader under test. Blocks that are fragments (a config's lines, a signature, a
 loop body around names of your own) are only compiled. Two shapes a signature or a sketch may
 take are not Python and are accepted: a block that is one call-like signature (``f(a, *, b=1) ->
-T``, as api.md prints ``start_copy``), and a line that is nothing but ``...,`` (the rest of an
+T``, as reference.md prints ``start_copy``), and a line that is nothing but ``...,`` (the rest of an
 argument list, elided)."""
 from __future__ import annotations
 
@@ -91,12 +91,12 @@ def test_the_check_sees_a_broken_example():
 
 
 def test_the_first_examples_a_newcomer_meets_are_run():
-    """The README's quick start, getting started's three programs and the api page's resume
+    """The README's quick start, getting started's three programs and the DataLoader page's resume
     example are marked runnable (so a broken one fails here rather than on a user's machine)."""
     marked = [where.split(":")[0] for where, _, _ in RUNNABLE]
     assert marked.count("README.md") >= 1, marked
     assert marked.count("docs/getting_started.md") >= 3, marked
-    assert "docs/api.md" in marked, marked
+    assert "docs/dataloader.md" in marked, marked
     readme_first = next(code for where, code, _ in BLOCKS if where.startswith("README.md"))
     assert any(code == readme_first for _, code, _ in RUNNABLE), "the README's first block is not run"
 
@@ -126,7 +126,7 @@ def test_the_readme_quick_start_runs_on_the_cpu(tmp_path):
     """The quick start's loader (two workers, PackedCollate(list), PrefetchLoader) on the CPU,
     as on a machine without a GPU, and its check command printing what the README says."""
     text = _readme()
-    quick = text[text.index("## Quick start"):text.index("## What it does")]
+    quick = text[text.index("## Quick start"):text.index("## Three ways in")]
     code = quick[quick.index("```python\n") + 10:]
     code = code[:code.index("```")]
     assert "num_workers=2" in code and "PackedCollate(list)" in code and "PrefetchLoader(loader, device)" in code

@@ -73,7 +73,7 @@ def test_every_variable_accepted_value_gives_no_warning():
 
 @pytest.mark.parametrize("value", ["1e99", "512MB", "0", "-1", "4096 bytes", "0x1000", "9223372036854775808"])
 def test_pinned_cap_not_a_positive_integer_leaves_the_default(value):
-    """docs/api.md: a value that is not a positive integer leaves the default of 1 GiB (a parser
+    """docs/engine.md: a value that is not a positive integer leaves the default of 1 GiB (a parser
     that took the leading digits would make "1e99" a cap of 1 byte and "512MB" one of 512)."""
     out = _run(MTC_PINNED_CAP_BYTES=value)
     assert out["cap"] == 1 << 30
@@ -130,7 +130,7 @@ def test_an_unknown_name_warns_once_with_the_closest_known_one():
     assert [m for m in msgs if "MTC_TORCH_SHIN" in m] == [
         "mtc_loader: the environment variable MTC_TORCH_SHIN is not one mtc_loader reads, and has no effect: "
         "did you mean MTC_TORCH_SHIM?"], msgs
-    assert len([m for m in msgs if "MTC_ZZZ_QQ" in m and "docs/api.md lists them" in m]) == 1, msgs
+    assert len([m for m in msgs if "MTC_ZZZ_QQ" in m and "docs/engine.md lists them" in m]) == 1, msgs
     assert len(msgs) == 2, msgs
 
 

@@ -691,7 +691,7 @@ print("started", flush=True)
 # The daemon thread above only waits in mtc_loader's own C code. A daemon thread that is
 # inside a torch op at exit (torch's bindings release the GIL in C++) can be aborted by
 # libstdc++ ("terminate called without an active exception") on CPython <= 3.13, which ends
-# such threads with pthread_exit: torch and CPython behaviour, documented in docs/api.md.
+# such threads with pthread_exit: torch and CPython behaviour, documented in docs/copies.md.
 
 _EXIT_CUDA = """
 import numpy as np, torch, mtc_loader

@@ -1,6 +1,6 @@
 /* tests/c/plan_rules.h - the oracle of the planner's per-leaf actions, shared
  * by the unit test (tests/c/test_plan.c) and the fuzz harness
- * (tests/fuzz/fuzz_plan.c): start_copy's rules as plan.h and docs/api.md
+ * (tests/fuzz/fuzz_plan.c): start_copy's rules as plan.h and docs/design.md (semantics in detail)
  * state them, written independently of csrc/engine/plan.c. */
 #ifndef MTC_TESTS_PLAN_RULES_H
 #define MTC_TESTS_PLAN_RULES_H

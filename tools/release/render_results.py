@@ -116,16 +116,23 @@ def _command(cmd: str) -> str:
 
 
 def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
-    """Machine, date and command of a table's runs (the commit stays in the JSON)."""
+    """Date and command of a table's runs (the machine is named once, at the page's top, by
+    machine_line; the commit stays in the JSON)."""
     provs = [r.get("provenance") or {} for r in runs]
-    machines = sorted({p.get("machine", "unknown machine") for p in provs})
     commands = sorted({_command(p.get("command", "?")) for p in provs})
     times = sorted(p.get("time", "") for p in provs if p.get("time"))
     n = len(runs)
     procs = f"{n} processes" if n > 1 else "one process"
-    when = f", {times[0][:10]}" if times else ""
-    return (f"{'; '.join(machines)}{when}; {procs} of "
-            + ", ".join(f"`{c}`" for c in commands) + f". {what}")
+    when = f"{times[0][:10]}; " if times else ""
+    return (f"{when}{procs} of " + ", ".join(f"`{c}`" for c in commands) + f". {what}")
+
+
+def machine_line(runs: list[dict[str, Any]]) -> list[str]:
+    """The machine (or machines) of the release run's tables, named once at the page's top."""
+    machines = sorted({(r.get("provenance") or {}).get("machine", "unknown machine") for r in runs})
+    if not machines:
+        return ["**The machine:** no release run yet."]
+    return [f"**The machine:** {'; '.join(machines)}."]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -140,6 +147,10 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def placeholder(name: str) -> list[str]:
+    if name == "models":
+        return ["!!! warning \"Not measured at this release yet\"",
+                "    No `bench_openmmlab_train_*.json` in `bench/results/release/`: run",
+                "    `tools/release/run_benchmarks.sh --models` on a GPU machine with OpenMMLab's stack."]
     return [f"!!! warning \"Not measured at this release yet\"",
             f"    No `bench_{name}.json` in `bench/results/release/`: run",
             "    `tools/release/run_benchmarks.sh` on a GPU machine (it renders this page when it is done)."]
@@ -400,26 +411,75 @@ def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
     return out
 
 
+MODEL_LABELS = {"yolov3": "YOLOv3, mmdet", "centerpoint": "CenterPoint pillars, mmdet3d",
+                "mvfcos3d": "multi-view FCOS3D++, mmdet3d"}
+
+
+def render_models(runs: list[dict[str, Any]], docs: str) -> list[str]:
+    """The real models trained through mmengine's Runner, plain and switched, in pairs
+    (bench/bench_openmmlab_train.py, one JSON per model): the pairs' ratio and where the step goes."""
+    del docs
+    ratios, parts = [], []
+    for r in sorted(runs, key=lambda r: list(MODEL_LABELS).index(r["model"]) if r["model"] in MODEL_LABELS else 99):
+        s, law, m = r["paired"], r.get("law") or {}, r["medians"]
+        name = MODEL_LABELS.get(r["model"], r["model"])
+        ratio = f"**{s['median']:.3f}x** ({s['min']:.3f}–{s['max']:.3f})"
+        sign = f"{s['above_one']} of {s['pairs']}, p={s['sign_p']:.3f}"
+        predicted = f"{law['predicted_ratio']:.3f}x" if law.get("predicted_ratio") is not None else "—"
+        ratios.append([f"{name} ({r['batch_size']}, {r['workers']}; {r['iters']})", ratio, sign, predicted])
+        p, w = m.get("plain", {}), m.get("switched", {})
+
+        def pair(key: str) -> str:
+            return f"{p[key]:.1f} -> {w[key]:.1f} ms" if key in p and key in w else "—"
+        parts.append([name, pair("step_ms"), pair("data_time_ms"), pair("cpu_pre_ms"), pair("gpu_model_ms")])
+    out = table(["model (batch, workers; timed iterations per arm)", "switched / plain it/s: median of the pairs "
+                 "(min–max)", "above 1, sign test", "law's prediction"], ratios)
+    out += ["", "Where the step goes, per model (medians over the arms of each kind):", ""]
+    out += table(["model", "step, plain -> switched", "`data_time`", "preprocessor on the training thread",
+                  "model on the GPU"], parts)
+    versions = runs[0].get("versions", {})
+    stack = ", ".join(f"{k} {versions[k]}" for k in ("mmengine", "mmcv", "mmdet", "mmdet3d") if k in versions)
+    out += ["", provenance_line(runs, f"{stack}. Each model's own config and batch, "
+                                f"{runs[0]['pairs']} pairs of arms; the ratio of a pair is its switched arm's mean "
+                                "it/s over its plain arm's. The law: step / (step - saved), saved = the fall in "
+                                "`data_time` plus the fall in the preprocessor's time on the training thread.")]
+    return out
+
+
+def _load_models(results: str) -> list[dict[str, Any]]:
+    return [r for r in load(results, "openmmlab_train_*") if "paired" in r and "medians" in r]
+
+
 SECTIONS: dict[str, Callable[[list[dict[str, Any]], str], list[str]]] = {
     "copy": render_copy, "loader": render_loader, "train": render_train, "files": render_files,
+    "models": render_models,
 }
+# the JSON each section reads: bench_NAME.json, or these
+LOADERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {"models": _load_models}
+
+
+def _runs(results: str, name: str) -> list[dict[str, Any]]:
+    return LOADERS[name](results) if name in LOADERS else load(results, name)
 
 
 def render(page: str, results: str) -> str:
     docs = os.path.dirname(os.path.abspath(page))
     with open(page) as f:
         text = f.read()
-    commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in load(results, name)}
+    commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in _runs(results, name)}
     if len(commits) > 1:
         raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
                          "release run; run `tools/release/run_benchmarks.sh`, which empties the folder first")
+    bodies: dict[str, Callable[[], list[str]]] = {
+        "machine": lambda: machine_line([r for name in SECTIONS for r in _runs(results, name)])}
     for name, fn in SECTIONS.items():
+        bodies[name] = (lambda fn=fn, name=name, runs=_runs(results, name): fn(runs, docs) if runs else placeholder(name))
+    for name, make in bodies.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:
             raise SystemExit(f"{page}: the markers {begin} ... {end} are missing")
-        runs = load(results, name)
         try:
-            body = fn(runs, docs) if runs else placeholder(name)
+            body = make()
         except (KeyError, TypeError, ValueError, statistics.StatisticsError) as exc:
             raise SystemExit(f"bench_{name}.json in {results}: not in the form this renderer reads "
                              f"({type(exc).__name__}: {exc})")
