@@ -22,6 +22,16 @@ __all__ = ["ARENAS", "Arena", "MAX_ARENA_BYTES", "consumed_here", "consumes", "s
 ARENAS: "weakref.WeakValueDictionary[tuple[int, int, int], Arena]" = weakref.WeakValueDictionary()
 
 
+def check_arena_bytes(value: Any) -> int:
+    """``arena_bytes`` as every entry point takes it (Arena, PackedCollate, mmengine's switch and
+    its command): a positive int, or a string with a unit (``"512M"``), within the arena's limit;
+    anything else is a ValueError, as it always was for a bad arena_bytes."""
+    try:
+        return size("arena_bytes", value, MAX_ARENA_BYTES)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+
+
 class Arena:
     """A shared memory arena: anonymous (memfd, no name in /dev/shm), sealed against resizing,
     reachable only by processes it is handed to (the descriptor travels with the pickled
@@ -43,10 +53,7 @@ class Arena:
     def __init__(self, nbytes: int = 256 << 20, *, _engine_arena: Any = None, _token: Any = None,
                  _dtypes_of: Optional[tuple[str, str]] = None):
         if _engine_arena is None:
-            try:
-                nbytes = size("arena_bytes", nbytes, MAX_ARENA_BYTES)
-            except TypeError as e:  # a ValueError, as it always was for a bad arena_bytes
-                raise ValueError(str(e)) from None
+            nbytes = check_arena_bytes(nbytes)
             try:
                 _engine_arena = _engine.arena_create(nbytes)
             except OSError as e:

@@ -518,9 +518,11 @@ def test_backpressure_waits_for_room():
 
 
 def test_bad_arena_arguments():
-    for bad in (0, -1, 1.5, True, "1"):
+    for bad in (0, -1, 1.5, True, None, "0", "abc", "-1M", "1.5M"):
         with pytest.raises(ValueError, match="arena_bytes"):
             mtc_loader.PackedCollate(list, arena_bytes=bad)
+    # a size string is read as the train command reads it: "1" is one byte, rounded up to one slot
+    assert mtc_loader.PackedCollate(list, arena_bytes="1").arena.stats()["bytes"] == 64 << 10
     with pytest.raises(ValueError, match="power of two"):
         mtc_loader.PackedCollate(list, arena_bytes=ARENA, min_packed_alignment_bytes=3)
 

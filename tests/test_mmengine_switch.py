@@ -788,11 +788,12 @@ def test_persistent_workers_keep_their_arena_when_a_later_model_replaces_it(cont
     assert mtc_loader._arena.ARENAS.get(token) is None
 
 
-@pytest.mark.parametrize("value,kind", [(True, "bool"), (1.5e6, "float"), ("1MiB", "str")])
+@pytest.mark.parametrize("value,kind", [(True, "bool"), (1.5e6, "float"), ("1.5M", "'1.5M'"), (0, "positive")])
 def test_the_first_models_arena_bytes_is_checked_as_a_later_ones(value, kind):
     """arena_bytes=True or 1.5e6 was taken through int() by the first model (a one-slot arena, a
-    1507328-byte one), and refused by a later one and by PackedCollate: refused alike now."""
-    msg = f"arena_bytes must be an int, got {kind}"
+    1507328-byte one), and refused by a later one and by PackedCollate: refused alike now, with
+    the same message as Arena's, and the train command's config check agrees."""
+    msg = f"arena_bytes must be .*{kind}"
     first = mm.PackedPseudoCollate()
     with pytest.raises(ValueError, match=msg):
         first.arm(value)
@@ -805,6 +806,22 @@ def test_the_first_models_arena_bytes_is_checked_as_a_later_ones(value, kind):
         mtc_loader.PackedCollate(arena_bytes=value)
     with pytest.raises(ValueError, match=msg):
         mm.MTCDataPreprocessor(arena_bytes=value)
+
+
+def test_every_entry_point_takes_arena_bytes_with_a_unit():
+    """A size with a unit ("1MiB") is taken alike by the first model, a later one, PackedCollate
+    and the train command's config check (which takes "512M" on its command line too)."""
+    from mtc_loader.mmengine.__main__ import _check_switched
+    first = mm.PackedPseudoCollate()
+    assert first.arm("1MiB").stats()["bytes"] == 1 << 20
+    later = mm.PackedPseudoCollate()
+    later.arm(1 << 20)
+    assert later.arm("2MiB").stats()["bytes"] == 2 << 20
+    assert mtc_loader.PackedCollate(arena_bytes="1MiB").arena.stats()["bytes"] == 1 << 20
+    errors = []
+    _check_switched("cfg.py", {"model": {"data_preprocessor": {"arena_bytes": "1MiB"}}}, errors.append)
+    _check_switched("cfg.py", {"model": {"data_preprocessor": {"arena_bytes": 1.5e6}}}, errors.append)
+    assert len(errors) == 1 and "arena_bytes=1500000.0" in errors[0], errors
 
 
 def test_the_preprocessors_default_keeps_the_arena_of_an_earlier_model():

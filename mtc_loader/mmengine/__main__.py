@@ -141,15 +141,15 @@ def _check_work_dir(work_dir: Any, error: Callable[[str], Any]) -> None:
 def _check_switched(path: str, cfg: Any, error: Callable[[str], Any]) -> None:
     """What the switch put in the config (the command's options, or the config's own values of
     them), checked as the runner would check it once it has started."""
-    from .._options import positive_int
+    from .._arena import check_arena_bytes
     from ._loops import _check_depth
 
     model = cfg.get("model")
     pre = model.get("data_preprocessor") if isinstance(model, dict) else None
     if isinstance(pre, dict) and "arena_bytes" in pre:
         try:
-            positive_int("arena_bytes", pre["arena_bytes"], _MAX_ARENA_BYTES)
-        except (TypeError, ValueError) as e:
+            check_arena_bytes(pre["arena_bytes"])
+        except ValueError as e:
             error(f"config file {path}: model.data_preprocessor.arena_bytes={pre['arena_bytes']!r}: "
                   f"{str(e).removeprefix('mtc_loader: ')} (or give --arena-bytes)")
     train = cfg.get("train_cfg")

@@ -16,9 +16,8 @@ from mmengine.structures import BaseDataElement
 from torch.utils.data import get_worker_info
 
 from .. import _tree
-from .._options import positive_int
 from .._tree import OnHost
-from .._arena import MAX_ARENA_BYTES, Arena
+from .._arena import Arena, check_arena_bytes
 from .._packed import PackedBatch
 from ..collate import PackedCollate
 from ._elements import _COPY_METAINFO
@@ -76,15 +75,6 @@ _UNPACK_HINT_MM = (
     "or MTCRunner.from_cfg(cfg)), or name mtc_loader's loops (train_cfg=dict(type=\"MTCEpochBasedTrainLoop\", "
     "...) or \"MTCIterBasedTrainLoop\", val_cfg=dict(type=\"MTCValLoop\"), test_cfg=dict(type=\"MTCTestLoop\")): "
     "they unpack each packed batch on the model's device before the hooks run")
-
-
-def _arena_bytes(value: Any) -> int:
-    """``arena_bytes`` checked as :class:`~mtc_loader.Arena` checks it (a ValueError for
-    anything but a positive int within the arena's limit: ``True`` and ``1.5e6`` too)."""
-    try:
-        return positive_int("arena_bytes", value, MAX_ARENA_BYTES)
-    except TypeError as e:  # a ValueError, as Arena raises it
-        raise ValueError(str(e)) from None
 
 
 def _packs_with(process: Any, collate: "PackedPseudoCollate") -> bool:
@@ -145,7 +135,7 @@ class PackedPseudoCollate:
         self._retired: list[_Replaced] = []  # replaced by a larger one, with loaders still on them
         self._lock = threading.Lock()
 
-    def arm(self, arena_bytes: Optional[int] = None) -> Arena:
+    def arm(self, arena_bytes: Optional[Union[int, str]] = None) -> Arena:
         """Creates the arena (``arena_bytes``; ``None``: 256 MiB) unless it exists; returns it. Call
         it in the process that trains, before the DataLoader starts. A later call with an
         ``arena_bytes`` larger than the arena (a model rebuilt with a larger one in the same
@@ -154,7 +144,7 @@ class PackedPseudoCollate:
         end (it is held while their workers live), and batches already in it unpack as before
         (each holds it): it is unmapped once both are gone. ``None``, or no more than the arena
         holds, keeps it. ``arena_bytes`` is checked as :class:`~mtc_loader.Arena` checks it."""
-        want = None if arena_bytes is None else _arena_bytes(arena_bytes)
+        want = None if arena_bytes is None else check_arena_bytes(arena_bytes)
         with self._lock:
             self._retired = [r for r in self._retired if r.arena is not None]
             if self.arena is not None and want is not None and get_worker_info() is None:

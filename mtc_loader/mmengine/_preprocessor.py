@@ -103,7 +103,7 @@ class MTCDataPreprocessor(BaseDataPreprocessor):  # type: ignore[misc]
     """
 
     def __init__(self, preprocessor: Union[str, dict[str, Any], BaseDataPreprocessor, None] = None,
-                 arena_bytes: Optional[int] = None, non_blocking: bool = False, **inherited: Any) -> None:
+                 arena_bytes: Optional[Union[int, str]] = None, non_blocking: bool = False, **inherited: Any) -> None:
         super().__init__(non_blocking)
         preprocessor = _wrapped_config(preprocessor, inherited, non_blocking)
         if isinstance(preprocessor, dict):
