@@ -210,3 +210,16 @@ def test_too_small_arena_fails_at_once_in_a_plain_loop(fast_worker_shutdown, ctx
     assert "5 batches in flight (2 workers x prefetch_factor 2 in the DataLoader, 1 the loop unpacks)" in str(ei.value)
     assert bytes_to_configure(str(ei.value)) == 5 * SLOT
     del ei
+
+
+def test_the_plain_loops_arena_check_finds_the_dataloaders_worker_start():
+    """The plain loop's fast arena check finds the point where torch's DataLoader starts its
+    workers by that iterator's __init__: a torch that renames or restructures it would silently
+    bring back the slow failure (a full arena's timeout), so this fails first."""
+    import torch.utils.data.dataloader as dl
+    from mtc_loader import _flight
+    assert _flight._STARTING is dl._MultiProcessingDataLoaderIter
+    code = _flight._STARTING.__init__.__code__
+    assert "self" in code.co_varnames
+    for attr in ("_collate_fn", "_num_workers", "_prefetch_factor"):
+        assert attr in code.co_names, attr
