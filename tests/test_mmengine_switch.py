@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 import weakref
 from unittest import mock
@@ -745,6 +746,29 @@ def test_a_replaced_arena_goes_with_its_last_batch():
     gc.collect()
     assert mtc_loader._arena.ARENAS.get(token) is None
     assert not os.path.exists(f"/proc/self/fd/{fd}") or "memfd" not in os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_a_child_process_that_is_no_worker_of_it_does_not_hold_the_replaced_arena():
+    """Only the DataLoader workers started on an arena hold it once it is replaced: another live
+    child of the training process (a worker of another loader, a helper process) does not."""
+    import multiprocessing
+    pc = mm.PackedPseudoCollate()
+    other = mm.PackedPseudoCollate()
+    other.arm(1 << 20)
+    token = pc.arm(1 << 20).token
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+    child.start()
+    loader = torch.utils.data.DataLoader(_Numbered(), batch_size=2, num_workers=1, collate_fn=other,
+                                         persistent_workers=True)
+    try:
+        assert next(iter(loader)).unpack("cpu")["inputs"][0].shape == (3,)
+        pc.arm(4 << 20)
+        gc.collect()
+        assert pc._retired == [] and mtc_loader._arena.ARENAS.get(token) is None
+    finally:
+        child.kill()
+        child.join()
+        del loader
 
 
 class _Numbered(torch.utils.data.Dataset):

@@ -3,6 +3,7 @@ and what ``cast_data`` leaves on the host marked so."""
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import threading
 import weakref
@@ -77,21 +78,24 @@ _UNPACK_HINT_MM = (
     "they unpack each packed batch on the model's device before the hooks run")
 
 
-def _packs_with(process: Any, collate: "PackedPseudoCollate") -> bool:
-    """Whether a child process is a DataLoader worker whose collate_fn is ``collate`` (or
-    mmengine's ``functools.partial`` of it). A child that cannot be told apart counts as one."""
-    from torch.utils.data._utils.worker import _worker_loop
-    target, args = getattr(process, "_target", None), getattr(process, "_args", None)
-    if target is None or args is None:
-        return True
-    if target is not _worker_loop:
-        return False
-    for fn in args:  # the collate_fn among _worker_loop's arguments
+def _workers_packing_with(collate: "PackedPseudoCollate") -> list[Any]:
+    """The live DataLoader worker processes whose collate_fn is ``collate`` (or mmengine's
+    ``functools.partial`` of it), found through their loaders' iterators (a process object forgets
+    its target once started). A torch without that iterator class: every live child counts."""
+    from torch.utils.data import dataloader
+    starting = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if starting is None:
+        return multiprocessing.active_children()
+    found: list[Any] = []
+    for it in gc.get_objects():  # only when an arena is replaced, which is rare
+        if not isinstance(it, starting) or getattr(it, "_shutdown", False):
+            continue
+        fn = getattr(it, "_collate_fn", None)
         while isinstance(fn, functools.partial):
             fn = fn.func
         if fn is collate:
-            return True
-    return False
+            found += [w for w in getattr(it, "_workers", ()) if w.is_alive()]
+    return found
 
 
 class _Replaced:
@@ -101,7 +105,7 @@ class _Replaced:
     are gone. Without such workers nothing holds it here."""
 
     def __init__(self, owner: "PackedPseudoCollate", arena: Arena) -> None:
-        workers = [p for p in multiprocessing.active_children() if _packs_with(p, owner)]
+        workers = _workers_packing_with(owner)
         self.arena: Optional[Arena] = arena if workers else None
         self.left = len(workers)
         for w in workers:  # a worker's process object goes when its loader has ended
