@@ -40,7 +40,6 @@ README_WORDS = 1200
 TOTAL_WORDS = 20000
 MEAN_SENTENCE = 20.0
 LONG_SENTENCE = 50
-MAX_LONG = 3
 PAGE_WORDS = {"docs/mmengine.md": 2500, "docs/profiler.md": 1500}
 
 _FENCE = re.compile(r"^ *```.*?^ *```[^\n]*$", re.M | re.S)
