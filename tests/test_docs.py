@@ -111,3 +111,14 @@ def test_no_page_asks_for_a_package_to_build_nvtx():
     assert "nvtx" not in requires, requires
     for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
         assert "nvidia-nvtx" not in page.read_text(), page.name
+
+
+def test_the_process_page_names_the_before_fork_hook():
+    """A hook that runs before every fork() of the process is process-wide state that
+    ``import mtc_loader`` sets: "What it changes in your process" names it."""
+    package = pathlib.Path(mtc_loader.__file__).parent
+    hooks = [p.name for p in sorted(package.rglob("*.py"))
+             if re.search(r"register_at_fork\([^)]*\bbefore=", p.read_text())]
+    assert hooks, "no before-fork hook found: drop this test, and the line of docs/engine.md"
+    page = " ".join((DOCS / "engine.md").read_text().split())
+    assert "registers a hook that runs before each `os.fork()`" in page, hooks
