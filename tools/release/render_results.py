@@ -413,7 +413,8 @@ def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
     out = plot("files", docs, "file-backed samples: GB/s per method", lambda plt: plot_files(plt, runs, methods))
     out += table(header, rows)
     out += ["", (f"Limits of the same files, same run: `O_DIRECT` from a cold cache at the best queue depth "
-                 f"{spread(raw_cold, gbps)} GB/s, a parallel memcpy out of the page cache {spread(raw_warm, gbps)} GB/s."
+                 f"{spread(raw_cold, gbps)} GB/s, a parallel memcpy out of the page cache "
+                 f"{spread(raw_warm, gbps)} GB/s."
                  if limit else
                  f"Raw read of the same files, same run: `O_DIRECT` from a cold cache {spread(raw_cold, gbps)} "
                  f"GB/s (one thread), buffered from a warm cache {spread(raw_warm, gbps)} GB/s."), "",
