@@ -346,7 +346,8 @@ def main(argv=None) -> int:
           f"{reader['mode']}")
     print(f"limits, same files: warm memcpy out of the page cache {lim['memcpy_warm']:.2f} GB/s "
           f"({args.copy_threads} thread{'s' if args.copy_threads != 1 else ''}); cold O_DIRECT "
-          + ", ".join(f"{v:.2f}" for v in by_depth.values()) + f" GB/s at depth {', '.join(map(str, by_depth))}: best {lim['direct_cold_best']:.2f} GB/s")
+          + ", ".join(f"{v:.2f}" for v in by_depth.values()) + f" GB/s at depth {', '.join(map(str, by_depth))}: "
+          f"best {lim['direct_cold_best']:.2f} GB/s")
     hdr = f"| {'method':<22} | {'warm ms/batch':>13} | {'warm GB/s':>9} | {'cold ms/batch':>13} | {'cold GB/s':>9} |"
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
