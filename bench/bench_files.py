@@ -358,9 +358,10 @@ def main(argv=None) -> int:
 
     def say(key: str, value: float, text: str, target: float | None = None) -> None:
         checks[key] = value
-        want = f"{target * 100:.0f}%" if key.startswith("cold") else f"{target:g}x"
-        met = "" if target is None else f" (target >= {want}): {'MET' if value >= target else 'NOT MET'}"
-        print(text + met)
+        if target is not None:
+            want = f"{target * 100:.0f}%" if key.startswith("cold") else f"{target:g}x"
+            text += f" (target >= {want}): {'MET' if value >= target else 'NOT MET'}"
+        print(text)
     if "files_packed" in med:
         f = med["files_packed"]["warm"]
         if "numpy_packed" in med:
