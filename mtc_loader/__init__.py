@@ -99,9 +99,11 @@ def stats() -> dict[str, int]:
     """The engine's counters: calls, tensors by path (packed, reused, staged, ...), bytes per
     direction, DMA calls, per-stage times in ns, pinned-memory use (held, in use, high water,
     waits at the cap), threads; file-backed reads of this process by path (``file_reads_uring``,
-    ``file_reads_pread``: file parts read; ``file_bytes_read``, ``file_reads_direct``: O_DIRECT
-    segments, ``file_reads_direct_cached``: aligned segments read buffered since the page cache
-    held them, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
+    ``file_reads_pread``: file parts read; ``file_bytes_read``, and its bytes by route:
+    ``file_bytes_cached`` copied from the page cache by the helpers, ``file_bytes_direct`` and
+    ``file_bytes_buffered`` read through io_uring, ``file_bytes_pread`` by the pread reader;
+    ``file_reads_direct``: O_DIRECT segments, ``file_direct_refused``: files whose filesystem
+    refused O_DIRECT, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
     out = _engine.stats()
     out.update(_python_ways())  # the prefetch service's batches the Python way (MTC_C_HANDOFF)
     warn_environment()  # a variable first read since import (the pinned cap, by this call)

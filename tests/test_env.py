@@ -28,7 +28,6 @@ VARIABLES = {
     "MTC_URING_DEPTH": ("64", "64.0"),
     "MTC_FILE_DIRECT": ("always", "never"),
     "MTC_ARENA_POPULATE": ("on", "o"),
-    "MTC_URING_ASYNC": ("no", "async"),
     "MTC_URING_MAX_IO": ("4096", "4 KiB"),
     "MTC_TORCH_SHIM": ("0", "sometimes"),
     "MTC_C_HANDOFF": ("off", "C"),

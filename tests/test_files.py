@@ -2,12 +2,13 @@
 start_copy outputs and .load(), compared bitwise with numpy loading (np.fromfile / np.load).
 
 Every read test runs under several reader settings (``reader`` fixture): io_uring with the
-defaults (O_DIRECT for aligned middles the page cache does not hold); io_uring with a 4-deep ring,
-reads cut to a few KiB (many submissions, every read completed in several short steps) and
-O_DIRECT even for cached pages; io_uring without O_DIRECT; io_uring with a 16-deep ring and
-buffered reads handed to io-wq threads (``MTC_URING_ASYNC``); pread on the helpers; pread cut
-into short reads. The io_uring settings skip where io_uring cannot be set up (the pread ones
-always run). CUDA variants run where a GPU is.
+defaults (the page cache's pieces copied by the helpers, the others read O_DIRECT where aligned);
+io_uring with a 4-deep ring, reads cut to a few KiB (many submissions, every read completed in
+several short steps) and every piece through the ring, O_DIRECT even for cached pages; io_uring
+without O_DIRECT; io_uring with a 16-deep ring and the page cache asked with mincore(2) rather
+than cachestat(2); pread on the helpers; pread cut into short reads. The io_uring settings skip
+where io_uring cannot be set up (the pread ones always run). CUDA variants run where a GPU is.
+tests/test_file_route.py checks which route each read took.
 """
 from __future__ import annotations
 
@@ -37,16 +38,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 URING, PREAD = 1, 2
 DIRECT_OFF, DIRECT_UNCACHED, DIRECT_ALWAYS = 0, 1, 2
-# name -> (queue depth, largest single read (0: any), O_DIRECT, mode, buffered reads IOSQE_ASYNC)
+# name -> (queue depth, largest single read (0: any), O_DIRECT, mode, page cache asked with mincore)
 READERS = {
-    "uring": (128, 0, DIRECT_UNCACHED, URING, 0),
-    "uring_short": (4, 3000, DIRECT_ALWAYS, URING, 0),
-    "uring_buffered": (128, 0, DIRECT_OFF, URING, 0),
-    "uring_async": (16, 0, DIRECT_UNCACHED, URING, 1),
-    "pread": (128, 0, DIRECT_UNCACHED, PREAD, 0),
-    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD, 0),
+    "uring": (128, 0, DIRECT_UNCACHED, URING, False),
+    "uring_short": (4, 3000, DIRECT_ALWAYS, URING, False),
+    "uring_buffered": (128, 0, DIRECT_OFF, URING, False),
+    "uring_mincore": (16, 0, DIRECT_UNCACHED, URING, True),
+    "pread": (128, 0, DIRECT_UNCACHED, PREAD, False),
+    "pread_short": (128, 3000, DIRECT_UNCACHED, PREAD, False),
 }
-DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0, 0)
+DEFAULT_READER = (128, 0, DIRECT_UNCACHED, 0, False)
 
 
 def _uring_works() -> bool:
@@ -345,9 +346,9 @@ def test_files_larger_than_a_piece_and_unaligned(tmp_path, reader):
     after = mtc_loader.stats()
     if reader == "uring_short":  # O_DIRECT although the file's pages are cached
         assert after["file_reads_direct"] > before["file_reads_direct"]
-    if reader == "uring" and _cache_droppable(tmp_path / "al.bin"):
-        # in the page cache (just read through it): a buffered read copies it from there. The
-        # kernel may evict pages under memory pressure before the read, which then rightly goes
+    if reader in ("uring", "uring_mincore") and _cache_droppable(tmp_path / "al.bin"):
+        # in the page cache (just read through it): the helpers copy it from there. The kernel
+        # may evict pages under memory pressure before the read, which then rightly goes
         # O_DIRECT; a wrong reader would do so every time
         for _ in range(3):
             (tmp_path / "al.bin").read_bytes()
@@ -358,7 +359,7 @@ def test_files_larger_than_a_piece_and_unaligned(tmp_path, reader):
                 break
         else:
             pytest.fail("a file in the page cache was read O_DIRECT three times in a row")
-        assert after["file_reads_direct_cached"] > before["file_reads_direct_cached"]
+        assert after["file_bytes_cached"] - before["file_bytes_cached"] == 8 << 20
         # cold: the aligned middle goes O_DIRECT
         _drop_cache(tmp_path / "al.bin")
         check_equal(pc([ft]).unpack()[0], ref[: 8 << 20], torch.uint8, "aligned, cold")
@@ -375,9 +376,9 @@ def _drop_cache(path) -> None:
 
 
 def _cache_droppable(path) -> bool:
-    """Whether the reader can tell cached pages here (cachestat, Linux 6.5) and dropping them
-    works (not tmpfs, where O_DIRECT is not offered either): read a probe file of tmp_path cold
-    with MTC_FILE_DIRECT's default and see whether it went O_DIRECT."""
+    """Whether dropping cached pages works here (not tmpfs, where O_DIRECT is not offered
+    either): read a probe file of tmp_path warm, then cold, with MTC_FILE_DIRECT's default and see
+    whether the helpers copied it, then the ring read it O_DIRECT."""
     probe = os.path.join(os.path.dirname(path), "probe_direct.bin")
     np.zeros(4 << 16, np.uint8).tofile(probe)
     ft = FileTensor(probe, torch.uint8, (4 << 16,))
@@ -388,7 +389,7 @@ def _cache_droppable(path) -> bool:
     _drop_cache(probe)
     pc([ft]).unpack()
     s2 = mtc_loader.stats()
-    return (s1["file_reads_direct_cached"] > s0["file_reads_direct_cached"]
+    return (s1["file_bytes_cached"] > s0["file_bytes_cached"]
             and s2["file_reads_direct"] > s1["file_reads_direct"])
 
 
@@ -409,9 +410,15 @@ def test_many_files_in_one_batch(tmp_path, reader):
         check_equal(out[i], a, torch.int32, f"[{i}]")
     after = mtc_loader.stats()
     assert after[_reads(reader)] - before[_reads(reader)] == 300
+    routes = ("file_bytes_cached", "file_bytes_direct", "file_bytes_buffered", "file_bytes_pread")
+    assert (sum(after[k] - before[k] for k in routes)
+            == after["file_bytes_read"] - before["file_bytes_read"] == sum(a.nbytes for a in refs))
     if reader.startswith("uring"):
         assert after["file_reads_pread"] == before["file_reads_pread"]
+        assert after["file_bytes_pread"] == before["file_bytes_pread"]
+    if reader == "uring_short":  # every piece through the ring, cached or not
         assert after["file_uring_submits"] > before["file_uring_submits"]
+        assert after["file_bytes_cached"] == before["file_bytes_cached"]
     if reader.endswith("short"):
         assert after["file_short_reads"] > before["file_short_reads"]
     assert open_fds() == fds

@@ -124,7 +124,9 @@ int mtc_files_stats(PyObject *d)
     mtc_uring_get_stats(&s);
     struct { const char *k; uint64_t v; } kv[] = {
         {"file_reads_uring", s.reads_uring}, {"file_reads_pread", s.reads_pread}, {"file_bytes_read", s.bytes},
-        {"file_reads_direct", s.direct_reads}, {"file_reads_direct_cached", s.direct_cached},
+        {"file_bytes_cached", s.bytes_cached}, {"file_bytes_direct", s.bytes_direct},
+        {"file_bytes_buffered", s.bytes_buffered}, {"file_bytes_pread", s.bytes_pread},
+        {"file_reads_direct", s.direct_reads}, {"file_direct_refused", s.direct_refused},
         {"file_uring_submits", s.submits},
         {"file_short_reads", s.short_reads}, {"file_read_errors", s.errors},
     };
@@ -158,15 +160,15 @@ PyObject *mtc_files_configure(PyObject *module, PyObject *args)
 {
     unsigned int depth;
     unsigned long long max_io;
-    int direct, mode, async = -1;
-    if (!PyArg_ParseTuple(args, "IKii|i", &depth, &max_io, &direct, &mode, &async)) return NULL;
+    int direct, mode, mincore = 0;
+    if (!PyArg_ParseTuple(args, "IKii|p", &depth, &max_io, &direct, &mode, &mincore)) return NULL;
     if (direct < MTC_URING_DIRECT_OFF || direct > MTC_URING_DIRECT_ALWAYS) {
         PyErr_SetString(PyExc_ValueError, "file_configure: direct is 0 (off), 1 (uncached) or 2 (always)");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     mtc_uring_configure(depth, max_io, direct, mode);
-    if (async >= 0) mtc_uring_configure_async(async);
+    mtc_uring_probe_mincore(mincore);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

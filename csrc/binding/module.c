@@ -668,7 +668,7 @@ static PyMethodDef engine_methods[] = {
     {"nvtx_info", engine_nvtx_info, METH_NOARGS, "{'compiled': bool, 'enabled': bool}"},
     {"file_reader", mtc_files_reader, METH_NOARGS, "file_reader() -> (mode, reason or None, forced, built with liburing)"},
     {"file_configure", mtc_files_configure, METH_VARARGS,
-     "file_configure(depth, max_io, direct, mode): the file reader's settings (tests)"},
+     "file_configure(depth, max_io, direct, mode, mincore=False): the file reader's settings (tests)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,7 +41,6 @@ static const _var _vars[MTC_ENV_COUNT] = {
     [MTC_ENV_FILE_DIRECT] = {"MTC_FILE_DIRECT", _ENUM, 0, 0, _direct,
                              "the default (auto: O_DIRECT for what the page cache does not hold)"},
     [MTC_ENV_ARENA_POPULATE] = {"MTC_ARENA_POPULATE", _BOOL, 0, 0, NULL, "the default (on)"},
-    [MTC_ENV_URING_ASYNC] = {"MTC_URING_ASYNC", _BOOL, 0, 0, NULL, "the default (off)"},
     [MTC_ENV_URING_MAX_IO] = {"MTC_URING_MAX_IO", _INT, 0, INT64_MAX, NULL, "the default (0: unlimited)"},
     [MTC_ENV_TORCH_SHIM] = {"MTC_TORCH_SHIM", _BOOL, 0, 0, NULL, "the default (on where torch has its C shim)"},
     [MTC_ENV_C_HANDOFF] = {"MTC_C_HANDOFF", _BOOL, 0, 0, NULL, "the default (on)"},

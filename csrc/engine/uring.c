@@ -1,11 +1,10 @@
 /*
- * uring.c - reads of file-backed leaves by io_uring, or pread on the helper
- * threads (see uring.h).
+ * uring.c - reads of file-backed leaves: the page cache's bytes copied by the
+ * helper threads, the rest by io_uring (O_DIRECT where aligned), or pread on
+ * the helper threads for everything (see uring.h).
  */
 #include "uring.h"
 #include "env.h"
-
-#include "plan.h" /* MTC_MAX_NDIM */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -31,7 +31,8 @@
 /* A single read's length is a u32 in the SQE, and Linux caps one read at
  * just under 2 GiB: larger reads are completed in steps like short ones. */
 #define _MAX_ONE_READ ((uint64_t)1 << 30)
-/* pread fallback: pieces one helper reads, so one large file keeps several busy. */
+/* Pieces one helper reads, so one large file keeps several busy; also the
+ * unit of the route choice (each piece of a read is cached or not). */
 #define _PREAD_PIECE ((uint64_t)4 << 20)
 
 /* ---- configuration, state, counters ---- */
@@ -46,7 +47,6 @@ static struct {
     uint64_t max_io;          /* 0: unlimited (tests lower it to force short reads) */
     int direct;               /* MTC_URING_DIRECT_* */
     int want_mode;            /* 0 automatic, else forced MTC_URING_MODE_* */
-    int async;                /* buffered reads with IOSQE_ASYNC: copied by io-wq threads in parallel */
     int env_read;
 #ifdef MTC_HAVE_LIBURING
     struct io_uring ring;
@@ -54,7 +54,8 @@ static struct {
 } _u = {.lock = PTHREAD_MUTEX_INITIALIZER, .depth = 128, .direct = MTC_URING_DIRECT_UNCACHED};
 
 static struct {
-    _Atomic uint64_t reads_uring, reads_pread, bytes, direct_reads, direct_cached, submits, short_reads, errors;
+    _Atomic uint64_t reads_uring, reads_pread, bytes, bytes_cached, bytes_direct, bytes_buffered, bytes_pread;
+    _Atomic uint64_t direct_reads, direct_refused, submits, short_reads, errors;
 } _st;
 
 #define _COUNT(field, v) mtc_fetch_add_relaxed(&_st.field, (uint64_t)(v))
@@ -64,8 +65,12 @@ void mtc_uring_get_stats(mtc_uring_stats *o)
     o->reads_uring = mtc_load_relaxed(&_st.reads_uring);
     o->reads_pread = mtc_load_relaxed(&_st.reads_pread);
     o->bytes = mtc_load_relaxed(&_st.bytes);
+    o->bytes_cached = mtc_load_relaxed(&_st.bytes_cached);
+    o->bytes_direct = mtc_load_relaxed(&_st.bytes_direct);
+    o->bytes_buffered = mtc_load_relaxed(&_st.bytes_buffered);
+    o->bytes_pread = mtc_load_relaxed(&_st.bytes_pread);
     o->direct_reads = mtc_load_relaxed(&_st.direct_reads);
-    o->direct_cached = mtc_load_relaxed(&_st.direct_cached);
+    o->direct_refused = mtc_load_relaxed(&_st.direct_refused);
     o->submits = mtc_load_relaxed(&_st.submits);
     o->short_reads = mtc_load_relaxed(&_st.short_reads);
     o->errors = mtc_load_relaxed(&_st.errors);
@@ -110,7 +115,6 @@ static void _read_env_locked(void)
     if (d == 0) _u.direct = MTC_URING_DIRECT_OFF;
     else if (d == 3) _u.direct = MTC_URING_DIRECT_ALWAYS;
     else if (d > 0) _u.direct = MTC_URING_DIRECT_UNCACHED;
-    _u.async = mtc_env_bool(MTC_ENV_URING_ASYNC, _u.async);
     /* words: "pread", "uring" */
     int m = mtc_env_enum(MTC_ENV_FILE_READER, -1);
     if (m >= 0) _u.want_mode = m == 0 ? MTC_URING_MODE_PREAD : MTC_URING_MODE_URING;
@@ -181,62 +185,11 @@ void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode)
     pthread_mutex_unlock(&_u.lock);
 }
 
-void mtc_uring_configure_async(int on)
-{
-    pthread_once(&_once, _init_once);
-    pthread_mutex_lock(&_u.lock);
-    _read_env_locked();
-    _u.async = on;
-    pthread_mutex_unlock(&_u.lock);
-}
-
 void mtc_uring_shutdown(void)
 {
     pthread_mutex_lock(&_u.lock);
     _teardown_locked();
     pthread_mutex_unlock(&_u.lock);
-}
-
-/* ---- the spec ---- */
-
-int mtc_uring_spec_view(const void *buf, size_t len, mtc_file_spec *out)
-{
-    const uint8_t *b = buf;
-    if (len < sizeof out->h) return -EINVAL;
-    memcpy(&out->h, b, sizeof out->h);
-    const mtc_file_spec_hdr *h = &out->h;
-    if (h->magic != MTC_FILE_SPEC_MAGIC || h->ndim > MTC_MAX_NDIM || h->nparts == 0 || h->nbytes < 0)
-        return -EINVAL;
-    size_t need = sizeof *h + (size_t)h->ndim * sizeof(int64_t) + (size_t)h->nparts * sizeof(mtc_file_part);
-    if ((uint64_t)h->nparts > len / sizeof(mtc_file_part) || need > len || len - need != h->paths_bytes)
-        return -EINVAL;
-    out->dims = (const int64_t *)(b + sizeof *h);
-    out->parts = b + sizeof *h + (size_t)h->ndim * sizeof(int64_t);
-    out->paths = (const char *)(b + need);
-    uint64_t sum = 0;
-    for (uint32_t k = 0; k < h->nparts; k++) {
-        mtc_file_part p;
-        memcpy(&p, out->parts + (size_t)k * sizeof p, sizeof p);
-        if ((uint64_t)p.path + p.path_len >= h->paths_bytes || out->paths[p.path + p.path_len] != '\0' ||
-            memchr(out->paths + p.path, '\0', p.path_len) || p.nbytes > (uint64_t)INT64_MAX - sum ||
-            p.offset > (uint64_t)INT64_MAX - p.nbytes)
-            return -EINVAL;
-        sum += p.nbytes;
-    }
-    return sum == (uint64_t)h->nbytes ? 0 : -EINVAL;
-}
-
-size_t mtc_uring_spec_size(const void *buf)
-{
-    mtc_file_spec_hdr h;
-    memcpy(&h, buf, sizeof h);
-    return sizeof h + (size_t)h.ndim * sizeof(int64_t) + (size_t)h.nparts * sizeof(mtc_file_part) + h.paths_bytes;
-}
-
-void mtc_uring_spec_part(const mtc_file_spec *s, uint32_t k, mtc_file_part *part, const char **path)
-{
-    memcpy(part, s->parts + (size_t)k * sizeof *part, sizeof *part);
-    *path = s->paths + part->path;
 }
 
 /* Opens a FileTensor's file for reading: a descriptor, or -errno. Only a
@@ -269,17 +222,12 @@ static int _open_data(const char *path, int flags)
     return fd;
 }
 
-/* Reads len bytes of path at off into dst with pread, completing short
- * reads. 0, or -errno / -ENODATA with *got = the bytes that arrived. */
-static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, uint64_t max_io, uint64_t *got)
+/* Reads len bytes of fd at off into dst with pread, completing short reads.
+ * 0, or -errno / -ENODATA with *got = the bytes that arrived. */
+static int _pread_fd(int fd, uint64_t off, uint64_t len, char *dst, uint64_t max_io, uint64_t *got)
 {
     uint64_t done = 0;
     int rc = 0;
-    int fd = _open_data(path, 0);
-    if (fd < 0) {
-        *got = 0;
-        return fd;
-    }
     while (done < len) {
         uint64_t want = len - done;
         if (want > _MAX_ONE_READ) want = _MAX_ONE_READ;
@@ -297,8 +245,20 @@ static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, 
         if ((uint64_t)n < len - done) _COUNT(short_reads, 1); /* counted as by the ring */
         done += (uint64_t)n;
     }
-    close(fd);
     *got = done;
+    return rc;
+}
+
+/* The same for a path, opened and closed here. */
+static int _pread_full(const char *path, uint64_t off, uint64_t len, char *dst, uint64_t max_io, uint64_t *got)
+{
+    int fd = _open_data(path, 0);
+    if (fd < 0) {
+        *got = 0;
+        return fd;
+    }
+    int rc = _pread_fd(fd, off, len, dst, max_io, got);
+    close(fd);
     return rc;
 }
 
@@ -323,6 +283,7 @@ int mtc_uring_pread_range(const void *spec, uint64_t begin, uint64_t len, void *
             }
             _COUNT(reads_pread, 1);
             _COUNT(bytes, n);
+            _COUNT(bytes_pread, n);
             dst = (char *)dst + n;
             begin += n;
             len -= n;
@@ -332,9 +293,12 @@ int mtc_uring_pread_range(const void *spec, uint64_t begin, uint64_t len, void *
     return 0;
 }
 
-/* ---- the pread fallback: pieces of requests on the helper threads ---- */
+/* ---- pieces of requests read with pread on the helper threads: the pread
+ * fallback's every piece, and the io_uring reader's cached ones ---- */
 
-typedef struct _ptask { uint32_t req; uint64_t off; uint64_t len; } _ptask;
+/* Bytes [off, off + len) of request req; fd: the request's open descriptor
+ * (the io_uring reader's window holds it), or -1: the task opens the file. */
+typedef struct _ptask { uint32_t req; int fd; uint64_t off; uint64_t len; } _ptask;
 
 typedef struct _pctx {
     const mtc_uring_req *reqs;
@@ -350,7 +314,9 @@ static void _pread_task(void *arg, uint32_t t)
     const _ptask *pt = &c->tasks[t];
     const mtc_uring_req *r = &c->reqs[pt->req];
     uint64_t got;
-    c->err[t] = _pread_full(r->path, r->offset + pt->off, pt->len, (char *)r->dst + pt->off, c->max_io, &got);
+    char *dst = (char *)r->dst + pt->off;
+    c->err[t] = pt->fd >= 0 ? _pread_fd(pt->fd, r->offset + pt->off, pt->len, dst, c->max_io, &got)
+                            : _pread_full(r->path, r->offset + pt->off, pt->len, dst, c->max_io, &got);
     c->got[t] = pt->off + got;
 }
 
@@ -372,7 +338,7 @@ static int _read_pread(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err
         uint64_t off = 0;
         do { /* a zero-byte request still opens its file: a missing file is an error */
             uint64_t len = reqs[i].nbytes - off < _PREAD_PIECE ? reqs[i].nbytes - off : _PREAD_PIECE;
-            c.tasks[t++] = (_ptask){i, off, len};
+            c.tasks[t++] = (_ptask){i, -1, off, len};
             off += len;
         } while (off < reqs[i].nbytes);
     }
@@ -388,8 +354,11 @@ static int _read_pread(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err
             break;
         }
     if (!rc) {
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < n; i++) sum += reqs[i].nbytes;
         _COUNT(reads_pread, n);
-        for (uint32_t i = 0; i < n; i++) _COUNT(bytes, reqs[i].nbytes);
+        _COUNT(bytes, sum);
+        _COUNT(bytes_pread, sum);
     }
 out:
     free(c.tasks);
@@ -398,12 +367,16 @@ out:
     return rc;
 }
 
-/* ---- io_uring ---- */
+/* ---- io_uring, and the route of each piece ---- */
+
+static _Atomic int _no_cachestat; /* cachestat(2) gave ENOSYS, or a test asked for mincore(2) */
+
+void mtc_uring_probe_mincore(int on) { mtc_store_relaxed(&_no_cachestat, on); }
 
 #ifdef MTC_HAVE_LIBURING
 
-/* One read in flight or waiting: a whole request, or the buffered head /
- * O_DIRECT middle / buffered tail of one. */
+/* One read of the ring in flight or waiting: the buffered head / O_DIRECT
+ * middle / buffered tail of an uncached span of a request. */
 typedef struct _unit {
     uint32_t req;
     int direct;
@@ -414,86 +387,153 @@ typedef struct _unit {
     uint64_t base;     /* bytes of the request before this unit */
 } _unit;
 
+/* Requests read together: each one's pieces the page cache holds go to the
+ * helpers (copy), the others to the ring (units). */
 typedef struct _win {
     const mtc_uring_req *reqs;
     uint32_t first, n;   /* requests of the window */
-    int *fd, *dfd;       /* per request of the window: buffered and O_DIRECT descriptors (-1 none) */
+    int *fd, *dfd;       /* per request: buffered and O_DIRECT descriptors (-1 none, -2 O_DIRECT refused) */
     _unit *units;
     uint32_t nunits;
     uint32_t *pending;   /* stack of unit indices waiting for a submission slot */
     uint32_t npending;
+    _pctx copy;          /* the cached pieces, read with pread by the helpers */
+    uint32_t ncopy;
+    uint64_t cap;        /* pieces the arrays have room for */
+    uint64_t direct_bytes, buffered_bytes; /* what the ring read, by route */
 } _win;
 
 static uint64_t _round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-/* cachestat(2), Linux 6.5: how many pages of a file range are in the page
- * cache, one system call, no I/O started. (A buffered RWF_NOWAIT read would
- * answer too, but on a miss it starts readahead of the range into the page
- * cache before it returns -EAGAIN, so that the O_DIRECT read after it would
- * read the bytes from the device a second time.) */
+/* The pieces of a request: cut at the multiples of _PREAD_PIECE of the file. */
+static uint64_t _npieces(const mtc_uring_req *r)
+{
+    return r->nbytes ? (r->offset + r->nbytes - 1) / _PREAD_PIECE - r->offset / _PREAD_PIECE + 1 : 0;
+}
+
+/* Whether the page cache holds a range. cachestat(2), Linux 6.5: how many
+ * pages of a file range are cached, one system call, no I/O started. Before
+ * it, mincore(2) on a mapping of the range (three system calls; for a file
+ * the caller neither owns nor may write, Linux reports every page as cached:
+ * such pieces are then read with pread by the helpers, in parallel but
+ * through the page cache). A buffered RWF_NOWAIT read is no probe: on a miss
+ * it starts readahead of the range before it returns -EAGAIN, so that the
+ * O_DIRECT read after it would read the bytes from the device a second time. */
 #ifndef SYS_cachestat
 #if defined(__x86_64__) || defined(__aarch64__)
 #define SYS_cachestat 451
 #endif
 #endif
-static _Atomic int _no_cachestat; /* ENOSYS seen (or an architecture we have no number for) */
+static int _cached_mincore(int fd, uint64_t off, uint64_t len)
+{
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE), a = off / pg * pg, e = _round_up(off + len, pg);
+    unsigned char vec[_PREAD_PIECE / 4096 + 2]; /* a piece's pages, at most */
+    if ((e - a) / pg > sizeof vec) return 0;
+    void *m = mmap(NULL, (size_t)(e - a), PROT_READ, MAP_SHARED, fd, (off_t)a);
+    if (m == MAP_FAILED) return 0;
+    int all = mincore(m, (size_t)(e - a), vec) == 0;
+    munmap(m, (size_t)(e - a));
+    for (uint64_t k = 0; all && k < (e - a) / pg; k++) all = vec[k] & 1;
+    return all;
+}
 
-/* 1 when every page of [off, off + len) of fd is in the page cache (an
- * O_DIRECT read would go to the device for bytes a buffered read copies from
- * memory), 0 when some is not or we cannot tell. */
+/* 1 when every page of [off, off + len) of fd is in the page cache, 0 when
+ * some is not or we cannot tell. */
 static int _cached(int fd, uint64_t off, uint64_t len)
 {
 #ifdef SYS_cachestat
-    if (mtc_load_relaxed(&_no_cachestat)) return 0;
-    struct { uint64_t off, len; } range = {off, len};
-    struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
-    if (syscall(SYS_cachestat, fd, &range, &cs, 0) != 0) {
-        if (errno == ENOSYS) mtc_store_relaxed(&_no_cachestat, 1);
-        return 0;
+    if (!mtc_load_relaxed(&_no_cachestat)) {
+        struct { uint64_t off, len; } range = {off, len};
+        struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } cs;
+        if (syscall(SYS_cachestat, fd, &range, &cs, 0) == 0) {
+            uint64_t page = 4096, pages = (off + len + page - 1) / page - off / page;
+            return cs.nr_cache >= pages;
+        }
+        if (errno != ENOSYS) return 0;
+        mtc_store_relaxed(&_no_cachestat, 1);
     }
-    uint64_t page = 4096, pages = (off + len + page - 1) / page - off / page;
-    return cs.nr_cache >= pages;
-#else
-    (void)fd, (void)off, (void)len;
-    return 0;
 #endif
+    return _cached_mincore(fd, off, len);
 }
 
-/* Splits request i of the window into units, opening its descriptors. 0 or
- * -errno (the open failed). */
+/* Queues bytes [s, e) of request i (file offsets), which the page cache does
+ * not hold all of, as units of the ring: O_DIRECT for the aligned middle when
+ * the destination lines up with the file (dst + (mid_a - offset) aligned as
+ * mid_a is) and it is two blocks at least (or the second open costs more than
+ * it saves), buffered heads and tails. 0 or -errno (the O_DIRECT open failed
+ * otherwise than by the filesystem's refusal). */
+static int _win_span(_win *w, uint32_t i, uint64_t s, uint64_t e, int direct)
+{
+    const mtc_uring_req *r = &w->reqs[w->first + i];
+    uint64_t mid_a = _round_up(s, _DIRECT_ALIGN), mid_e = e / _DIRECT_ALIGN * _DIRECT_ALIGN;
+    int dir = 0;
+    if (direct && mid_e > mid_a && mid_e - mid_a >= 2 * _DIRECT_ALIGN &&
+        ((uintptr_t)r->dst + (mid_a - r->offset)) % _DIRECT_ALIGN == 0) {
+        if (w->dfd[i] == -1) {
+            int dfd = _open_data(r->path, O_DIRECT);
+            /* EINVAL: a filesystem without O_DIRECT (tmpfs before Linux 6.6,
+             * some overlays and network filesystems): read buffered through
+             * the ring, and counted (file_direct_refused) */
+            if (dfd == -EINVAL) _COUNT(direct_refused, 1);
+            else if (dfd < 0) return dfd;
+            w->dfd[i] = dfd >= 0 ? dfd : -2;
+        }
+        dir = w->dfd[i] >= 0;
+    }
+    uint64_t cuts[4] = {s, s, e, e};
+    if (dir) cuts[1] = mid_a, cuts[2] = mid_e;
+    for (int k = 0; k < 3; k++) {
+        if (cuts[k + 1] <= cuts[k]) continue;
+        _unit *u = &w->units[w->nunits];
+        *u = (_unit){.req = i, .direct = k == 1 && dir, .off = cuts[k], .dst = (char *)r->dst + (cuts[k] - r->offset),
+                     .len = cuts[k + 1] - cuts[k], .base = cuts[k] - r->offset};
+        w->pending[w->npending++] = w->nunits++;
+    }
+    return 0;
+}
+
+/* Opens request i of the window and gives each of its pieces its route: the
+ * helpers' pread for a piece the page cache holds (a copy from memory, done
+ * in parallel), the ring for a run of pieces it does not (O_DIRECT where
+ * aligned; MTC_URING_DIRECT_ALWAYS sends every piece there). 0 or -errno. */
 static int _win_add(_win *w, uint32_t i, int direct)
 {
     const mtc_uring_req *r = &w->reqs[w->first + i];
     int fd = _open_data(r->path, 0);
     if (fd < 0) return fd;
     w->fd[i] = fd;
-    uint64_t a = r->offset, e = r->offset + r->nbytes;
-    uint64_t mid_a = _round_up(a, _DIRECT_ALIGN), mid_e = e / _DIRECT_ALIGN * _DIRECT_ALIGN;
-    /* O_DIRECT for the middle when the destination lines up with the file:
-     * dst + (mid_a - a) aligned as mid_a is. Two blocks at least, or the
-     * second open costs more than it saves. */
-    if (direct && mid_e > mid_a && mid_e - mid_a >= 2 * _DIRECT_ALIGN &&
-        ((uintptr_t)r->dst + (mid_a - a)) % _DIRECT_ALIGN == 0) {
-        /* Unless asked for always: not when the page cache holds the bytes
-         * (a warm cache), which a buffered read copies at memory speed while
-         * O_DIRECT would read them from the device again. */
-        if (direct != MTC_URING_DIRECT_ALWAYS && _cached(fd, mid_a, mid_e - mid_a)) {
-            _COUNT(direct_cached, 1);
-        } else {
-            int dfd = _open_data(r->path, O_DIRECT);
-            /* EINVAL: a filesystem without O_DIRECT (tmpfs): buffered it is */
-            if (dfd >= 0) w->dfd[i] = dfd;
+    uint64_t a = r->offset, e = r->offset + r->nbytes, span = a; /* span: the uncached run's start */
+    for (uint64_t s = a; s < e;) {
+        uint64_t t = (s / _PREAD_PIECE + 1) * _PREAD_PIECE < e ? (s / _PREAD_PIECE + 1) * _PREAD_PIECE : e;
+        if (direct != MTC_URING_DIRECT_ALWAYS && _cached(fd, s, t - s)) {
+            int rc = span < s ? _win_span(w, i, span, s, direct) : 0;
+            if (rc) return rc;
+            w->copy.tasks[w->ncopy++] = (_ptask){w->first + i, fd, s - a, t - s};
+            span = t;
         }
+        s = t;
     }
-    uint64_t cuts[4] = {a, a, e, e};
-    if (w->dfd[i] >= 0) cuts[1] = mid_a, cuts[2] = mid_e;
-    for (int k = 0; k < 3; k++) {
-        if (cuts[k + 1] <= cuts[k]) continue;
-        _unit *u = &w->units[w->nunits];
-        *u = (_unit){.req = i, .direct = k == 1 && w->dfd[i] >= 0, .off = cuts[k],
-                     .dst = (char *)r->dst + (cuts[k] - a), .len = cuts[k + 1] - cuts[k], .base = cuts[k] - a};
-        w->pending[w->npending++] = w->nunits++;
-    }
+    return span < e ? _win_span(w, i, span, e, direct) : 0;
+}
+
+/* Room for a window of `pieces` pieces: a task each at most, and three units
+ * per run of uncached ones. 0 or -ENOMEM. */
+static int _win_reserve(_win *w, uint64_t pieces)
+{
+    if (pieces <= w->cap) return 0;
+    if (pieces > UINT32_MAX / 3) return -ENOMEM;
+    _unit *u = realloc(w->units, 3 * pieces * sizeof *u);
+    if (u) w->units = u;
+    uint32_t *p = realloc(w->pending, 3 * pieces * sizeof *p);
+    if (p) w->pending = p;
+    _ptask *t = realloc(w->copy.tasks, pieces * sizeof *t);
+    if (t) w->copy.tasks = t;
+    int *e = realloc(w->copy.err, pieces * sizeof *e);
+    if (e) w->copy.err = e;
+    uint64_t *g = realloc(w->copy.got, pieces * sizeof *g);
+    if (g) w->copy.got = g;
+    if (!u || !p || !t || !e || !g) return -ENOMEM;
+    w->cap = pieces;
     return 0;
 }
 
@@ -515,9 +555,6 @@ static uint32_t _win_prep(_win *w, struct io_uring *ring, uint32_t inflight, uin
         }
         int fd = u->direct ? w->dfd[u->req] : w->fd[u->req];
         io_uring_prep_read(sqe, fd, u->dst + u->done, (unsigned)want, u->off + u->done);
-        /* a cached buffered read is otherwise copied inline by io_uring_enter,
-         * one after another on this thread; ASYNC hands each to an io-wq thread */
-        if (_u.async && !u->direct) sqe->flags |= IOSQE_ASYNC;
         u->asked = want;
         io_uring_sqe_set_data64(sqe, ui);
         queued++;
@@ -555,6 +592,8 @@ static int _win_complete(_win *w, uint32_t ui, int res, mtc_uring_err *err)
         err->got = res < 0 ? u->base + u->done : _win_got(w, u);
         return res < 0 ? res : -ENODATA; /* 0: the file ended before the request's end */
     }
+    if (u->direct) w->direct_bytes += (uint64_t)res;
+    else w->buffered_bytes += (uint64_t)res;
     u->done += (uint64_t)res;
     if (u->done < u->len) {
         /* Not all of the unit yet: a read cut by max_io or the 1 GiB step,
@@ -609,48 +648,90 @@ static int _win_run(_win *w, struct io_uring *ring, mtc_uring_err *err)
     return rc;
 }
 
+/* The failure of the window's cached pieces to report, if it comes before
+ * the ring's (rc, *err): the lowest request's, and of one request the fewest
+ * bytes arrived (a file that ends fails every piece past its end). */
+static int _win_copy_err(const _win *w, int rc, mtc_uring_err *err)
+{
+    for (uint32_t t = 0; t < w->ncopy; t++) {
+        if (!w->copy.err[t]) continue;
+        uint32_t req = w->copy.tasks[t].req;
+        uint64_t got = w->copy.got[t];
+        if (!rc || req < err->index || (req == err->index && got < err->got)) {
+            rc = w->copy.err[t];
+            *err = (mtc_uring_err){req, got};
+        }
+    }
+    return rc;
+}
+
 static int _read_uring(const mtc_uring_req *reqs, uint32_t n, mtc_uring_err *err)
 {
     struct io_uring *ring = &_u.ring;
-    /* A window holds as many requests as the ring has slots (each makes up
-     * to three units), so that descriptors stay bounded: open files are at
-     * most 2 x depth, whatever the batch. */
+    /* A window holds as many requests as the ring has slots, so that
+     * descriptors stay bounded: open files are at most 2 x depth, whatever
+     * the batch. */
     uint32_t per = _u.depth ? _u.depth : 1;
     int rc = 0;
-    _win w = {.reqs = reqs};
+    uint64_t cached_bytes = 0;
+    _win w = {.reqs = reqs, .copy = {.reqs = reqs, .max_io = _u.max_io}};
     w.fd = malloc(per * sizeof *w.fd);
     w.dfd = malloc(per * sizeof *w.dfd);
-    w.units = malloc(3 * (size_t)per * sizeof *w.units);
-    w.pending = malloc(3 * (size_t)per * sizeof *w.pending);
-    if (!w.fd || !w.dfd || !w.units || !w.pending) {
+    if (!w.fd || !w.dfd) {
         rc = -ENOMEM;
         goto out;
     }
     for (uint32_t first = 0; first < n && !rc; first += per) {
         w.first = first;
         w.n = n - first < per ? n - first : per;
-        w.nunits = w.npending = 0;
-        for (uint32_t i = 0; i < w.n; i++) w.fd[i] = w.dfd[i] = -1;
+        w.nunits = w.npending = w.ncopy = 0;
+        uint64_t pieces = 0;
+        for (uint32_t i = 0; i < w.n; i++) {
+            w.fd[i] = w.dfd[i] = -1;
+            pieces += _npieces(&reqs[first + i]);
+        }
+        if ((rc = _win_reserve(&w, pieces))) {
+            *err = (mtc_uring_err){first, 0};
+            break;
+        }
         for (uint32_t i = 0; i < w.n && !rc; i++)
-            if ((rc = _win_add(&w, i, _u.direct))) {
-                err->index = first + i;
-                err->got = 0;
-            }
+            if ((rc = _win_add(&w, i, _u.direct))) *err = (mtc_uring_err){first + i, 0};
+        /* the helpers copy the cached pieces while this thread runs the ring,
+         * then takes the copies that are left */
+        mtc_batch b;
+        uint32_t ncopy = rc ? 0 : w.ncopy;
+        for (uint32_t t = 0; t < ncopy; t++) w.copy.err[t] = 0;
+        if (ncopy) mtc_batch_submit(&b, _pread_task, &w.copy, ncopy);
         if (!rc) rc = _win_run(&w, ring, err);
+        if (ncopy) {
+            mtc_batch_help(&b);
+            mtc_batch_wait(&b);
+        }
+        w.ncopy = ncopy;
+        rc = _win_copy_err(&w, rc, err);
+        for (uint32_t t = 0; t < ncopy; t++) cached_bytes += w.copy.tasks[t].len;
         for (uint32_t i = 0; i < w.n; i++) {
             if (w.fd[i] >= 0) close(w.fd[i]);
             if (w.dfd[i] >= 0) close(w.dfd[i]);
         }
     }
     if (!rc) {
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < n; i++) sum += reqs[i].nbytes;
         _COUNT(reads_uring, n);
-        for (uint32_t i = 0; i < n; i++) _COUNT(bytes, reqs[i].nbytes);
+        _COUNT(bytes, sum);
+        _COUNT(bytes_cached, cached_bytes);
+        _COUNT(bytes_direct, w.direct_bytes);
+        _COUNT(bytes_buffered, w.buffered_bytes);
     }
 out:
     free(w.fd);
     free(w.dfd);
     free(w.units);
     free(w.pending);
+    free(w.copy.tasks);
+    free(w.copy.err);
+    free(w.copy.got);
     return rc;
 }
 #endif /* MTC_HAVE_LIBURING */

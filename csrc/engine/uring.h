@@ -1,12 +1,15 @@
 /*
  * uring.h - reads of file-backed leaves (mtc_loader.FileTensor) into host
- * memory: one io_uring per process, batched submissions, O_DIRECT for the
- * aligned middle of a read; pread on the helper threads where io_uring is
- * unavailable or liburing was absent at build time.
+ * memory. Each piece of a read (4 MiB at most) takes its route: the pieces
+ * the page cache holds are copied with pread by the helper threads, in
+ * parallel; the others go through one io_uring per process, O_DIRECT for
+ * their aligned middle, while the helpers copy. Where io_uring is
+ * unavailable or liburing was absent at build time, every piece is read
+ * with pread on the helper threads.
  *
  * Concurrency: any number of threads may call mtc_uring_read at once; the
- * ring is taken by one caller at a time (a mutex), the pread fallback runs
- * on the shared helper pool. After fork() the child builds its own ring.
+ * ring is taken by one caller at a time (a mutex), the copies run on the
+ * shared helper pool. After fork() the child builds its own ring.
  *
  * No Python here; functions return 0 or a negative errno. Names starting
  * with `_` are internal to uring.c.
@@ -131,10 +134,15 @@ int mtc_uring_pread_range(const void *spec, uint64_t begin, uint64_t len, void *
 int mtc_uring_mode(const char **why, int *forced);
 
 typedef struct mtc_uring_stats {
-    uint64_t reads_uring, reads_pread; /* requests completed by each path */
-    uint64_t bytes;                    /* bytes read (both paths) */
+    uint64_t reads_uring, reads_pread; /* requests completed by each mode (pread: also mtc_uring_pread_range's) */
+    uint64_t bytes;                    /* bytes read (every route) */
+    /* bytes by route: copied from the page cache by the helpers; read
+     * O_DIRECT by the ring; read buffered by the ring (heads and tails,
+     * O_DIRECT off or refused); read with pread (the pread mode, and
+     * mtc_uring_pread_range). Their sum is `bytes`. */
+    uint64_t bytes_cached, bytes_direct, bytes_buffered, bytes_pread;
     uint64_t direct_reads;             /* O_DIRECT segments */
-    uint64_t direct_cached;            /* segments O_DIRECT could read, read buffered: in the page cache */
+    uint64_t direct_refused;           /* requests whose O_DIRECT open the filesystem refused (EINVAL) */
     uint64_t submits;                  /* io_uring_enter calls that submitted */
     uint64_t short_reads;              /* reads resubmitted for their remainder */
     uint64_t errors;
@@ -142,11 +150,11 @@ typedef struct mtc_uring_stats {
 
 void mtc_uring_get_stats(mtc_uring_stats *out);
 
-/* When the aligned middle of a read goes O_DIRECT: never; when the page
- * cache does not hold all of it (the default: with a warm cache a buffered
- * read copies from memory, O_DIRECT would go to the device; cachestat(2),
- * Linux 6.5, tells, and without it the middle goes O_DIRECT as with ALWAYS);
- * always. */
+/* The io_uring mode's pieces: the page cache's to the helpers, the others'
+ * aligned middles O_DIRECT (UNCACHED, the default); the same with the
+ * others read buffered (OFF); every piece through the ring, its aligned
+ * middle O_DIRECT, cached or not (ALWAYS). cachestat(2), Linux 6.5, tells
+ * what the page cache holds, and mincore(2) before it. */
 enum { MTC_URING_DIRECT_OFF = 0, MTC_URING_DIRECT_UNCACHED = 1, MTC_URING_DIRECT_ALWAYS = 2 };
 
 /* Tests: set the queue depth, the largest single read (0: unlimited; forces
@@ -157,11 +165,9 @@ enum { MTC_URING_DIRECT_OFF = 0, MTC_URING_DIRECT_UNCACHED = 1, MTC_URING_DIRECT
  * MTC_FILE_READER=pread. */
 void mtc_uring_configure(unsigned depth, uint64_t max_io, int direct, int mode);
 
-/* Buffered reads submitted with IOSQE_ASYNC (on) or inline (off, the
- * default): with the page cache warm, io_uring_enter copies inline reads
- * one after another on the calling thread, while ASYNC ones are copied by
- * the ring's io-wq threads in parallel. Environment: MTC_URING_ASYNC=1. */
-void mtc_uring_configure_async(int on);
+/* Tests: ask the page cache with mincore(2) (on) rather than cachestat(2)
+ * (off, the default where the kernel has it). */
+void mtc_uring_probe_mincore(int on);
 
 /* Tears the ring down (interpreter exit, tests). */
 void mtc_uring_shutdown(void);

@@ -85,10 +85,10 @@ int main(void)
     CHECK(strstr(msg, "MTC_FILE_READER='preadx' is not one of 'pread', 'uring'") != NULL);
 
     /* unprintable bytes are escaped in the message, long values cut */
-    setenv("MTC_URING_ASYNC", "\x01yes", 1);
-    CHECK_EQ(mtc_env_bool(MTC_ENV_URING_ASYNC, 0), 0);
+    setenv("MTC_ARENA_POPULATE", "\x01yes", 1);
+    CHECK_EQ(mtc_env_bool(MTC_ENV_ARENA_POPULATE, 0), 0);
     CHECK_EQ(_problems(msg, sizeof msg), 1);
-    CHECK(strstr(msg, "MTC_URING_ASYNC='\\x01yes'") != NULL);
+    CHECK(strstr(msg, "MTC_ARENA_POPULATE='\\x01yes'") != NULL);
 
     /* check_all records every variable set to a refused value */
     for (int i = 0; i < MTC_ENV_COUNT; i++) setenv(mtc_env_name((mtc_env_id)i), "bogus", 1);
