@@ -186,7 +186,7 @@ def test_prefetch_callback_logs_its_figures(tmp_path):
 def test_logged_data_bound_tells_which_side_waits(tmp_path, bound):
     """Slow samples and a quick step: the loop waits for data most of the time; a slow step and
     quick samples: hardly ever."""
-    slow = dict(sample_s=0.01) if bound == "data" else dict(step_s=0.04)
+    slow = dict(sample_s=0.01) if bound == "data" else dict(step_s=0.1)
     rows = fit_logged(tmp_path, mtc_loader.lightning.PrefetchCallback(), **slow)
     figures = [float(r["mtc/data_bound_epoch"]) for r in rows if r["mtc/data_bound_epoch"]]
     assert len(figures) == 2
