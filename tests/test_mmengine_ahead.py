@@ -276,3 +276,25 @@ def test_det3d_voxelization_ahead_is_bitwise_the_one_in_the_step():
         assert set(out["inputs"]["voxels"]) == {"voxels", "coors", "num_points", "voxel_centers"}
         assert out["inputs"]["voxels"]["voxels"].shape[0] > 10
         assert_tree_bitwise(out["inputs"], ref["inputs"], f"batch {k}")
+
+
+def test_an_error_of_the_preprocessor_ahead_names_it_and_the_batch():
+    class Failing(BaseDataPreprocessor):
+        mtc_run_ahead = True
+
+        def forward(self, data, training=False):
+            if int(data["inputs"][0]) == 2:
+                raise ValueError("cannot pad")
+            return data
+
+    pre = mm.MTCDataPreprocessor(Failing(), run_ahead=True)
+    batches = [{"inputs": torch.full((2,), float(k))} for k in range(4)]
+    prefetching = _Prefetching(batches, torch.device("cpu"), 2, _RunAhead(pre, contextlib.nullcontext))
+    for k in range(2):
+        b = next(prefetching)
+        assert pre(b, True) is b and int(b["inputs"][0]) == k  # the result made ahead (the batch itself)
+    with pytest.raises(ValueError, match=r"PrefetchLoader's transform Failing \(run ahead by MTCDataPreprocessor\) "
+                                         r"raised on batch 2 of the epoch: ValueError: cannot pad") as e:
+        next(prefetching)
+    assert str(e.value.__cause__) == "cannot pad"
+    prefetching.close()
