@@ -32,7 +32,7 @@ with warnings.catch_warnings():  # mmengine's imports warn (deprecations)
     from mtc_loader.mmengine._loops import _Prefetching
     from mtc_loader.mmengine._preprocessor import _MOVED, _Ahead, _RunAhead
 
-from conftest import ROOT, assert_tree_bitwise  # noqa: E402,I100
+from conftest import ROOT, assert_tree_bitwise, requires_cuda  # noqa: E402,I100
 from test_mmengine_switch import THREE_LINES, child, toy_config  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -298,3 +298,44 @@ def test_an_error_of_the_preprocessor_ahead_names_it_and_the_batch():
         next(prefetching)
     assert str(e.value.__cause__) == "cannot pad"
     prefetching.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])])
+def test_det_preprocessor_ahead_after_the_copy_is_bitwise_the_one_in_the_step(device):
+    """The copy, then DetDataPreprocessor (mean/std, bgr_to_rgb, padding) on the prefetch thread
+    (on a GPU: on the copy stream); train_step's call takes that result, bitwise the one of the
+    preprocessor run in place on the same batch (on a GPU: read on the caller's stream behind a
+    long kernel)."""
+    _mmdet()
+    from mmdet.structures import DetDataSample
+
+    config = dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375],
+                  bgr_to_rgb=True, pad_size_divisor=32)
+    with DefaultScope.overwrite_default_scope("mmdet"):
+        pre = mm.MTCDataPreprocessor(config, run_ahead=True).to(device)
+        reference = mm.MTCDataPreprocessor(config).to(device)
+
+    def batch(k):
+        g = torch.Generator().manual_seed(k)
+        sizes = [(3, 60 + 7 * k, 90 - 5 * j) for j in range(3)]
+        return {"inputs": [torch.randint(0, 256, s, generator=g, dtype=torch.uint8) for s in sizes],
+                "data_samples": [DetDataSample(metainfo={"img_shape": s[1:]}) for s in sizes]}
+
+    batches = [batch(k) for k in range(6)]
+    target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    prefetching = _Prefetching(copy.deepcopy(batches), target, 2, _RunAhead(pre, contextlib.nullcontext))
+    got = []
+    for b in prefetching:
+        made = _MOVED.ahead.result
+        out = pre(b, True)
+        assert out is made and out["inputs"].device.type == device
+        if device == "cuda":
+            torch.cuda._sleep(50_000_000)
+        got.append(out["inputs"].clone())
+    prefetching.close()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for k, (inputs, b) in enumerate(zip(got, batches)):
+        ref = reference(b, True)["inputs"]
+        assert inputs.shape[-1] % 32 == 0
+        assert_tree_bitwise(inputs, ref, f"batch {k}")
