@@ -11,8 +11,8 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 from mmengine.optim import AmpOptimWrapper
 from mmengine.registry import LOOPS
-from mmengine.runner.amp import autocast
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
+from mmengine.runner.amp import autocast
 
 from .._packed import PackedBatch
 from ..prefetch import PrefetchLoader

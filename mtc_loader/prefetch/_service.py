@@ -259,11 +259,12 @@ class _Service:
         fn = self.transform
         assert fn is not None
         try:
-            side._apply(fn, self.consumer)
+            result = fn(side._result)
         except Exception as e:
             name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
             raise _same_kind(e, f"mtc_loader: PrefetchLoader's transform {name} raised on batch "
                                 f"{self.taken - 1} of the epoch: {type(e).__name__}: {e}") from e
+        side._replace(result, self.consumer)
 
     def _snap(self) -> Any:
         assert self.snapshot is not None

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
-
 import torch
 
 from .. import _engine
@@ -140,14 +139,15 @@ class SideCopy:
         self._handle = None  # the engine's handle is no longer needed
         self._done = True
 
-    def _apply(self, fn: Callable[[Any], Any], consumer: Optional["torch.cuda.Stream"]) -> None:
-        """Replaces the finished result with ``fn(result)`` (PrefetchLoader's transform), run on
-        this thread after :meth:`_finish`, with the copy stream current. On a GPU, the event is
-        recorded again after ``fn``'s kernels, and the CUDA tensors of what ``fn`` returns join
-        the buffers: they are recorded on ``consumer`` now, and on the hand-out's stream if that
-        one differs, since ``fn`` allocated them on the copy stream."""
+    def _replace(self, result: Any, consumer: Optional["torch.cuda.Stream"]) -> None:
+        """Replaces the finished result with ``result``: what PrefetchLoader's transform returned,
+        run on this thread after :meth:`_finish`, with the copy stream current. On a GPU, the
+        event is recorded again, after the transform's kernels, and the CUDA tensors of
+        ``result`` join the buffers: they are recorded on ``consumer`` now, and on the
+        hand-out's stream if that one differs, since the transform allocated them on the copy
+        stream."""
         assert self._done
-        self._result = fn(self._result)
+        self._result = result
         index = self._index
         if index < 0 or not self._event:
             return
