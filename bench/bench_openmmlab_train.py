@@ -451,7 +451,8 @@ def main() -> int:
         print(f"{kind:<9} median of arms: {m['it_per_s_mean']:.2f} it/s, step {m['step_ms']:.1f} ms, "
               f"data_time {m['data_time_ms']:.2f} ms"
               + (f", workers' CPU {m['workers_cpu_ms']:.0f} ms an iteration" if "workers_cpu_ms" in m else "")
-              + "".join(f", {label} {m[_ms(key)]:.1f} ms" for key, label in SPLIT_COLUMNS if _ms(key) in m))
+              + "".join(f", {label} {m[_ms(key)]:.1f}{'' if label == 'blocks' else ' ms'}"
+                        for key, label in SPLIT_COLUMNS if _ms(key) in m))
     the_law = law(medians, stats["median"]) if kinds == ("plain", "switched") else {}
     if the_law:
         print(f"law: saved per step = data_time {medians['plain']['data_time_ms']:.1f} -> "
