@@ -5,7 +5,8 @@ goes.
 Usage::
 
     python3 bench/bench_openmmlab_train.py [--model yolov3|centerpoint|mvfcos3d] [--device cuda:0]
-                                           [--pairs 6] [--iters N | --budget-s S] [--out DIR] [--quick]
+                                           [--pairs 6] [--arms plain,switched|switched,ahead|plain,ahead]
+                                           [--iters N | --budget-s S] [--out DIR] [--quick]
 
     python3 bench/bench_openmmlab_train.py --device cpu --quick --model centerpoint  # a dry run
 
@@ -63,6 +64,11 @@ pairs, the ratios' median, min and max, the exact sign test's p-value and a boot
 of the median: distinguishable from 1 where the sign test rejects a median of 1 at 5% (with 6
 pairs: all 6 on one side).
 
+``--arms switched,ahead``: the pairs are switched (base) against switched with the preprocessor's
+run-ahead line (``MTCDataPreprocessor(run_ahead=True)``: it runs on the prefetch thread), losses
+against the warm-up arm (plain); ``thr cpu``, ``thr off`` and ``blocks`` say what the training
+thread gained: its CPU time per step, its time off the CPU and its voluntary context switches.
+
 ``--budget-s S``: the run (data set included) is to take about S seconds: after the warm-up arm,
 the iterations per arm are those that fit (at most ``--iters``, at least ``--min-iters``); the plan
 and its estimate per arm are printed. Without it, every arm runs ``--iters``.
@@ -102,17 +108,19 @@ DEFAULT_CONFIG = MODELS["yolov3"].config
 
 def child_config(arm: str, model: Model, base: str, data_root: str, args: argparse.Namespace) -> str:
     """The text of a child config inheriting ``base``: the run's settings, and for ``switched``
-    the recipe's two lines."""
+    the recipe's two lines (``ahead``: and the preprocessor's run-ahead line)."""
     import pprint
 
     from mmengine.config import Config
 
     parent = Config.fromfile(base)
     values = model.values(data_root, args.batch_size, args.workers, parent, args.quick)
-    if arm == "switched" and model.arena_bytes is not None:  # what the arena's error asks for
+    if arm != "plain" and model.arena_bytes is not None:  # what the arena's error asks for
         values.setdefault("model", {})["data_preprocessor"] = dict(
             type="MTCDataPreprocessor", preprocessor=parent.model.data_preprocessor.type,
             arena_bytes=model.arena_bytes)
+    if arm == "ahead":  # the run-ahead line: the model's preprocessor on the prefetch thread
+        values.setdefault("model", {}).setdefault("data_preprocessor", {})["run_ahead"] = True
     lines = [
         f"_base_ = [{base!r}]",
         "",
@@ -122,7 +130,7 @@ def child_config(arm: str, model: Model, base: str, data_root: str, args: argpar
     ]
     lines += [f"{key} = {pprint.pformat(value, width=100, sort_dicts=False)}" for key, value in values.items()]
     lines += ["train_cfg = dict(max_epochs=1)"]
-    if arm == "switched":  # the recipe's two lines for a child config
+    if arm != "plain":  # the recipe's two lines for a child config
         lines += [
             "custom_imports = dict(imports=['mtc_loader.mmengine'], allow_failed_imports=False)  # the switch",
             "runner_type = 'MTCRunner'                                                          # the switch",
@@ -191,24 +199,24 @@ def summarise(arm: str, rec: dict[str, Any], ref: dict[str, Any], warmup: int) -
     )
 
 
-def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per complete pair: its arms' mean it/s and the ratio switched / plain."""
+def pair_ratios(rows: list[dict[str, Any]], kinds: tuple[str, str] = ("plain", "switched")) -> list[dict[str, Any]]:
+    """Per complete pair: its arms' mean it/s and the ratio candidate / base (``kinds``)."""
+    base, cand = kinds
     by_pair: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         kind, _, pair = r["arm"].partition("_")
         by_pair.setdefault(pair, {})[kind] = r
     out = []
     for pair, arms in by_pair.items():
-        if "plain" in arms and "switched" in arms:
-            p, s = arms["plain"]["it_per_s_mean"], arms["switched"]["it_per_s_mean"]
-            out.append(dict(pair=int(pair), plain=p, switched=s, ratio=s / p,
-                            plain_first=int(pair) % 2 == 1))
+        if base in arms and cand in arms:
+            p, s = arms[base]["it_per_s_mean"], arms[cand]["it_per_s_mean"]
+            out.append({"pair": int(pair), base: p, cand: s, "ratio": s / p, "base_first": int(pair) % 2 == 1})
     return sorted(out, key=lambda d: d["pair"])
 
 
 SPLIT_COLUMNS = [("gpu_gap_s", "gap"), ("gpu_pre_s", "pre"), ("gpu_model_s", "model"),
                  ("cpu_pre_s", "cpu pre"), ("cpu_step_s", "cpu step"), ("thread_cpu_step_s", "thr cpu"),
-                 ("process_cpu_step_s", "proc cpu")]
+                 ("thread_off_cpu_s", "thr off"), ("thread_blocks_s", "blocks"), ("process_cpu_step_s", "proc cpu")]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -227,7 +235,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(split: medians in ms; gap / pre / model: the GPU's timeline between steps, in the data "
           "preprocessor, in the rest of train_step; cpu pre / cpu step: the training thread's wall time in the "
           "preprocessor / in train_step; thr cpu / proc cpu: the CPU time train_step took on the training thread "
-          "/ in the whole process)")
+          "/ in the whole process; thr off: its wall time off the CPU; blocks: the training thread's voluntary "
+          "context switches in train_step, a count)")
 
 
 def _ms(key: str) -> str:
@@ -238,7 +247,7 @@ def _ms(key: str) -> str:
 def kind_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per arm kind, the medians over its arms of it/s, data_time and each part of the split."""
     out: dict[str, dict[str, float]] = {}
-    for kind in ("plain", "switched"):
+    for kind in ("plain", "switched", "ahead"):
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
             continue
@@ -301,8 +310,10 @@ def main() -> int:
     p.add_argument("--model", default="yolov3", choices=sorted(MODELS))
     p.add_argument("--device", default="cuda:0", help="cuda:N or cpu (the arms see only this device)")
     p.add_argument("--config", help="another config of the model's package: a path, or a name under .mim/configs")
-    p.add_argument("--pairs", type=int, help="plain / switched pairs (pair k: plain first when k is odd); "
+    p.add_argument("--pairs", type=int, help="pairs of --arms (pair k: the first kind first when k is odd); "
                    "default 6, 1 with --quick")
+    p.add_argument("--arms", default="plain,switched", choices=["plain,switched", "switched,ahead", "plain,ahead"],
+                   help="the pairs' kinds, base,candidate (ahead: switched with the preprocessor's run_ahead line)")
     p.add_argument("--iters", type=int, help="iterations per arm (one epoch); the most with --budget-s")
     p.add_argument("--budget-s", type=float, help="seconds the whole run may take: sizes the iterations per arm")
     p.add_argument("--min-iters", type=int, help="the fewest iterations per arm --budget-s may choose")
@@ -346,7 +357,8 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     base = base_config(model, args.config)
     configs = {}
-    for arm in ("plain", "switched"):
+    kinds = tuple(args.arms.split(","))
+    for arm in sorted({"plain", *kinds}):  # (the warm-up arm is plain)
         configs[arm] = os.path.join(out, f"{model.name}_{arm}.py")
         with open(configs[arm], "w") as f:
             f.write(child_config(arm, model, base, root, args))
@@ -362,7 +374,7 @@ def main() -> int:
     repo = os.path.dirname(HERE)
     env["PYTHONPATH"] = os.pathsep.join([repo, HERE] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     device = "cpu" if args.device == "cpu" else "cuda:0"
-    order = [(f"{arm}_{k}", configs[arm]) for k, arm in paired.arm_order(args.pairs)]
+    order = [(f"{arm}_{k}", configs[arm]) for k, arm in paired.arm_order(args.pairs, kinds)]
     warm_iters = min(cap, math.ceil((args.warmup + 5) / gran) * gran)
     arms = [dict(name="warm-up", config=configs["plain"], iters=warm_iters)]
     arms += [dict(name=name, config=config) for name, config in order]
@@ -417,29 +429,31 @@ def main() -> int:
     with open(log) as f:
         print("".join(line for line in f if line.startswith(("plan:", "arm "))), end="")
     timed = [(name, records[name]) for name, _ in order if name in records]
-    ref = next((r for name, r in timed if name.startswith("plain")), None)
+    # the losses' reference: the first plain arm, else the warm-up arm (plain, its iterations)
+    ref_name = next((name for name, r in timed if name.startswith("plain")), "warm-up")
+    ref = dict(timed).get(ref_name, records.get("warm-up"))
     if ref is None:
         print("bench_openmmlab_train: no plain arm finished; nothing to compare")
         return 1
-    ref_name = next(name for name, r in timed if r is ref)
     rows = [summarise(name, rec, ref, args.warmup) for name, rec in timed]
-    pairs = pair_ratios(rows)
+    pairs = pair_ratios(rows, kinds)
     stats = paired.summarise_pairs([q["ratio"] for q in pairs])
     medians = kind_medians(rows)
     print(f"\n{model.name} ({args.config or model.config}) on {rows[0]['device']}: batch {args.batch_size}, "
           f"{args.workers} workers, {rows[0]['iters']} iterations per arm, timings without the first "
           f"{args.warmup}; losses against {ref_name}")
     print_table(rows)
-    print("\npairs (switched / plain, mean it/s): " + ", ".join(
-        f"{q['pair']}{'p' if q['plain_first'] else 's'} {q['ratio']:.3f}" for q in pairs)
-        + "   (p: plain ran first, s: switched first)")
-    print(paired.verdict(stats))
+    print(f"\npairs ({kinds[1]} / {kinds[0]}, mean it/s): " + ", ".join(
+        f"{q['pair']}{'b' if q['base_first'] else 'c'} {q['ratio']:.3f}" for q in pairs)
+        + f"   (b: {kinds[0]} ran first, c: {kinds[1]} first)")
+    print(paired.verdict(stats, f"{kinds[1]} / {kinds[0]}"))
     for kind, m in medians.items():
         print(f"{kind:<9} median of arms: {m['it_per_s_mean']:.2f} it/s, step {m['step_ms']:.1f} ms, "
               f"data_time {m['data_time_ms']:.2f} ms"
               + (f", workers' CPU {m['workers_cpu_ms']:.0f} ms an iteration" if "workers_cpu_ms" in m else "")
-              + "".join(f", {label} {m[_ms(key)]:.1f} ms" for key, label in SPLIT_COLUMNS if _ms(key) in m))
-    the_law = law(medians, stats["median"])
+              + "".join(f", {label} {m[_ms(key)]:.1f}{'' if label == 'blocks' else ' ms'}"
+                        for key, label in SPLIT_COLUMNS if _ms(key) in m))
+    the_law = law(medians, stats["median"]) if kinds == ("plain", "switched") else {}
     if the_law:
         print(f"law: saved per step = data_time {medians['plain']['data_time_ms']:.1f} -> "
               f"{medians['switched']['data_time_ms']:.1f} ms + the preprocessor on the training thread "
@@ -469,7 +483,7 @@ def main() -> int:
     report = dict(
         benchmark="bench_openmmlab_train", model=model.name, config=args.config or model.config, what=model.what,
         device=rows[0]["device"], batch_size=args.batch_size, workers=args.workers, iters=rows[0]["iters"],
-        warmup=args.warmup, pairs=args.pairs, process=args.process, quick=args.quick, data=summary,
+        warmup=args.warmup, pairs=args.pairs, arms=list(kinds), process=args.process, quick=args.quick, data=summary,
         stand_ins=stand_ins, plan=plan_info, elapsed_s=time.time() - t_begin, versions=versions,
         commit=os.environ.get("MTC_BENCH_COMMIT") or _commit(repo), command=sys.argv,
         provenance=provenance(),

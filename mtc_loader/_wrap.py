@@ -97,7 +97,9 @@ class _ResumablePrefetchingDataLoader(PrefetchingDataLoader, _ResumablePrefetchL
 
 _RESUMABLE[PrefetchingDataLoader] = _ResumablePrefetchingDataLoader
 
-_OWN = frozenset(("iterable", "device", "depth", "options", "gil_switch_interval"))
+# what PrefetchLoader.__init__ sets (a DataLoader subclass may have attributes of these names)
+_OWN = frozenset(("iterable", "device", "depth", "options", "gil_switch_interval", "produce_on_caller",
+                  "numpy_to_tensors", "transform"))
 
 
 def wrap(loader: Iterable[Any], device: Any, depth: int, options: dict[str, Any]) -> PrefetchingDataLoader:

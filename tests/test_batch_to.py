@@ -111,3 +111,21 @@ def test_prefetching_loader_stands_in_for_its_dataloader(packer):
     assert_tree_bitwise(out, collate([DS[i] for i in range(4, 8)]))
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute
+
+
+def test_prefetching_loader_keeps_its_own_options_off_a_dataloader_that_has_the_same_names():
+    """A DataLoader subclass with attributes named as the loader's options (``transform``, ...):
+    the wrapper's options stay the wrapper's, the DataLoader's are left as they were."""
+    from mtc_loader._wrap import PrefetchingDataLoader
+
+    class Augmenting(torch.utils.data.DataLoader):
+        transform = "the loader's own"
+        produce_on_caller = "the loader's own"
+        numpy_to_tensors = "the loader's own"
+
+    loader = Augmenting(DS, batch_size=4, collate_fn=list)
+    wrapped = PrefetchingDataLoader(loader, "cpu", 1)
+    for name in ("transform", "produce_on_caller", "numpy_to_tensors"):
+        assert getattr(loader, name) == "the loader's own", name
+    assert wrapped.transform is None and wrapped.produce_on_caller is None and wrapped.numpy_to_tensors is False
+    assert len(list(wrapped)) == 2

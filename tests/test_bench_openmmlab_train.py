@@ -48,7 +48,7 @@ def _configs(tmp_path, name: str, quick: bool = True) -> dict:
     args = argparse.Namespace(batch_size=2, workers=2, quick=quick)
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfgs = {}
-    for arm in ("plain", "switched"):
+    for arm in ("plain", "switched", "ahead"):
         path = tmp_path / f"{arm}.py"
         path.write_text(bench.child_config(arm, model, base, str(tmp_path / "data"), args))
         with warnings.catch_warnings():
@@ -68,6 +68,10 @@ def _only_the_switch_differs(cfgs: dict, arena_bytes: int | None = None) -> dict
         wrapped = plain["model"]["data_preprocessor"]
         assert pre == dict(wrapped, type="MTCDataPreprocessor", preprocessor=wrapped["type"], arena_bytes=arena_bytes)
     assert "runner_type" not in plain
+    # the ahead arm: the switched one and the preprocessor's run-ahead line
+    ahead, ahead_pre = dict(cfgs["ahead"]), dict(cfgs["ahead"]["model"]["data_preprocessor"])
+    assert ahead_pre.pop("run_ahead") is True
+    assert dict(ahead, model=dict(ahead["model"], data_preprocessor=ahead_pre)) == cfgs["switched"]
     assert plain == switched
     assert plain["randomness"] == dict(seed=0, deterministic=True)
     assert plain["val_dataloader"] is None and plain["val_cfg"] is None

@@ -21,6 +21,9 @@ def test_pairs_alternate_which_arm_runs_first():
     assert firsts == ["plain", "switched"] * 3  # each arm first in half the pairs
     for k in range(1, 7):
         assert sorted(a for j, a in order if j == k) == ["plain", "switched"]
+    ahead = paired.arm_order(4, ("switched", "ahead"))
+    assert ahead == [(1, "switched"), (1, "ahead"), (2, "ahead"), (2, "switched"),
+                     (3, "switched"), (3, "ahead"), (4, "ahead"), (4, "switched")]
 
 
 @pytest.mark.parametrize("above, below, p", [
@@ -76,7 +79,7 @@ def test_report_pairs_arms_by_number_and_predicts_the_gain():
     rows = [_row("plain_1", 8.0, 12.0, 9.0), _row("switched_1", 10.0, 2.0, 1.0),
             _row("switched_2", 9.0, 2.0, 1.0), _row("plain_2", 7.5, 12.0, 9.0), _row("plain_3", 8.0, 12.0, 9.0)]
     pairs = bench.pair_ratios(rows)
-    assert [(q["pair"], q["plain_first"]) for q in pairs] == [(1, True), (2, False)]  # pair 3 is incomplete
+    assert [(q["pair"], q["base_first"]) for q in pairs] == [(1, True), (2, False)]  # pair 3 is incomplete
     assert [q["ratio"] for q in pairs] == pytest.approx([10 / 8, 9 / 7.5])
     medians = bench.kind_medians(rows)
     assert medians["plain"]["it_per_s_mean"] == 8.0 and medians["switched"]["it_per_s_mean"] == 9.5
@@ -85,6 +88,21 @@ def test_report_pairs_arms_by_number_and_predicts_the_gain():
     assert law["data_saved_ms"] == 10.0 and law["pre_saved_ms"] == 8.0 and law["saved_ms"] == 18.0
     assert law["predicted_ratio"] == pytest.approx(125.0 / (125.0 - 18.0))  # a 125 ms plain step
     assert law["measured_ratio"] == 1.22
+
+
+def test_pairs_of_the_preprocessor_ahead_against_switched():
+    import bench_openmmlab_train as bench
+
+    rows = [_row("switched_1", 8.0, 2.0, 9.0), _row("ahead_1", 10.0, 2.0, 0.1),
+            _row("ahead_2", 9.0, 2.0, 0.1), _row("switched_2", 7.5, 2.0, 9.0)]
+    pairs = bench.pair_ratios(rows, ("switched", "ahead"))
+    assert [(q["pair"], q["base_first"], q["switched"], q["ahead"]) for q in pairs] == [
+        (1, True, 8.0, 10.0), (2, False, 7.5, 9.0)]
+    assert [q["ratio"] for q in pairs] == pytest.approx([10 / 8, 9 / 7.5])
+    medians = bench.kind_medians(rows)
+    assert medians["ahead"]["cpu_pre_ms"] == 0.1 and medians["switched"]["cpu_pre_ms"] == 9.0
+    assert paired.verdict(paired.summarise_pairs([q["ratio"] for q in pairs]), "ahead / switched").startswith(
+        "ahead / switched it/s over 2 pairs: median 1.225x")
 
 
 def test_the_plan_fits_the_arms_in_the_time_left():

@@ -511,11 +511,12 @@ def test_train_command_config_errors(tmp_path, monkeypatch, capsys, case):
 
 DIST_MODULE = """
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 from mmengine.hooks import Hook
-from mmengine.model import BaseModel
+from mmengine.model import BaseDataPreprocessor, BaseModel
 from mmengine.registry import DATASETS, HOOKS, MODELS
 from mmengine.structures import BaseDataElement
 
@@ -546,6 +547,16 @@ class MtcDistModel(BaseModel):
         loss = self.lin(torch.stack(inputs)).pow(2).mean()
         record(f"{type(self.data_preprocessor).__name__} {[d.i for d in data_samples]} {loss.item().hex()}")
         return {"loss": loss}
+
+
+@MODELS.register_module()
+class MtcDistPre(BaseDataPreprocessor):
+    mtc_run_ahead = True
+
+    def forward(self, data, training=False):
+        with open(os.path.join(os.environ["MTC_RECORDS"], f"pre{dist.get_rank()}.txt"), "a") as f:
+            f.write(threading.current_thread().name + "\\n")
+        return super().forward(data, training)
 
 
 @HOOKS.register_module()
@@ -592,9 +603,12 @@ Runner.from_cfg(cfg).train()
 def test_train_command_two_ranks_on_the_cpu(tmp_path):
     """``torchrun --nproc_per_node=2 -m mtc_loader.mmengine train CONFIG --launcher pytorch`` on
     the CPU (gloo): both ranks train with the switch, on the same data, to the same losses and
-    weights as mmengine's Runner on two ranks, bit for bit."""
+    weights as mmengine's Runner on two ranks, bit for bit; and so with the preprocessor run
+    ahead (``run_ahead=True``: MMDistributedDataParallel calls it outside DDP's forward)."""
     (tmp_path / "mtc_dist_toy.py").write_text(DIST_MODULE)
     (tmp_path / "cfg.py").write_text(DIST_CONFIG)
+    (tmp_path / "ahead.py").write_text('_base_ = ["./cfg.py"]\n'
+                                       'model = dict(data_preprocessor=dict(type="MtcDistPre", run_ahead=True))\n')
     (tmp_path / "plain_train.py").write_text(PLAIN_TRAIN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), package_parent()]), CUDA_VISIBLE_DEVICES="",
                OMP_NUM_THREADS="1")
@@ -603,7 +617,9 @@ def test_train_command_two_ranks_on_the_cpu(tmp_path):
     cfg = str(tmp_path / "cfg.py")
     for kind, cmd in (("plain", [str(tmp_path / "plain_train.py"), cfg, str(tmp_path / "wd-plain")]),
                       ("switched", ["-m", "mtc_loader.mmengine", "train", cfg, "--launcher", "pytorch",
-                                    "--work-dir", str(tmp_path / "wd-switched")])):
+                                    "--work-dir", str(tmp_path / "wd-switched")]),
+                      ("ahead", ["-m", "mtc_loader.mmengine", "train", str(tmp_path / "ahead.py"), "--launcher",
+                                 "pytorch", "--work-dir", str(tmp_path / "wd-ahead")])):
         (tmp_path / kind).mkdir()
         out = subprocess.run(torchrun + cmd, env=dict(env, MTC_RECORDS=str(tmp_path / kind)), cwd=str(tmp_path),
                              capture_output=True, text=True, timeout=300)
@@ -618,6 +634,9 @@ def test_train_command_two_ranks_on_the_cpu(tmp_path):
             assert p.split(" ", 1) == ["BaseDataPreprocessor", s.split(" ", 1)[1]]
             assert s.startswith("MTCDataPreprocessor ")
         assert plain[-1] == switched[-1] and plain[-1].startswith("weight ")
+        assert records["ahead"][rank][1:] == switched[1:]
+        ahead = (tmp_path / "ahead" / f"pre{rank}.txt").read_text().split()
+        assert 4 <= len(ahead) and set(ahead) == {"mtc_loader-prefetch"}  # run ahead, on every rank
     batches = [[line.split(" ", 1)[1] for line in records["switched"][r][1:-1]] for r in (0, 1)]
     assert batches[0] != batches[1]  # each rank its own share of the data
     assert records["switched"][0][-1] == records["switched"][1][-1]  # DDP: one model

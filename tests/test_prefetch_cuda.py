@@ -345,3 +345,62 @@ def test_service_path_keeps_the_gil_next_to_a_spinning_thread():
     for side in outs:
         side.get()
     torch.cuda.synchronize()
+
+
+def _first_box_spread(batch):
+    """A transform: one 1 MiB tensor per sample, allocated on the thread's current stream and
+    filled there with the sample's first 3D-box value."""
+    return [torch.empty(1 << 18, device="cuda").copy_(s["gt_data"]["bounding_boxes_3d"].flatten()[0].expand(1 << 18))
+            for s in batch]
+
+
+def test_transform_runs_on_the_copy_stream_ordered_before_the_callers_kernels():
+    """The transform's kernels (a long sleep, then its result) go to the copy stream after the
+    copy, and the hand-out's event is recorded after them: the caller's clone reads the result,
+    not the memory before the transform wrote it, and next() does not wait on the CPU."""
+    streams = []
+
+    def slow(batch):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        torch.cuda._sleep(LONG_KERNEL_CYCLES // 4)
+        return _first_box_spread(batch)
+
+    got = []
+    for b in mtc_loader.PrefetchLoader(Recorder(4), "cuda:0", depth=1, transform=slow):
+        got.append([t.clone() for t in b])
+    torch.cuda.synchronize()
+    for k, ts in enumerate(got):
+        for j, (t, s) in enumerate(zip(ts, seed_batch(2, seed=k))):
+            value = s["gt_data"]["bounding_boxes_3d"].flatten()[0]
+            assert torch.equal(t.cpu(), value.expand(1 << 18)), f"batch {k} sample {j}"
+    assert set(streams) == {mtc_loader.copy_stream("cuda").cuda_stream}
+    wait_no_service_threads()
+
+
+def test_transform_outputs_are_recorded_on_the_callers_streams():
+    """The transform allocates on the copy stream: its outputs are recorded on the stream that
+    takes the batch (predicted, or at the hand-out when the caller switches streams), so that a
+    dropped output is not given to the next transform while the caller's queued read runs."""
+    first, s1, s2 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        it = iter(mtc_loader.PrefetchLoader(Recorder(13), "cuda:0", depth=1, transform=_first_box_spread))
+        clones = [[t.clone() for t in next(it)]]
+    k = 1
+    while True:
+        with torch.cuda.stream((s1, s2)[((k - 1) // 3) % 2]):
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            torch.cuda._sleep(34_000_000)
+            clones.append([t.clone() for t in b])
+        del b
+        k += 1
+    torch.cuda.synchronize()
+    assert len(clones) == 13
+    for k, ts in enumerate(clones):
+        for j, (t, s) in enumerate(zip(ts, seed_batch(2, seed=k))):
+            value = s["gt_data"]["bounding_boxes_3d"].flatten()[0]
+            assert torch.equal(t.cpu(), value.expand(1 << 18)), f"batch {k} sample {j}"
+    del it
+    wait_no_service_threads()

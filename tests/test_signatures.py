@@ -31,7 +31,7 @@ def test_public_classes_show_their_constructors_parameters():
         assert _public_params(inspect.signature(cls)) == _public_params(inspect.signature(mtc_loader.PrefetchLoader))
     assert _public_params(inspect.signature(mtc_loader.PrefetchLoader)) == [
         "iterable", "device", "depth", "gil_switch_interval", "produce_on_caller", "numpy_to_tensors",
-        "start_copy_options"]
+        "transform", "start_copy_options"]
     assert "PrefetchLoader(iterable: " in pydoc.render_doc(mtc_loader.PrefetchLoader, renderer=pydoc.plaintext)
 
 
@@ -203,9 +203,9 @@ def test_the_signature_check_sees_a_wrong_print():
     assert _mismatch(mtc_loader.PackedCollate, "collate_fn=None, *, arena_bytes=256 MiB, timeout=60.0", True)
     assert "prefetch_depth" not in (_mismatch(mtc_loader.PrefetchLoader, "iterable, device, depth=2, *, "
                                                "gil_switch_interval=0.0005, produce_on_caller=None, "
-                                               "numpy_to_tensors=False, **start_copy_options", True) or "")
+                                               "numpy_to_tensors=False, transform=None, **start_copy_options", True) or "")
     assert "default" in _mismatch(mtc_loader.PrefetchLoader, "iterable, device, depth=3, *, gil_switch_interval="
-                                  "0.0005, produce_on_caller=None, numpy_to_tensors=False, **start_copy_options",
-                                  True)
+                                  "0.0005, produce_on_caller=None, numpy_to_tensors=False, transform=None, "
+                                  "**start_copy_options", True)
     assert _mismatch(mtc_loader.PackedCollate, "list", False) is None  # a call
     assert _mismatch(mtc_loader.FileTensor, "path, dtype, shape, offset", False)  # all named: a signature

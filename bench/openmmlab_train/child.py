@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import sys
 import threading
@@ -79,6 +80,12 @@ def _children_cpu_s() -> float | None:
     return total
 
 
+def _blocks() -> int:
+    """The calling thread's voluntary context switches so far (Linux; 0 elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nvcsw if who is not None else 0
+
+
 def run_arm(config: str, name: str, work_dir: str, overrides: dict[str, Any], device: str) -> dict[str, Any]:
     """Trains ``config`` (with ``overrides`` applied as ``--cfg-options`` applies them) through
     mmengine's Runner in this process; returns what it recorded."""
@@ -97,7 +104,7 @@ def run_arm(config: str, name: str, work_dir: str, overrides: dict[str, Any], de
     cfg.experiment_name = name  # one process runs several runners: each its own logger and hub
     record: dict[str, Any] = dict(losses={}, iter_s=[], data_time_s=[], split={})
     split: dict[str, list[float]] = {k: [] for k in ("cpu_pre_s", "cpu_step_s", "thread_cpu_step_s",
-                                                      "process_cpu_step_s")}
+                                                      "thread_off_cpu_s", "thread_blocks_s", "process_cpu_step_s")}
     events: list[tuple[Any, Any, Any]] = []
     cuda = device.startswith("cuda")
 
@@ -146,14 +153,18 @@ def run_arm(config: str, name: str, work_dir: str, overrides: dict[str, Any], de
         return out
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
-        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        t0, c0, p0, b0 = time.perf_counter(), time.thread_time(), time.process_time(), _blocks()
         start = event()
         out = train_step(*args, **kwargs)
         end = event()
         split["cpu_step_s"].append(time.perf_counter() - t0)
         # the CPU time the step took on the training thread, and in the whole process (its other
-        # threads: the prefetch service, torch's pools)
+        # threads: the prefetch service, torch's pools); the training thread's time off the CPU
+        # and its blocks (voluntary context switches: waits for the GIL, a lock, the GPU), a
+        # count kept in thousands so that the report's ms show it as it is
         split["thread_cpu_step_s"].append(time.thread_time() - c0)
+        split["thread_off_cpu_s"].append(split["cpu_step_s"][-1] - split["thread_cpu_step_s"][-1])
+        split["thread_blocks_s"].append((_blocks() - b0) / 1e3)
         split["process_cpu_step_s"].append(time.process_time() - p0)
         events.append((start, marks.get("pre"), end))
         return out

@@ -8,13 +8,13 @@ import statistics
 from typing import Any, Sequence
 
 
-def arm_order(pairs: int) -> list[tuple[int, str]]:
-    """The arms of ``pairs`` pairs in the order they run: pair k (from 1) runs plain then switched
-    when k is odd, switched then plain when k is even, so that each arm takes each position in
-    a pair equally often (and any drift over the run weighs on both)."""
+def arm_order(pairs: int, kinds: Sequence[str] = ("plain", "switched")) -> list[tuple[int, str]]:
+    """The arms of ``pairs`` pairs of ``kinds`` (base, candidate) in the order they run: pair k
+    (from 1) runs the base first when k is odd, the candidate first when k is even, so that each
+    arm takes each position in a pair equally often (and any drift over the run weighs on both)."""
     order: list[tuple[int, str]] = []
     for k in range(1, pairs + 1):
-        arms = ("plain", "switched") if k % 2 else ("switched", "plain")
+        arms = tuple(kinds) if k % 2 else tuple(reversed(kinds))
         order += [(k, arm) for arm in arms]
     return order
 
@@ -58,13 +58,13 @@ def summarise_pairs(ratios: Sequence[float], alpha: float = 0.05) -> dict[str, A
                 sign_p=p, ci95=(lo, hi), distinguishable=p < alpha, above_one=sum(r > 1 for r in ratios))
 
 
-def verdict(summary: dict[str, Any]) -> str:
+def verdict(summary: dict[str, Any], what: str = "switched / plain") -> str:
     """One line: the median ratio, the spread and whether it is told apart from 1."""
     if not summary["pairs"]:
         return "no complete pair"
     s = summary
     told = ("distinguishable from 1" if s["distinguishable"] else "not distinguishable from 1")
-    return (f"switched / plain it/s over {s['pairs']} pairs: median {s['median']:.3f}x "
+    return (f"{what} it/s over {s['pairs']} pairs: median {s['median']:.3f}x "
             f"(min {s['min']:.3f}, max {s['max']:.3f}; {s['above_one']} of {s['pairs']} above 1; "
             f"sign test p={s['sign_p']:.3f}, bootstrap 95% CI of the median "
             f"{s['ci95'][0]:.3f}..{s['ci95'][1]:.3f}): {told}")

@@ -14,7 +14,8 @@ Importing this module (it needs ``mmengine``; ``import mtc_loader`` never import
 - registers :class:`MTCDataPreprocessor` in ``MODELS``: wraps the model's data preprocessor (any
   ``BaseDataPreprocessor``, e.g. mmdet3d's ``Det3DDataPreprocessor``); a packed batch is moved
   with one DMA per dtype before the wrapped preprocessor runs, whose own ``cast_data`` then has nothing
-  left to do;
+  left to do; with ``run_ahead=True``, the wrapped preprocessor runs on the prefetch thread, for the
+  next batch while the step trains;
 - registers :class:`MTCEpochBasedTrainLoop` and :class:`MTCIterBasedTrainLoop` in ``LOOPS``:
   mmengine's loops with the batches prefetched by :class:`~mtc_loader.PrefetchLoader` (batch k+1
   copied on the copy stream while step k trains);

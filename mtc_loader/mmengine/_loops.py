@@ -3,19 +3,23 @@
 (:class:`MTCValLoop`, :class:`MTCTestLoop`), in mmengine's ``LOOPS``."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
+from mmengine.optim import AmpOptimWrapper
 from mmengine.registry import LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
+from mmengine.runner.amp import autocast
 
 from .._packed import PackedBatch
 from ..prefetch import PrefetchLoader
 from ..prefetch._resume import _is_stateful
 from ._collate import _place
 from ._hooks import _check_log_stats, _LoaderStateHook, _StatsHook
-from ._preprocessor import _MOVED
+from ._preprocessor import _MOVED, MTCDataPreprocessor, _Ahead, _RunAhead
 
 __all__ = ["MTCEpochBasedTrainLoop", "MTCIterBasedTrainLoop", "MTCTestLoop", "MTCValLoop"]
 
@@ -34,28 +38,49 @@ def _device_of(runner: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _run_ahead(runner: Any) -> Optional[_RunAhead]:
+    """The prefetch thread's transform where the model's preprocessor runs ahead (an
+    ``MTCDataPreprocessor(run_ahead=True)``), in the autocast that an ``AmpOptimWrapper``'s
+    ``optim_context`` enters around ``train_step``'s preprocessor call; else None."""
+    model = runner.model
+    model = getattr(model, "module", model)  # DistributedDataParallel and mmengine's wrappers
+    pre = getattr(model, "data_preprocessor", None)
+    if not isinstance(pre, MTCDataPreprocessor) or not pre.run_ahead:
+        return None
+    wrapper = getattr(runner, "optim_wrapper", None)
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    if isinstance(wrapper, AmpOptimWrapper):
+        context = functools.partial(autocast, dtype=wrapper.cast_dtype)
+    return _RunAhead(pre, context)
+
+
 class _Prefetching:
     """The batches of an iterable (or of a PrefetchLoader), prefetched on the model's device; each
-    one handed out is marked for :class:`MTCDataPreprocessor` as on the device already."""
+    one handed out is marked for :class:`MTCDataPreprocessor` as on the device already (with its
+    preprocessor's result where that runs ahead)."""
 
-    def __init__(self, iterable: Any, device: torch.device, depth: int) -> None:
+    def __init__(self, iterable: Any, device: torch.device, depth: int, ahead: Optional[_RunAhead] = None) -> None:
         self.loader = iterable if isinstance(iterable, PrefetchLoader) else PrefetchLoader(iterable, device, depth)
         # a batch that is not packed is copied by start_copy: what cast_data leaves on the host
         # stays there (the structure types the walk knows would otherwise be moved)
         self.loader._prepare = _place  # type: ignore[attr-defined]
+        self.loader.transform = ahead
         self.it = iter(self.loader)
 
     def __iter__(self) -> "_Prefetching":
         return self
 
     def __next__(self) -> Any:
-        _MOVED.batch = None
+        _MOVED.batch = _MOVED.ahead = None
         batch = next(self.it)
+        if type(batch) is _Ahead:
+            _MOVED.ahead = batch
+            batch = batch.batch
         _MOVED.batch = batch
         return batch
 
     def close(self) -> None:
-        _MOVED.batch = None
+        _MOVED.batch = _MOVED.ahead = None
         self.it.close()  # type: ignore[attr-defined]  # a generator: stops the service thread
 
 
@@ -108,9 +133,9 @@ class _PrefetchedPasses(_Prefetching):
     seed comes from torch's global generator) runs on the training thread in ``__next__``, where
     the plain loop runs it, never on the service thread during a step."""
 
-    def __init__(self, endless: Any, device: torch.device, depth: int) -> None:
+    def __init__(self, endless: Any, device: torch.device, depth: int, ahead: Optional[_RunAhead] = None) -> None:
         self.endless = endless
-        super().__init__(_Pass(endless), device, depth)
+        super().__init__(_Pass(endless), device, depth, ahead)
 
     def __next__(self) -> Any:
         try:
@@ -218,7 +243,7 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
         self.runner.model.train()
         loader = self._loader()
         start = self._resume_position(loader)
-        batches = _Prefetching(loader, _device_of(self.runner), self.prefetch_depth)
+        batches = _Prefetching(loader, _device_of(self.runner), self.prefetch_depth, _run_ahead(self.runner))
         try:
             for idx, data_batch in enumerate(batches, start):
                 self._done = idx + 1
@@ -273,7 +298,7 @@ class MTCIterBasedTrainLoop(IterBasedTrainLoop):  # type: ignore[misc]
         endless: Any = self.dataloader_iterator  # type: ignore[has-type]
         passes = hasattr(endless, "_iterator") and hasattr(endless, "_dataloader")  # mmengine's own
         prefetching = (_PrefetchedPasses if passes else _Prefetching)(endless, _device_of(self.runner),
-                                                                      self.prefetch_depth)
+                                                                      self.prefetch_depth, _run_ahead(self.runner))
         self._prefetch = prefetching.loader
         self.dataloader_iterator = prefetching
         try:

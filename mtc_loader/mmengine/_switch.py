@@ -78,6 +78,9 @@ def _eval_loop(loop_cfg: Any, kind: str) -> Optional[dict[str, Any]]:
     return dict(loop_cfg, type=ours)
 
 
+_WRAPPER_KEYS = ("arena_bytes", "run_ahead")  # MTCDataPreprocessor's own, in a child config's line
+
+
 def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
             prefetch_depth: Optional[int] = None, pack_eval: bool = True) -> None:
     """Applies the switch, in place, to the runner's arguments in ``cfg`` (a Config or the
@@ -89,12 +92,12 @@ def _switch(cfg: MutableMapping[str, Any], *, arena_bytes: Optional[int] = None,
         pre = model.get("data_preprocessor", cfg.get("data_preprocessor"))
         if not (isinstance(pre, dict) and _name(pre.get("type")) == _PRE):
             wrapper: dict[str, Any] = dict(type=_PRE)
-            if isinstance(pre, dict) and "arena_bytes" in pre:
-                # a config's own arena line (model=dict(data_preprocessor=dict(arena_bytes=...)),
-                # merged into its base's preprocessor) is the wrapper's: no preprocessor of
-                # mmengine's or OpenMMLab's takes it
+            if isinstance(pre, dict) and any(k in pre for k in _WRAPPER_KEYS):
+                # a config's own arena or run-ahead line (model=dict(data_preprocessor=dict(
+                # arena_bytes=...)), merged into its base's preprocessor) is the wrapper's: no
+                # preprocessor of mmengine's or OpenMMLab's takes them
                 pre = copy.copy(pre)
-                wrapper["arena_bytes"] = pre.pop("arena_bytes")
+                wrapper.update((k, pre.pop(k)) for k in _WRAPPER_KEYS if k in pre)
                 pre = pre or None  # the line alone, over a base that names no preprocessor
             if pre is not None:
                 wrapper["preprocessor"] = pre

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -71,6 +71,18 @@ class PrefetchLoader:
             numpy arrays stay numpy arrays on the host, bitwise as the collate made them (as
             ``batch.to(device)`` leaves them). With ``True``, numeric numpy arrays become tensors
             on ``device``, as :func:`~mtc_loader.start_copy` converts them.
+        transform: A function of one batch, or ``None``. ``transform(batch)`` runs on the thread
+            after each batch's copy, and the caller receives what it returns (any structure).
+            On a GPU its kernels go to the copy stream, the thread's current stream, after the
+            copy; the hand-out's event orders them before the caller's kernels. The CUDA tensors
+            it returns (found in lists, tuples, dicts and objects' attributes) are recorded on
+            the caller's stream, as the copy's are. It runs beside the training step, so it must
+            not depend on the step's state. For reproducible runs, it draws random numbers from
+            a ``torch.Generator`` of its own, not the global ones. An exception it
+            raises reaches the caller in order, as a copy error does: of the same class where
+            it can be rebuilt from a message (else a ``RuntimeError``), naming the transform
+            and the batch's index in the epoch (counted from 0 where the iteration started),
+            with the original as ``__cause__``.
         **start_copy_options: Passed to :func:`~mtc_loader.start_copy` (a packed batch uses only
             ``use_background_thread``). A keyword ``start_copy`` does not take raises TypeError
             here, whatever the batches are.
@@ -78,7 +90,8 @@ class PrefetchLoader:
 
     def __init__(self, iterable: Iterable[Any], device: Any, depth: int = 2, *,
                  gil_switch_interval: Optional[float] = 0.0005, produce_on_caller: Optional[bool] = None,
-                 numpy_to_tensors: bool = False, **start_copy_options: Any) -> None:
+                 numpy_to_tensors: bool = False, transform: Optional[Callable[[Any], Any]] = None,
+                 **start_copy_options: Any) -> None:
         # over a stateful iterable: the class that has state_dict / load_state_dict (a class
         # lacking them otherwise, since frameworks probe for them with hasattr or the class).
         # Chosen here rather than by a __new__, whose (*args, **kwargs) help() and IDEs would
@@ -101,6 +114,9 @@ class PrefetchLoader:
             raise TypeError(f"mtc_loader: produce_on_caller must be None, True or False, got {produce_on_caller!r}")
         if not isinstance(numpy_to_tensors, bool):
             raise TypeError(f"mtc_loader: numpy_to_tensors must be True or False, got {numpy_to_tensors!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"mtc_loader: transform must be a function of one batch (or None), got "
+                            f"{type(transform).__name__} {transform!r:.80}")
         target_index(device)  # fail early on a bad device
         _check_options(start_copy_options)
         self.produce_on_caller = produce_on_caller
@@ -110,6 +126,7 @@ class PrefetchLoader:
         self.gil_switch_interval = gil_switch_interval
         self.options = start_copy_options
         self.numpy_to_tensors = numpy_to_tensors
+        self.transform = transform
         self._stats = _new_stats()
         self._position = _Position()
 
@@ -175,7 +192,8 @@ class PrefetchLoader:
         told = expect_in_flight(self.iterable, self.depth, index >= 0, self.numpy_to_tensors)
         service = _Service(self.iterable, index, device, self.depth, self.options, stats,
                            self.gil_switch_interval, consumer, snapshot, copy_snapshots,
-                           getattr(self, "_prepare", None), on_caller, not self.numpy_to_tensors)
+                           getattr(self, "_prepare", None), on_caller, not self.numpy_to_tensors,
+                           self.transform)
         hand, interrupted = None, False
         try:
             # The generator's frame never holds the batch it handed out: a reference kept over

@@ -18,6 +18,7 @@ import torch
 from .. import _engine, _trace
 from .._arena import consumed_here
 from .._packed import PackedBatch
+from .._tree import _same_kind
 from ._pipes import standins
 from ._resume import _NO_STATE, _FailedSnapshot
 from ._side import SideCopy, _copy_stream, _start
@@ -112,7 +113,8 @@ class _Service:
                  stats: dict[str, Any], switch_interval: Optional[float],
                  consumer: Optional["torch.cuda.Stream"], snapshot: Optional[Callable[[], Any]] = None,
                  copy_snapshots: bool = False, prepare: Optional[Callable[[Any], Any]] = None,
-                 caller_produces: bool = False, keep_numpy: bool = True) -> None:
+                 caller_produces: bool = False, keep_numpy: bool = True,
+                 transform: Optional[Callable[[Any], Any]] = None) -> None:
         self.iterable, self.index, self.device, self.depth = iterable, index, device, depth
         # caller_produces: the caller's thread takes each batch from the iterable in its
         # __next__ (where a plain loop takes it) and posts it here; this thread only copies it
@@ -123,6 +125,9 @@ class _Service:
         # numpy arrays of batches that are not packed stay numpy arrays (PrefetchLoader's
         # numpy_to_tensors=False); a packed batch's were kept or packed by its worker
         self.keep_numpy = keep_numpy
+        # PrefetchLoader's transform, applied to each batch after its copy on this thread, and
+        # the index in the epoch of the next batch taken (which its errors name)
+        self.transform, self.taken = transform, 0
         # the iterable's state_dict (None: not stateful), called after each batch is taken and at
         # the end; copy_snapshots: its result may change later (deep-copied then)
         self.snapshot, self.copy_snapshots = snapshot, copy_snapshots
@@ -218,6 +223,7 @@ class _Service:
             finally:
                 self.in_next = None
             self.stats["service_next_s"] += time.thread_time() - t0
+            self.taken += 1
             # the position right after this batch, taken before the iterable moves on: what
             # PrefetchLoader.state_dict() says once the caller has this batch
             state = self._snap() if self.snapshot is not None else _NO_STATE
@@ -235,6 +241,8 @@ class _Service:
                 side = SideCopy(_start(batch, self.device, self.options, self.keep_numpy), self.index)
                 del batch
                 side._finish(self.consumer)
+            if self.transform is not None:
+                self._transform(side)
             side._state = state
             return side, None, False
         except BaseException as e:
@@ -244,6 +252,19 @@ class _Service:
         finally:
             if interval is not None:
                 _SWITCH.exit(interval)
+
+    def _transform(self, side: SideCopy) -> None:
+        """The transform applied to the copied batch; its exception comes back naming the
+        transform and the batch (of the same class where it can be rebuilt from a message)."""
+        fn = self.transform
+        assert fn is not None
+        try:
+            result = fn(side._result)
+        except Exception as e:
+            name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+            raise _same_kind(e, f"mtc_loader: PrefetchLoader's transform {name} raised on batch "
+                                f"{self.taken - 1} of the epoch: {type(e).__name__}: {e}") from e
+        side._replace(result, self.consumer)
 
     def _snap(self) -> Any:
         assert self.snapshot is not None

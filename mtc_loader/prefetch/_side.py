@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import _engine
@@ -138,6 +139,27 @@ class SideCopy:
         self._handle = None  # the engine's handle is no longer needed
         self._done = True
 
+    def _replace(self, result: Any, consumer: Optional["torch.cuda.Stream"]) -> None:
+        """Replaces the finished result with ``result``: what PrefetchLoader's transform returned,
+        run on this thread after :meth:`_finish`, with the copy stream current. On a GPU, the
+        event is recorded again, after the transform's kernels, and the CUDA tensors of
+        ``result`` join the buffers: they are recorded on ``consumer`` now, and on the
+        hand-out's stream if that one differs, since the transform allocated them on the copy
+        stream."""
+        assert self._done
+        self._result = result
+        index = self._index
+        if index < 0 or not self._event:
+            return
+        found = _device_tensors(self._result, index)
+        if consumer is not None:
+            for t in found:
+                t.record_stream(consumer)
+        self._buffers.extend(found)
+        event, self._event = self._event, 0
+        _engine.event_release(index, event)
+        self._event = _engine.event_record(index, _COPY_RAW[index])
+
     def _hand_to_current(self) -> Optional["torch.cuda.Stream"]:
         """Makes the calling thread's current stream wait (on the GPU) for the copy's event and
         records the buffers on it unless :meth:`_finish` already did. No call here releases the
@@ -185,6 +207,45 @@ class SideCopy:
                 _engine.event_release(self._index, self._event)
             except Exception:  # interpreter shutdown
                 pass
+
+
+_ATOMS = (str, bytes, int, float, complex, type(None), np.ndarray, np.generic, torch.device, torch.dtype,
+          type, torch.nn.Module)
+
+
+def _device_tensors(obj: Any, index: int) -> list[torch.Tensor]:
+    """The tensors on CUDA device ``index`` in ``obj``: in lists, tuples, sets, dicts (keys and
+    values) and the attributes of any other object (``__dict__`` and ``__slots__``), each
+    object visited once."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, _ATOMS) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.get_device() == index:
+                found.append(o)
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        else:
+            attrs = getattr(o, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.extend(attrs.values())
+            for cls in type(o).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    if name in ("__dict__", "__weakref__"):
+                        continue
+                    if name.startswith("__") and not name.endswith("__"):  # a private name, mangled
+                        name = f"_{cls.__name__.lstrip('_')}{name}"
+                    stack.append(getattr(o, name, None))
+    return found
 
 
 def start_side_copy(data: Any, device: Any, **start_copy_options: Any) -> SideCopy:

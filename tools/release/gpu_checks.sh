@@ -15,7 +15,7 @@
 #   bash tools/release/gpu_checks.sh openmmlab  # OpenMMLab's stack set up offline (mmcv 2.1.0 built
 #       with its CPU ops), then tests/test_openmmlab.py and bench/bench_openmmlab.py
 #   bash tools/release/gpu_checks.sh openmmlab-train  # that set-up, then bench_openmmlab_train.py
-#       per model of TRAIN_MODELS (yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs each,
+#       per model of TRAIN_MODELS (yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs of TRAIN_ARMS (plain,switched; switched,ahead) each,
 #       sharing the time until TRAIN_DEADLINE_S (530) by weight (2 : 3 : 3)
 #   bash tools/release/gpu_checks.sh mmengine  # the mmengine tests and bench/bench_mmengine.py
 # Wheels carried in .whl (tools/release/fetch_wheels.sh) go to /tmp/site where missing (no index;
@@ -188,7 +188,7 @@ openmmlab-train)
         [ "$budget" -lt 60 ] && budget=60
         echo "== $m: --budget-s $budget, from $(( SECONDS - t_mode )) s" | tee -a "$out/openmmlab_train.log"
         timeout $(( budget + 120 )) python3 bench/bench_openmmlab_train.py --model "$m" \
-            --device "${TRAIN_DEVICE:-cuda:0}" ${TRAIN_PAIRS:+--pairs $TRAIN_PAIRS} --budget-s "$budget" \
+            --device "${TRAIN_DEVICE:-cuda:0}" ${TRAIN_PAIRS:+--pairs $TRAIN_PAIRS} ${TRAIN_ARMS:+--arms $TRAIN_ARMS} --budget-s "$budget" \
             ${TRAIN_QUICK:+--quick} --out "$train" > "$train/$m.log" 2>&1
         echo "$m rc=$? ($(( SECONDS - t_mode )) s)" | tee -a "$out/openmmlab_train.log"
         grep -E "^(data|stand-ins|  |plan|arm |deadline)" "$train/$m.log" >> "$out/openmmlab_train.log"
