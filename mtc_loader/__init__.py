@@ -64,7 +64,7 @@ from .collate import Arena, PackedBatch, PackedCollate
 from .copy import AsyncCopyHandle, start_copy
 from .files import FileTensor, file_reader
 from .prefetch import PrefetchLoader, SideCopy, copy_stream, start_side_copy
-from .prefetch._side import _python_ways
+from .prefetch._side import python_ways
 
 __all__ = ["AsyncCopyHandle", "start_copy", "PackedCollate", "PackedBatch", "PrefetchLoader", "Arena",
            "SideCopy", "copy_stream", "start_side_copy", "FileTensor", "file_reader", "stats", "configure",
@@ -105,7 +105,7 @@ def stats() -> dict[str, int]:
     ``file_reads_direct``: O_DIRECT segments, ``file_direct_refused``: files whose filesystem
     refused O_DIRECT, ``file_uring_submits``, ``file_short_reads``, ``file_read_errors``)."""
     out = _engine.stats()
-    out.update(_python_ways())  # the prefetch service's batches the Python way (MTC_C_HANDOFF)
+    out.update(python_ways())  # the prefetch service's batches the Python way (MTC_C_HANDOFF)
     warn_environment()  # a variable first read since import (the pinned cap, by this call)
     return out
 

@@ -15,7 +15,8 @@ from torch.utils.data import get_worker_info
 from . import _dtypes, _engine
 from ._options import size
 
-__all__ = ["ARENAS", "Arena", "MAX_ARENA_BYTES", "consumed_here", "consumes", "set_word_at_start"]
+__all__ = ["ARENAS", "Arena", "MAX_ARENA_BYTES", "check_dtypes", "consumed_here", "consumes", "engine_arena", "expect",
+           "has_loaders_word", "pack_word", "set_unpack_hint", "set_word_at_start", "unpack_hint", "withdraw_word"]
 
 
 # Arenas of this process by token, so that an unpickled PackedBatch finds its arena.
@@ -65,7 +66,7 @@ class Arena:
         self.token = _token
         self.creator = _token[0]
         # the creator's dtype table (torch version, fingerprint): every process that packs or
-        # unpacks this arena's batches checks that its own is the same (_check_dtypes)
+        # unpacks this arena's batches checks that its own is the same (check_dtypes)
         self._dtype_table = _dtypes.TABLE if _dtypes_of is None else _dtypes_of
         # what the loader that unpacks this arena's batches keeps in flight and needs at the
         # least, (batches, what they are, least, what they are), as a PrefetchLoader over a
@@ -100,48 +101,6 @@ class Arena:
         self._shared.append(dup._id[1])  # type: ignore[attr-defined]  # (address, key)
         return (_attach, (dup, self.token, self._expected, self._dtype_table, self._loaders, self._numpy_tensors))
 
-    def _check_dtypes(self, doing: str) -> None:
-        """Raises unless this process's dtype codes mean what the arena creator's do (the same
-        torch): a batch packed with one table and unpacked with another would come back with
-        other dtypes."""
-        if self._dtype_table is not _dtypes.TABLE and self._dtype_table != _dtypes.TABLE:
-            raise RuntimeError(_dtypes.mismatch(self._dtype_table, doing))
-
-    def _expect(self, expected: tuple[int, str, int, str], loaders: bool = True, numpy_tensors: bool = False) -> None:
-        """The loader that unpacks this arena's batches keeps up to ``expected[0]`` in flight and
-        needs room for ``expected[2]`` at the least (``[1]``, ``[3]``: what they are;
-        ``_flight.in_flight``): the first batch each process packs after this is refused at once,
-        with the size to configure, where the arena cannot hold the least of its size.
-        ``loaders``: the word is a PrefetchLoader's; ``numpy_tensors``: it wants numpy arrays
-        packed as tensors."""
-        self._expected = expected
-        self._checked = 0
-        self._loaders, self._numpy_tensors = loaders, numpy_tensors
-
-    def _expect_none(self) -> None:
-        """No loader's word any more (the end of a PrefetchLoader's epoch)."""
-        self._expected = None
-        self._loaders = self._numpy_tensors = False
-
-    def _in_flight(self) -> tuple[int, str, int, str, bool]:
-        """What ``_engine.pack`` is told: ``(batches in flight, what they are, the least the arena
-        must hold, checked at this process's first pack only (0 after), what they are, whether the
-        consumer's regions are its loaders' own)``. Without a PrefetchLoader's word, a DataLoader
-        worker counts its DataLoader's workers at the default ``prefetch_factor`` (which it cannot
-        see) and the batch the loop unpacks, and checks nothing."""
-        expected = self._expected
-        if expected is not None:
-            me = os.getpid()
-            first, self._checked = self._checked != me, me
-            batches, why, least, least_why = expected
-            return batches, why, least if first else 0, least_why, self._loaders
-        info = get_worker_info()
-        if info is None or not info.num_workers:
-            return 1, "the one the loop unpacks", 0, "", False
-        return (2 * info.num_workers + 1,
-                f"{info.num_workers} workers x prefetch_factor 2 in the DataLoader (its default; count yours if "
-                "you set another), 1 the loop unpacks", 0, "", False)
-
     def stats(self) -> dict[str, int]:
         """Allocator counters: bytes, slots in use, allocs, frees, waits, timeouts, reclaimed."""
         return self._a.stats()
@@ -153,6 +112,80 @@ class Arena:
     def __repr__(self) -> str:
         s = self.stats()
         return f"<Arena {s['bytes'] >> 20} MiB, {s['bytes_in_use'] >> 10} KiB in use>"
+
+
+# What the other modules of the package do with an arena beyond its public methods: the engine's
+# handle, the dtype check, and the word of the loader that unpacks its batches.
+
+def engine_arena(arena: Arena) -> _engine.Arena:
+    """The engine's handle of ``arena``: what ``_engine.pack`` packs into, and what a region is
+    released to or adopted from."""
+    return arena._a
+
+
+def check_dtypes(arena: Arena, doing: str) -> None:
+    """Raises unless this process's dtype codes mean what the arena creator's do (the same
+    torch): a batch packed with one table and unpacked with another would come back with
+    other dtypes."""
+    if arena._dtype_table is not _dtypes.TABLE and arena._dtype_table != _dtypes.TABLE:
+        raise RuntimeError(_dtypes.mismatch(arena._dtype_table, doing))
+
+
+def expect(arena: Arena, expected: tuple[int, str, int, str], loaders: bool = True,
+           numpy_tensors: bool = False) -> None:
+    """The loader that unpacks ``arena``'s batches keeps up to ``expected[0]`` in flight and
+    needs room for ``expected[2]`` at the least (``[1]``, ``[3]``: what they are;
+    ``_flight.in_flight``): the first batch each process packs after this is refused at once,
+    with the size to configure, where the arena cannot hold the least of its size.
+    ``loaders``: the word is a PrefetchLoader's; ``numpy_tensors``: it wants numpy arrays
+    packed as tensors."""
+    arena._expected = expected
+    arena._checked = 0
+    arena._loaders, arena._numpy_tensors = loaders, numpy_tensors
+
+
+def withdraw_word(arena: Arena, expected: tuple[int, str, int, str]) -> None:
+    """The end of a PrefetchLoader's epoch: ``arena`` no longer has the word ``expected`` (the
+    object :func:`expect` was given), unless another loader's word has replaced it meanwhile."""
+    if arena._expected is expected:
+        arena._expected = None
+        arena._loaders = arena._numpy_tensors = False
+
+
+def has_loaders_word(arena: Arena) -> bool:
+    """Whether ``arena``'s word is a PrefetchLoader's (not a DataLoader's taken at its start)."""
+    return arena._loaders
+
+
+def pack_word(arena: Arena) -> tuple[tuple[int, str, int, str, bool], bool]:
+    """What ``_engine.pack`` is told: ``(batches in flight, what they are, the least the arena
+    must hold, checked at this process's first pack only (0 after), what they are, whether the
+    consumer's regions are its loaders' own)``, and whether the consumer wants numpy arrays
+    packed as tensors. Without a PrefetchLoader's word, a DataLoader worker counts its
+    DataLoader's workers at the default ``prefetch_factor`` (which it cannot see) and the batch
+    the loop unpacks, and checks nothing."""
+    expected = arena._expected
+    if expected is not None:
+        me = os.getpid()
+        first, arena._checked = arena._checked != me, me
+        batches, why, least, least_why = expected
+        return (batches, why, least if first else 0, least_why, arena._loaders), arena._numpy_tensors
+    info = get_worker_info()
+    if info is None or not info.num_workers:
+        return (1, "the one the loop unpacks", 0, "", False), arena._numpy_tensors
+    return ((2 * info.num_workers + 1,
+             f"{info.num_workers} workers x prefetch_factor 2 in the DataLoader (its default; count yours if "
+             "you set another), 1 the loop unpacks", 0, "", False), arena._numpy_tensors)
+
+
+def unpack_hint(arena: Arena) -> str:
+    """What a PackedBatch of ``arena`` read as its structure tells the user to do."""
+    return arena._unpack_hint
+
+
+def set_unpack_hint(arena: Arena, hint: str) -> None:
+    """An integration whose loops unpack the batches (mtc_loader.mmengine) names its own way."""
+    arena._unpack_hint = hint
 
 
 MAX_ARENA_BYTES = 1 << 46  # mtc_arena_create's limit

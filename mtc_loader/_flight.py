@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._arena import Arena, set_word_at_start
+from ._arena import Arena, expect, has_loaders_word, set_word_at_start, withdraw_word
 
 __all__: list[str] = []
 
@@ -88,7 +88,7 @@ def expect_in_flight(iterable: Any, depth: int, cuda: bool, numpy_tensors: bool 
     if arena is None:
         return None
     word = in_flight(loader.num_workers, loader.prefetch_factor, depth, cuda, bool(getattr(loader, "in_order", True)))
-    arena._expect(word, True, numpy_tensors)
+    expect(arena, word, True, numpy_tensors)
     return arena, word
 
 
@@ -96,8 +96,8 @@ def withdraw(told: Told) -> None:
     """The epoch is over: the arena no longer has this loader's word (workers started later, for
     a loop without a PrefetchLoader, count as they would without it), unless another loader's
     word has replaced it meanwhile."""
-    if told is not None and told[0]._expected is told[1]:
-        told[0]._expect_none()
+    if told is not None:
+        withdraw_word(*told)
 
 
 _STARTING = getattr(getattr(torch.utils.data, "dataloader", None), "_MultiProcessingDataLoaderIter", None)
@@ -118,11 +118,11 @@ def word_at_start(arena: Optional[Arena]) -> None:
         return
     it = f.f_locals.get("self")
     found = _arena_of(getattr(it, "_collate_fn", None))
-    if found is None or (arena is not None and found is not arena) or found._loaders:
+    if found is None or (arena is not None and found is not arena) or has_loaders_word(found):
         return
     word = in_flight(it._num_workers, it._prefetch_factor, 0, False,  # type: ignore[union-attr]
                      bool(getattr(it, "_in_order", True)), "1 the loop unpacks")
-    found._expect(word, False)
+    expect(found, word, False)
 
 
 set_word_at_start(word_at_start)

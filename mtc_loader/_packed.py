@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from . import _engine
-from ._arena import ARENAS, Arena, consumes
+from ._arena import ARENAS, Arena, check_dtypes, consumes, engine_arena, unpack_hint
 from ._device import target_index
 from ._options import positive_int
 from .handle import AsyncCopyHandle
@@ -62,7 +62,7 @@ class PackedBatch:
     def __getitem__(self, key: Any) -> Any:
         # (also what a for loop over the batch, or unpacking it, reaches)
         raise TypeError("mtc_loader: a PackedBatch is the batch packed for the trip from the worker, not "
-                        f"its structure: {self._arena._unpack_hint}")
+                        f"its structure: {unpack_hint(self._arena)}")
 
     def pin_memory(self, device: Any = None) -> "PackedBatch":
         """The arena is page-locked already: ``DataLoader(pin_memory=True)`` does no work here."""
@@ -75,7 +75,7 @@ class PackedBatch:
             raise RuntimeError("mtc_loader: this PackedBatch is unpacked by the process it is sent to (the one "
                                "that iterates the DataLoader), not in a DataLoader worker")
         self._state = "consumed"
-        return self._arena._a
+        return engine_arena(self._arena)
 
     def start_copy(self, device: Any, *, use_background_thread: bool = True, use_pinned_staging: bool = True,
                    pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
@@ -95,7 +95,7 @@ class PackedBatch:
         """The engine's handle of the unpack to the target index (the prefetch service's path)."""
         a = self._take()
         try:
-            self._arena._check_dtypes("unpacks")
+            check_dtypes(self._arena, "unpacks")
         except RuntimeError:
             a.release(self._off, os.getpid())  # consumed: nobody else frees the region
             raise
@@ -162,7 +162,7 @@ class PackedBatch:
     def __del__(self) -> None:
         if getattr(self, "_state", None) == "held":
             try:
-                self._arena._a.release(self._off, os.getpid())
+                engine_arena(self._arena).release(self._off, os.getpid())
             except Exception:  # interpreter shutdown: the arena is going away anyway
                 pass
 
@@ -231,6 +231,6 @@ def _rebuild_batch(token: tuple[int, int, int], off: int, nbytes: int, owner: in
     if consumes(arena):
         # the consuming process takes the region over from the worker that filled it, so that
         # the worker's death cannot free it any more
-        owner = arena._a.adopt(off, owner)
+        owner = engine_arena(arena).adopt(off, owner)
         return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "held", atoms)
     return PackedBatch(arena, off, nbytes, owner, layout, skeleton, "sent", atoms)

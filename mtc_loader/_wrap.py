@@ -15,8 +15,8 @@ from . import _engine
 from ._device import target_index
 from .handle import AsyncCopyHandle
 from .prefetch import PrefetchLoader
-from .prefetch._loader import _RESUMABLE, _ResumablePrefetchLoader
-from .prefetch._resume import _STATE_METHODS, _not_resumable
+from .prefetch._loader import RESUMABLE, ResumablePrefetchLoader
+from .prefetch._resume import STATE_METHODS, not_resumable
 
 __all__ = ["OnDevice", "PrefetchingDataLoader"]
 
@@ -65,8 +65,8 @@ class PrefetchingDataLoader(PrefetchLoader):
         iterable = self.__dict__.get("iterable")
         if iterable is None or name.startswith("__"):
             raise AttributeError(name)
-        if name in _STATE_METHODS:  # the DataLoader's own would tell where the service has got to
-            raise _not_resumable(type(self).__name__, name, iterable)
+        if name in STATE_METHODS:  # the DataLoader's own would tell where the service has got to
+            raise not_resumable(type(self).__name__, name, iterable)
         return getattr(iterable, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -90,12 +90,12 @@ class PrefetchingDataLoader(PrefetchLoader):
             inner.close()  # stops the service thread now, not when the generator is collected
 
 
-class _ResumablePrefetchingDataLoader(PrefetchingDataLoader, _ResumablePrefetchLoader):
+class _ResumablePrefetchingDataLoader(PrefetchingDataLoader, ResumablePrefetchLoader):
     """A :class:`PrefetchingDataLoader` over a stateful DataLoader (``PrefetchingDataLoader(...)``
     makes one)."""
 
 
-_RESUMABLE[PrefetchingDataLoader] = _ResumablePrefetchingDataLoader
+RESUMABLE[PrefetchingDataLoader] = _ResumablePrefetchingDataLoader
 
 # what PrefetchLoader.__init__ sets (a DataLoader subclass may have attributes of these names)
 _OWN = frozenset(("iterable", "device", "depth", "options", "gil_switch_interval", "produce_on_caller",

@@ -24,7 +24,7 @@ except ImportError:
     raise ImportError("mtc_loader: mtc_loader.accelerate needs accelerate (pip install accelerate)") from None
 
 from ._wrap import PrefetchingDataLoader
-from .prefetch._stats import _Window
+from .prefetch._stats import StatsWindow
 
 __all__ = ["log_stats", "prefetch"]
 
@@ -89,7 +89,7 @@ def prefetch(loader: Any, device: Optional[Any] = None, depth: int = 2, **start_
             raise ValueError("mtc_loader: this loader was prepared without device placement; "
                              "pass prefetch(loader, device=accelerator.device)")
     prefetching = _BaseLoader(base, device, depth, **start_copy_options)
-    prefetching._log_window = _Window(prefetching._stats)  # what log_stats reports
+    prefetching._log_window = StatsWindow(prefetching._stats)  # what log_stats reports
     loader.base_dataloader = prefetching
     return loader
 

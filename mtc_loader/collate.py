@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from . import _engine, _tree
-from ._arena import Arena
+from ._arena import Arena, check_dtypes, engine_arena, pack_word
 from ._options import seconds
 from ._packed import PackedBatch
 from ._stack import RETIRED, RaggedStack, stacking_into_scratch, warn_escaped
@@ -229,7 +229,7 @@ class PackedCollate:
     def __call__(self, samples: list[Any]) -> PackedBatch:
         # the tensors default_collate stacks go to this process's warm blocks rather than
         # a new shared-memory segment per batch (_stack.py); a block is reused once its tensor is freed
-        self.arena._check_dtypes("packs")
+        check_dtypes(self.arena, "packs")
         consumer = _consumer()
         with stacking_into_scratch(self):
             try:
@@ -237,10 +237,9 @@ class PackedCollate:
             except RaggedStack as e:
                 raise RuntimeError(_ragged_message(samples, e, self.collate_fn is default_collate)) from None
             try:
-                off, nbytes, layout, skeleton, atoms = _engine.pack(self.arena._a, batch, self.align,
-                                                                       self.timeout, consumer,
-                                                                       self.arena._in_flight(),
-                                                                       self.arena._numpy_tensors)
+                word, numpy_tensors = pack_word(self.arena)
+                off, nbytes, layout, skeleton, atoms = _engine.pack(engine_arena(self.arena), batch, self.align,
+                                                                       self.timeout, consumer, word, numpy_tensors)
             except RuntimeError as e:
                 if consumer and os.getppid() != consumer:
                     # The process this worker packs for has exited: nobody reads the error,
@@ -254,14 +253,14 @@ class PackedCollate:
                 try:
                     _check_picklable(skeleton, atoms, batch)
                 except BaseException:  # a leaf that cannot travel: the region goes with it
-                    self.arena._a.release(off, os.getpid())
+                    engine_arena(self.arena).release(off, os.getpid())
                     raise
             del batch
         me = os.getpid()
         try:
             warn_escaped()
         except BaseException:  # the warning made an error (-W error): the region goes with it
-            self.arena._a.release(off, me)
+            engine_arena(self.arena).release(off, me)
             raise
         state = "held" if self.arena.creator == me else "own" if get_worker_info() is None else "sent"
         return PackedBatch(self.arena, off, nbytes, me, layout, skeleton, state, atoms)

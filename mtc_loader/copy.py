@@ -108,14 +108,15 @@ def start_copy(
         >>> start_copy(data, "cpu").get()
         [tensor([1, 2, 3]), tensor([4, 5, 6])]
     """
-    return _start_copy(data, device, False, use_pinned_staging=use_pinned_staging,
+    return start_copy_keeping(data, device, False, use_pinned_staging=use_pinned_staging,
                        pack_cpu_tensors=pack_cpu_tensors, min_packed_alignment_bytes=min_packed_alignment_bytes,
                        max_packed_chunk_bytes=max_packed_chunk_bytes, use_background_thread=use_background_thread)
 
 
-def _start_copy(data: Any, device: Union[str, torch.device], keep_numpy: bool, *, use_pinned_staging: bool = True,
-                pack_cpu_tensors: bool = True, min_packed_alignment_bytes: int = 16,
-                max_packed_chunk_bytes: int = 33554432, use_background_thread: bool = True) -> AsyncCopyHandle:
+def start_copy_keeping(data: Any, device: Union[str, torch.device], keep_numpy: bool, *,
+                       use_pinned_staging: bool = True, pack_cpu_tensors: bool = True,
+                       min_packed_alignment_bytes: int = 16, max_packed_chunk_bytes: int = 33554432,
+                       use_background_thread: bool = True) -> AsyncCopyHandle:
     """:func:`start_copy`; ``keep_numpy``: numpy arrays stay the same objects on the host (what a
     :class:`~mtc_loader.PrefetchLoader` does, so that a batch keeps the types its collate made)."""
     target = target_index(device)

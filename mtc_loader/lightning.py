@@ -26,7 +26,7 @@ except ImportError:  # the standalone package
                           "(pip install lightning)") from None
 
 from ._wrap import PrefetchingDataLoader, wrap
-from .prefetch._stats import _Window
+from .prefetch._stats import StatsWindow
 
 __all__ = ["PrefetchCallback"]
 
@@ -92,7 +92,7 @@ class PrefetchCallback(Callback):
         self._strategy: Any = None
         self._train: Optional[PrefetchingDataLoader] = None
         # the windows of the figures logged per step and per epoch, and the loader they count
-        self._windows: Optional[tuple[PrefetchingDataLoader, _Window, _Window]] = None
+        self._windows: Optional[tuple[PrefetchingDataLoader, StatsWindow, StatsWindow]] = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -122,7 +122,7 @@ class PrefetchCallback(Callback):
         """The training loader's :meth:`~mtc_loader.PrefetchLoader.stats` (empty before fit)."""
         return self._train.stats() if self._train is not None else {}
 
-    def _window(self, trainer: Trainer, per_epoch: bool) -> Optional[_Window]:
+    def _window(self, trainer: Trainer, per_epoch: bool) -> Optional[StatsWindow]:
         """The window of the figures logged per step or per epoch, over the training loader that
         Lightning iterates now (new windows, counting from its first batch, when Lightning made a
         new loader: ``reload_dataloaders_every_n_epochs``); None when nothing is to be logged."""
@@ -130,7 +130,8 @@ class PrefetchCallback(Callback):
         if not self.log_stats or loader is None or trainer.barebones:
             return None
         if self._windows is None or self._windows[0] is not loader:
-            self._windows = (loader, _Window(loader._stats, from_start=True), _Window(loader._stats, from_start=True))
+            self._windows = (loader, StatsWindow(loader._stats, from_start=True),
+                             StatsWindow(loader._stats, from_start=True))
         _, per_step_window, per_epoch_window = self._windows
         return per_epoch_window if per_epoch else per_step_window
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 import mtc_loader
 from mtc_loader import PackedCollate, PrefetchLoader
 from mtc_loader._flight import _arena_of, in_flight
-from mtc_loader._arena import _attach
+from mtc_loader._arena import _attach, expect
 
 SLOT = 64 << 10
 
@@ -138,7 +138,7 @@ def test_the_word_travels_with_the_pickled_arena():
     """Workers started by spawn or forkserver receive the arena pickled: the word goes with it."""
     pc = PackedCollate(list, arena_bytes=SLOT)
     word = in_flight(2, 2, 2, cuda=False)
-    pc.arena._expect(word)
+    expect(pc.arena, word)
     rebuild, args = pc.arena.__reduce__()
     assert rebuild is _attach and args[2] == word
     # what a process that does not hold the arena yet makes of it
@@ -166,7 +166,7 @@ def test_full_arena_under_a_prefetch_loader_counts_its_batches_as_the_loaders():
     the loop, and gives the size for the whole flight as a number."""
     pc = PackedCollate(list, arena_bytes=2 * SLOT, timeout=0.2)
     # (a DataLoader that hands batches out as they come needs room for 1: no check fires here)
-    pc.arena._expect(in_flight(2, 2, 2, cuda=False, in_order=False))
+    expect(pc.arena, in_flight(2, 2, 2, cuda=False, in_order=False))
     held = [pc([torch.zeros(10)]) for _ in range(2)]
     with pytest.raises(RuntimeError, match=r"stayed full too long") as ei:
         pc([torch.zeros(10)])
@@ -188,7 +188,7 @@ def test_the_first_pack_of_each_process_is_checked_once():
     """In the process that packs (num_workers=0, or a worker), the first batch after the word is
     checked; later ones wait for room as before."""
     pc = PackedCollate(list, arena_bytes=SLOT, timeout=0.2)
-    pc.arena._expect((5, "what", 3, "why"))
+    expect(pc.arena, (5, "what", 3, "why"))
     with pytest.raises(RuntimeError, match=r"needs room for 3 at once to go on \(why\)"):
         pc([torch.zeros(10)])
     b = pc([torch.zeros(10)])  # checked already: packs (one slot is room enough for it)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import mtc_loader
 from mtc_loader._wrap import PrefetchingDataLoader
-from mtc_loader.prefetch._loader import _ResumablePrefetchLoader
+from mtc_loader.prefetch._loader import ResumablePrefetchLoader
 
 
 def _public_params(sig: inspect.Signature) -> list[str]:
@@ -27,7 +27,7 @@ def test_public_classes_show_their_constructors_parameters():
         shown = inspect.signature(cls)
         init = list(inspect.signature(cls.__init__).parameters.values())[1:]
         assert list(shown.parameters.values()) == init, (name, shown)
-    for cls in (_ResumablePrefetchLoader, PrefetchingDataLoader):
+    for cls in (ResumablePrefetchLoader, PrefetchingDataLoader):
         assert _public_params(inspect.signature(cls)) == _public_params(inspect.signature(mtc_loader.PrefetchLoader))
     assert _public_params(inspect.signature(mtc_loader.PrefetchLoader)) == [
         "iterable", "device", "depth", "gil_switch_interval", "produce_on_caller", "numpy_to_tensors",
@@ -47,11 +47,11 @@ def test_the_stateful_dispatch_still_happens():
             pass
 
     loader = mtc_loader.PrefetchLoader(Stateful(), "cpu")
-    assert isinstance(loader, _ResumablePrefetchLoader) and hasattr(loader, "state_dict")
+    assert isinstance(loader, ResumablePrefetchLoader) and hasattr(loader, "state_dict")
     plain = mtc_loader.PrefetchLoader([], "cpu")
     assert type(plain) is mtc_loader.PrefetchLoader and not hasattr(plain, "state_dict")
     wrapped = PrefetchingDataLoader(Stateful(), "cpu")
-    assert isinstance(wrapped, PrefetchingDataLoader) and isinstance(wrapped, _ResumablePrefetchLoader)
+    assert isinstance(wrapped, PrefetchingDataLoader) and isinstance(wrapped, ResumablePrefetchLoader)
 
 
 # ---------------------------------------------------------------------- the signatures the pages print

@@ -49,9 +49,8 @@ static void _push(nvtxEventAttributes_t *a)
     nvtxDomainRangePushEx(_domain, a);
 }
 
-void mtc_nvtx_push(mtc_nvtx_range r)
+void mtc_nvtx_push_tool(mtc_nvtx_range r)
 {
-    if (!mtc_nvtx_on) return;
     pthread_once(&_once, _register);
     nvtxEventAttributes_t a = {0};
     a.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
@@ -59,9 +58,8 @@ void mtc_nvtx_push(mtc_nvtx_range r)
     _push(&a);
 }
 
-void mtc_nvtx_push_name(const char *name)
+void mtc_nvtx_push_name_tool(const char *name)
 {
-    if (!mtc_nvtx_on) return;
     pthread_once(&_once, _register);
     nvtxEventAttributes_t a = {0};
     a.messageType = NVTX_MESSAGE_TYPE_ASCII;
@@ -69,17 +67,13 @@ void mtc_nvtx_push_name(const char *name)
     _push(&a);
 }
 
-void mtc_nvtx_pop(void)
-{
-    if (!mtc_nvtx_on) return;
-    nvtxDomainRangePop(_domain);
-}
+void mtc_nvtx_pop_tool(void) { nvtxDomainRangePop(_domain); }
 
 #else /* built without the NVTX headers: nothing to emit */
 
 int mtc_nvtx_compiled(void) { return 0; }
-void mtc_nvtx_push(mtc_nvtx_range r) { (void)r; (void)_names; }
-void mtc_nvtx_push_name(const char *name) { (void)name; }
-void mtc_nvtx_pop(void) {}
+void mtc_nvtx_push_tool(mtc_nvtx_range r) { (void)r; (void)_names; }
+void mtc_nvtx_push_name_tool(const char *name) { (void)name; }
+void mtc_nvtx_pop_tool(void) {}
 
 #endif

@@ -5,7 +5,7 @@
  * Free when no tool is attached: a tool attaches through the environment
  * variable NVTX_INJECTION64_PATH (Nsight Systems sets it for the process it
  * profiles); without it, mtc_nvtx_push / mtc_nvtx_pop are a load and a branch
- * and NVTX is never initialised. Built against the header-only NVTX v3 (the
+ * (inline here) and NVTX is never initialised. Built against the header-only NVTX v3 (the
  * nvtx3 headers of the nvidia-nvtx-cu12 package, a build requirement, or of a
  * CUDA toolkit); without those headers (MTC_HAVE_NVTX undefined) every entry
  * point does nothing and mtc_nvtx_compiled() is 0. No CUDA library is linked.
@@ -38,9 +38,27 @@ void mtc_nvtx_init(void);
 /* 1 when the engine was built with the NVTX headers. */
 int mtc_nvtx_compiled(void);
 
-void mtc_nvtx_push(mtc_nvtx_range r);
+/* The tool's side of the calls below, out of line: called only while
+ * mtc_nvtx_on, so that without a tool a range costs a load and a branch
+ * where it stands, not a call. */
+void mtc_nvtx_push_tool(mtc_nvtx_range r);
+void mtc_nvtx_push_name_tool(const char *name);
+void mtc_nvtx_pop_tool(void);
+
+static inline void mtc_nvtx_push(mtc_nvtx_range r)
+{
+    if (mtc_nvtx_on) mtc_nvtx_push_tool(r);
+}
+
 /* A range with a name that is not one of the stages (the Python side's). */
-void mtc_nvtx_push_name(const char *name);
-void mtc_nvtx_pop(void);
+static inline void mtc_nvtx_push_name(const char *name)
+{
+    if (mtc_nvtx_on) mtc_nvtx_push_name_tool(name);
+}
+
+static inline void mtc_nvtx_pop(void)
+{
+    if (mtc_nvtx_on) mtc_nvtx_pop_tool();
+}
 
 #endif

@@ -1,19 +1,13 @@
 /*
- * ring.c - bounded lock-free MPSC ring (see ring.h for the contract).
- *
- * Vyukov bounded queue, specialised for one consumer: the consumer owns head
- * outright (plain load, no CAS), producers race on tail with a CAS.  All
- * counter comparisons are done on unsigned differences, so nothing breaks
- * when the 64-bit counters wrap.
+ * ring.c - bounded lock-free MPSC ring (see ring.h for the contract): its
+ * set-up, tear-down, size and invariant checker. Push and pop, the hot pair,
+ * are static inline in ring.h.
  */
 #include "ring.h"
 
 #include <errno.h>
 #include <stddef.h>
 #include <stdlib.h>
-
-/* Differences above this are "negative" (counter a is behind counter b). */
-#define MTC_RING_HALF_RANGE (UINT64_MAX / 2)
 
 int mtc_ring_init(mtc_ring *r, uint32_t capacity)
 {
@@ -52,80 +46,6 @@ void mtc_ring_destroy(mtc_ring *r)
     r->mask = 0;
     mtc_store_relaxed(&r->tail, 0); /* no other users by precondition */
     mtc_store_relaxed(&r->head, 0); /* no other users by precondition */
-}
-
-int mtc_ring_push_mp(mtc_ring *r, void *item)
-{
-    if (r == NULL || item == NULL)
-        return -EINVAL;
-
-    mtc_ring_slot *const slots = r->slots;
-    const uint64_t mask = r->mask;
-    /* Relaxed: tail is only a hint of which position to try; the slot's seq
-     * (acquired below) decides whether the position is really ours. */
-    uint64_t pos = mtc_load_relaxed(&r->tail);
-
-    for (;;) {
-        mtc_ring_slot *slot = &slots[pos & mask];
-        /* Acquire pairs with the consumer's store_release of seq = pos in
-         * mtc_ring_pop_sc: its read of the previous lap's item happens
-         * before our overwrite of slot->item below. */
-        uint64_t seq = mtc_load_acquire(&slot->seq);
-        uint64_t dif = seq - pos;
-
-        if (dif == 0) {
-            /* Slot is free for position pos: try to claim pos.  Relaxed CAS
-             * is enough: it only arbitrates between producers; the item is
-             * published by the release store of seq below, and the acquire
-             * above already ordered us after the consumer.  On failure pos
-             * is reloaded with the current tail. */
-            if (mtc_cas_weak_relaxed(&r->tail, &pos, pos + 1)) {
-                slot->item = item;
-                /* Release pairs with the consumer's load_acquire of seq in
-                 * mtc_ring_pop_sc: publishes slot->item (and everything this
-                 * producer wrote before the push) before seq says "full". */
-                mtc_store_release(&slot->seq, pos + 1);
-                return 0;
-            }
-        } else if (dif > MTC_RING_HALF_RANGE) {
-            /* seq < pos: the slot still holds (or is still being released
-             * from) the item of position pos - capacity.  Since seq only
-             * grows and tail >= pos, the ring was full at the seq load. */
-            return -EAGAIN;
-        } else {
-            /* seq > pos: another producer claimed pos after we read tail;
-             * our pos is stale.  Relaxed: hint only, as above. */
-            pos = mtc_load_relaxed(&r->tail);
-        }
-    }
-}
-
-void *mtc_ring_pop_sc(mtc_ring *r)
-{
-    if (r == NULL || r->slots == NULL)
-        return NULL;
-
-    /* Relaxed: the consumer is the only writer of head. */
-    const uint64_t pos = mtc_load_relaxed(&r->head);
-    mtc_ring_slot *slot = &r->slots[pos & r->mask];
-    /* Acquire pairs with the producer's store_release of seq = pos + 1 in
-     * mtc_ring_push_mp: makes slot->item (and the producer's earlier
-     * writes) visible before we read it. */
-    const uint64_t seq = mtc_load_acquire(&slot->seq);
-    if (seq != pos + 1)
-        return NULL; /* empty (seq == pos, unclaimed) or claimed, unpublished */
-
-    void *item = slot->item;
-    /* Release pairs with the load_acquire of head in mtc_ring_size_approx:
-     * a reader that sees head == pos + 1 then reads tail >= pos + 1 (the
-     * producer's tail CAS happens before its seq release, which we
-     * acquired), so its snapshot tail - head is never negative. */
-    mtc_store_release(&r->head, pos + 1);
-    /* Release pairs with the producers' load_acquire of seq in
-     * mtc_ring_push_mp: our read of slot->item (and the head store above)
-     * happen before the producer of position pos + capacity reuses it. */
-    mtc_store_release(&slot->seq, pos + r->mask + 1);
-    return item;
 }
 
 uint64_t mtc_ring_size_approx(const mtc_ring *r)

@@ -18,7 +18,7 @@ from torch.utils.data import get_worker_info
 
 from .. import _tree
 from .._tree import OnHost
-from .._arena import Arena, check_arena_bytes
+from .._arena import Arena, check_arena_bytes, set_unpack_hint
 from .._packed import PackedBatch
 from ..collate import PackedCollate
 from ._elements import _COPY_METAINFO
@@ -26,20 +26,20 @@ from ._elements import _COPY_METAINFO
 __all__ = ["PackedPseudoCollate", "packed_collate"]
 
 
-def _place(data: Any) -> Any:
+def place_as_cast_data(data: Any) -> Any:
     """``data`` with what ``BaseDataPreprocessor.cast_data`` leaves on the host marked so
     (:class:`~mtc_loader._tree.OnHost`), where it holds tensors the walk would otherwise move
     (boxes or points outside data samples) or is a numpy array (which ``cast_data`` keeps as
     one): cast_data's own recursion, through mappings, named tuples and sequences, moving only
     tensors and data elements (and FileTensors, which it never sees: they become tensors)."""
     if isinstance(data, Mapping):  # (cast_data makes every mapping a dict)
-        return {k: _place(data[k]) for k in data}
+        return {k: place_as_cast_data(data[k]) for k in data}
     if isinstance(data, (str, bytes)) or data is None:
         return data
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_place(v) for v in data))
+        return type(data)(*(place_as_cast_data(v) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(_place(v) for v in data)
+        return type(data)(place_as_cast_data(v) for v in data)
     if isinstance(data, (torch.Tensor, BaseDataElement)):
         return data
     kind = _tree.element_kind(type(data))
@@ -52,13 +52,13 @@ def _place(data: Any) -> Any:
 
 class _PlacedAsCastData:
     """A collate function whose output's ``inputs`` (and anything else outside data samples) is
-    marked where ``cast_data`` would leave it on the host (:func:`_place`)."""
+    marked where ``cast_data`` would leave it on the host (:func:`place_as_cast_data`)."""
 
     def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
         self.fn = fn
 
     def __call__(self, samples: list[Any]) -> Any:
-        return _place(self.fn(samples))
+        return place_as_cast_data(self.fn(samples))
 
 
 # what an arena too small tells PackedCollate's users, and what mmengine's configure
@@ -169,7 +169,7 @@ class PackedPseudoCollate:
                 if want is not None:
                     self.arena_bytes = want
                 self.arena = Arena(self.arena_bytes)
-                self.arena._unpack_hint = _UNPACK_HINT_MM
+                set_unpack_hint(self.arena, _UNPACK_HINT_MM)
             return self.arena
 
     def _packer(self, collate_fn: Union[str, Callable[[list[Any]], Any], None], kwargs: dict[str, Any]) -> PackedCollate:

@@ -8,7 +8,7 @@ from typing import Any, Optional, Protocol
 from mmengine.hooks import Hook
 
 from ..prefetch import PrefetchLoader
-from ..prefetch._stats import _figures, _Window
+from ..prefetch._stats import StatsWindow, window_figures
 
 __all__: list[str] = []
 
@@ -55,7 +55,7 @@ class _StatsHook(Hook):  # type: ignore[misc]
 
     def __init__(self, loop: _Prefetching) -> None:
         self.loop = loop
-        self.window: Optional[_Window] = None
+        self.window: Optional[StatsWindow] = None
         self.recent: deque[tuple[float, float, int]] = deque()  # (wait, step, batches) per iteration
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
@@ -63,7 +63,7 @@ class _StatsHook(Hook):  # type: ignore[misc]
         if loader is None:
             return
         if self.window is None or self.window.stats is not loader._stats:  # a new loader
-            self.window = _Window(loader._stats, from_start=True)
+            self.window = StatsWindow(loader._stats, from_start=True)
             self.recent.clear()
         size = _window_size(runner)
         recent = self.recent
@@ -71,7 +71,7 @@ class _StatsHook(Hook):  # type: ignore[misc]
         recent.append((wait, step, batches))
         while len(recent) > size:
             recent.popleft()
-        figures = _figures(sum(r[0] for r in recent), sum(r[1] for r in recent), sum(r[2] for r in recent))
+        figures = window_figures(sum(r[0] for r in recent), sum(r[1] for r in recent), sum(r[2] for r in recent))
         hub = runner.message_hub
         if "data_bound" in figures:
             hub.update_scalar("train/data_bound", figures["data_bound"])

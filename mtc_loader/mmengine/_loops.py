@@ -16,8 +16,8 @@ from mmengine.runner.amp import autocast
 
 from .._packed import PackedBatch
 from ..prefetch import PrefetchLoader
-from ..prefetch._resume import _is_stateful
-from ._collate import _place
+from ..prefetch._resume import is_stateful
+from ._collate import place_as_cast_data
 from ._hooks import _check_log_stats, _LoaderStateHook, _StatsHook
 from ._preprocessor import _MOVED, MTCDataPreprocessor, _Ahead, _RunAhead
 
@@ -63,7 +63,7 @@ class _Prefetching:
         self.loader = iterable if isinstance(iterable, PrefetchLoader) else PrefetchLoader(iterable, device, depth)
         # a batch that is not packed is copied by start_copy: what cast_data leaves on the host
         # stays there (the structure types the walk knows would otherwise be moved)
-        self.loader._prepare = _place  # type: ignore[attr-defined]
+        self.loader._prepare = place_as_cast_data  # type: ignore[attr-defined]
         self.loader.transform = ahead
         self.it = iter(self.loader)
 
@@ -217,7 +217,7 @@ class MTCEpochBasedTrainLoop(EpochBasedTrainLoop):  # type: ignore[misc]
         """What a checkpoint keeps of the loader: its state after the last batch handed out (the
         one the step that saves has trained on) and how many batches of the epoch that makes;
         None for a DataLoader that is not stateful."""
-        if not _is_stateful(self.dataloader) or self.prefetch_depth == 0:
+        if not is_stateful(self.dataloader) or self.prefetch_depth == 0:
             return None
         state = self._prefetch.state_dict() if self._prefetch is not None else self.dataloader.state_dict()
         return {"train_dataloader": state, "batches_done": self._done}

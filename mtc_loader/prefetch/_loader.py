@@ -11,7 +11,7 @@ from .._device import target_index
 from .._flight import expect_in_flight, withdraw
 from ..copy import start_copy
 from ._handout import _EpochEnd, _HandOut
-from ._resume import (_STATE_METHODS, _UNSET, _FailedSnapshot, _is_stateful, _not_resumable, _Position,
+from ._resume import (STATE_METHODS, _UNSET, _FailedSnapshot, is_stateful, not_resumable, _Position,
                       _set_class, _snapshots_may_change)
 from ._service import _STOP_JOIN_S, _produces_in_process, _reclaim_dead, _Service
 from ._stats import _new_stats
@@ -102,7 +102,7 @@ class PrefetchLoader:
             raise TypeError(f"mtc_loader: PrefetchLoader wraps an iterable of batches (a DataLoader), got "
                             f"{type(iterable).__name__} {iterable!r:.80}: call PrefetchLoader(loader, device)")
         cls = type(self)
-        if not issubclass(cls, _ResumablePrefetchLoader) and _is_stateful(iterable):
+        if not issubclass(cls, ResumablePrefetchLoader) and is_stateful(iterable):
             _set_class(self, _resumable_class(cls))
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"mtc_loader: depth must be an int >= 1, got {depth!r}")
@@ -136,8 +136,8 @@ class PrefetchLoader:
         def load_state_dict(self, state: Any) -> None: ...
     else:
         def __getattr__(self, name: str) -> Any:
-            if name in _STATE_METHODS:
-                raise _not_resumable(type(self).__name__, name, self.__dict__.get("iterable"))
+            if name in STATE_METHODS:
+                raise not_resumable(type(self).__name__, name, self.__dict__.get("iterable"))
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __len__(self) -> int:
@@ -181,7 +181,7 @@ class PrefetchLoader:
         stats = self._stats
         consumer = torch.cuda.current_stream(index) if index >= 0 else None
         snapshot, copy_snapshots = None, False
-        if isinstance(self, _ResumablePrefetchLoader):
+        if isinstance(self, ResumablePrefetchLoader):
             snapshot = self.iterable.state_dict  # type: ignore[attr-defined]
             copy_snapshots = _snapshots_may_change(self.iterable)
         on_caller = self.produce_on_caller
@@ -218,7 +218,7 @@ class PrefetchLoader:
             withdraw(told)
 
 
-class _ResumablePrefetchLoader(PrefetchLoader):
+class ResumablePrefetchLoader(PrefetchLoader):
     """A :class:`PrefetchLoader` over a stateful iterable (``PrefetchLoader(...)`` makes one):
     ``state_dict`` / ``load_state_dict`` of the position after the last batch handed out."""
 
@@ -244,15 +244,15 @@ class _ResumablePrefetchLoader(PrefetchLoader):
         self._position.state = _UNSET if isinstance(state, dict) and not state else copy.deepcopy(state)
 
 
-_RESUMABLE: dict[type, type] = {PrefetchLoader: _ResumablePrefetchLoader}
+RESUMABLE: dict[type, type] = {PrefetchLoader: ResumablePrefetchLoader}
 
 
 def _resumable_class(cls: type[_L]) -> type[_L]:
-    """The class of a ``cls`` over a stateful iterable: ``cls`` with :class:`_ResumablePrefetchLoader`'s
+    """The class of a ``cls`` over a stateful iterable: ``cls`` with :class:`ResumablePrefetchLoader`'s
     methods (registered ones for this package's classes, made once for a subclass of the caller)."""
-    found = _RESUMABLE.get(cls)
+    found = RESUMABLE.get(cls)
     if found is None:
-        found = _RESUMABLE[cls] = type(cls.__name__, (cls, _ResumablePrefetchLoader),
+        found = RESUMABLE[cls] = type(cls.__name__, (cls, ResumablePrefetchLoader),
                                        {"__module__": cls.__module__, "__doc__": cls.__doc__})
     return found
 

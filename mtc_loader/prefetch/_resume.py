@@ -22,10 +22,10 @@ class _FailedSnapshot:
 # the object's type itself, past any __class__ property of a subclass (accelerate's stand-in
 # reports the class of the DataLoader it wraps through one)
 _set_class: Callable[[Any, type], None] = object.__dict__["__class__"].__set__
-_STATE_METHODS = ("state_dict", "load_state_dict")
+STATE_METHODS = ("state_dict", "load_state_dict")
 
 
-def _is_stateful(iterable: Any) -> bool:
+def is_stateful(iterable: Any) -> bool:
     """Whether an iterable has a position to save (torchdata's ``StatefulDataLoader``, any object
     with ``state_dict`` and ``load_state_dict``)."""
     return callable(getattr(iterable, "state_dict", None)) and callable(getattr(iterable, "load_state_dict", None))
@@ -54,7 +54,7 @@ class _NotResumableError(AttributeError, TypeError):
     accelerate probe) says the loader has none."""
 
 
-def _not_resumable(owner: str, name: str, iterable: object) -> _NotResumableError:
+def not_resumable(owner: str, name: str, iterable: object) -> _NotResumableError:
     """The error of ``owner.name`` (a loader class's name, ``state_dict`` or ``load_state_dict``)
     where the loader wraps ``iterable``, which has no state."""
     return _NotResumableError(

@@ -11,7 +11,7 @@ import torch
 from .. import _engine
 from .._device import target_index
 from .._packed import PackedBatch
-from ..copy import _start_copy, start_copy
+from ..copy import start_copy, start_copy_keeping
 from ..handle import AsyncCopyHandle
 from ._resume import _NO_STATE
 
@@ -26,7 +26,7 @@ _HANDLE = _engine.mtc_handle
 _PYTHON_WAYS = {"side_finish_python": 0, "hand_out_python": 0}
 
 
-def _python_ways() -> dict[str, int]:
+def python_ways() -> dict[str, int]:
     """The CUDA batches finished and handed out the Python way (merged into mtc_loader.stats())."""
     return dict(_PYTHON_WAYS)
 
@@ -281,5 +281,5 @@ def _start(batch: Any, device: Any, options: dict[str, Any], keep_numpy: bool = 
     if isinstance(batch, PackedBatch):
         return batch.start_copy(device, **options)
     if keep_numpy:
-        return _start_copy(batch, device, True, **options)
+        return start_copy_keeping(batch, device, True, **options)
     return start_copy(batch, device, **options)

@@ -9,7 +9,7 @@ def _new_stats() -> dict[str, Any]:
             "service_next_s": 0.0, "service_batches": 0, "resets": 0}
 
 
-class _Window:
+class StatsWindow:
     """What a loader's :meth:`PrefetchLoader.stats` counted since the previous :meth:`delta` or
     :meth:`advance` (since the window was made, for the first): the framework integrations log
     the figures over their own windows rather than over the whole run. Read it on the thread that
@@ -37,11 +37,11 @@ class _Window:
         return now[0] - mark[0], now[1] - mark[1], now[2] - mark[2]
 
     def advance(self) -> dict[str, float]:
-        """The figures since the previous call (:func:`_figures`)."""
-        return _figures(*self.delta())
+        """The figures since the previous call (:func:`window_figures`)."""
+        return window_figures(*self.delta())
 
 
-def _figures(wait_s: float, step_s: float, batches: int) -> dict[str, float]:
+def window_figures(wait_s: float, step_s: float, batches: int) -> dict[str, float]:
     """The figures of a window, as :meth:`PrefetchLoader.stats` defines them: ``data_bound`` (when
     any time was counted) and ``wait_ms_per_batch`` (when a batch was handed out); an empty dict
     when nothing was counted."""

@@ -45,10 +45,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
+from profile_stages import STAGES  # noqa: E402
 from workloads import machine_speed, seed_batch, tree_map  # noqa: E402
-
-STAGES = ["ns_traverse", "ns_plan", "ns_outputs", "ns_views", "ns_get_wait", "ns_queue", "ns_stage",
-          "ns_dma_issue", "ns_sync"]
 
 
 # --------------------------------------------------------------------------- the machine
@@ -70,6 +68,14 @@ def _cpulist(text: Optional[str]) -> list[int]:
         elif part.strip():
             out.append(int(part))
     return out
+
+
+def _smi(*args: str) -> Optional[str]:
+    """nvidia-smi's output, or None where it cannot run."""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -101,35 +107,18 @@ def machine(device: str) -> dict[str, Any]:
         if hasattr(props, "pci_bus_id"):
             bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
         if bus is None or not os.path.exists(f"/sys/bus/pci/devices/{bus}"):
-            try:
-                q = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(idx)],
-                                   capture_output=True, text=True, timeout=20).stdout.strip()
-                bus = q[-12:].lower() if q else bus  # 00000000:19:00.0 -> 0000:19:00.0
-            except (OSError, subprocess.SubprocessError):
-                pass
+            q = _smi("--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", str(idx))
+            bus = q[-12:].lower() if q else bus  # 00000000:19:00.0 -> 0000:19:00.0
         gpu["pci"] = bus
         gpu["numa_node"] = _read(f"/sys/bus/pci/devices/{bus}/numa_node") if bus else None
         gpu["local_cpus"] = _read(f"/sys/bus/pci/devices/{bus}/local_cpulist") if bus else None
-        try:
-            gpu["topo"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                         timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            gpu["topo"] = None
+        gpu["topo"] = _smi("topo", "-m")
     return {"cpus": cpus, "cores": [list(c) for c in cores], "nodes": nodes, "mhz": mhz, "model": model,
             "thp": _read("/sys/kernel/mm/transparent_hugepage/enabled"), "gpu": gpu,
             "torch": torch.__version__, "output_maker": mtc_loader.output_maker()["maker"]}
 
 
 # --------------------------------------------------------------------------- this process's threads
-
-def threads() -> dict[int, str]:
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        name = _read(f"/proc/self/task/{tid}/comm")
-        if name is not None:
-            out[int(tid)] = name
-    return out
-
 
 def _stat(tid: int) -> Optional[tuple[int, int]]:
     """(the CPU the thread last ran on, its CPU time in clock ticks)."""
@@ -144,7 +133,8 @@ class ThreadWatch:
     """Samples each thread's CPU and counts its CPU time between start() and stop()."""
 
     def __init__(self) -> None:
-        self.names = threads()
+        names = {int(t): _read(f"/proc/self/task/{t}/comm") for t in os.listdir("/proc/self/task")}
+        self.names = {t: n for t, n in names.items() if n is not None}
         self.cpu_at_start = {t: (_stat(t) or (0, 0))[1] for t in self.names}
         self.seen: dict[int, dict[int, int]] = {t: {} for t in self.names}
 
@@ -165,12 +155,6 @@ class ThreadWatch:
             key = "main" if t == os.getpid() else f"{name}[{t}]"
             out[key] = {"cpus": dict(sorted(self.seen[t].items())), "cpu_us_per_call": 1e6 * used / max(calls, 1)}
         return out
-
-
-def engine_threads() -> dict[str, list[int]]:
-    names = threads()
-    return {"xfer": [t for t, n in names.items() if n.startswith("mtc-xfer")],
-            "helpers": [t for t, n in names.items() if n.startswith("mtc-helper")]}
 
 
 # --------------------------------------------------------------------------- pinned pages
@@ -217,7 +201,7 @@ def time_calls(fn: Callable[[], Any], sync: Callable[[], None], calls: int,
     return ms
 
 
-def measure(batch: Any, device: str, calls: int, with_stages: bool = True) -> dict[str, Any]:
+def measure(batch: Any, device: str, calls: int) -> dict[str, Any]:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     before = mtc_loader.stats()
     watch = ThreadWatch()
@@ -225,11 +209,9 @@ def measure(batch: Any, device: str, calls: int, with_stages: bool = True) -> di
     ms = time_calls(lambda: mtc_loader.start_copy(batch, device).get(), sync, calls, watch)
     speed1 = machine_speed()
     after = mtc_loader.stats()
-    out: dict[str, Any] = {"ms": summary(ms), "cpu_loop_ms": 1e3 * (speed0 + speed1) / 2}
-    if with_stages:
-        out["stages_us"] = {k[3:]: (after[k] - before[k]) / calls / 1e3 for k in STAGES}
-        out["threads"] = watch.stop(calls)
-    return out
+    return {"ms": summary(ms), "cpu_loop_ms": 1e3 * (speed0 + speed1) / 2,
+            "stages_us": {k[3:]: (after[k] - before[k]) / calls / 1e3 for k in STAGES},
+            "threads": watch.stop(calls)}
 
 
 def gpu_dma_us(batch: Any, device: str, calls: int = 100) -> Optional[float]:
@@ -247,6 +229,17 @@ def gpu_dma_us(batch: Any, device: str, calls: int = 100) -> Optional[float]:
     return statistics.median(times)
 
 
+def loop_ms_per_cpu(cpus: list[int], reps: int = 3) -> dict[int, float]:
+    """The fixed loop's best of reps on each CPU in turn (this thread pinned there), in ms."""
+    allowed = os.sched_getaffinity(0)
+    out = {}
+    for c in cpus:
+        os.sched_setaffinity(0, {c})
+        out[c] = min(machine_speed() for _ in range(reps)) * 1e3
+    os.sched_setaffinity(0, allowed)
+    return out
+
+
 def drift(seconds: float, period: float = 1.0) -> dict[str, Any]:
     """Every ``period`` s for ``seconds``: the fixed loop's best of 3 on each CPU in turn (this
     thread pinned there). Which CPUs run slow, and for how long they stay so."""
@@ -255,13 +248,8 @@ def drift(seconds: float, period: float = 1.0) -> dict[str, Any]:
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t0 = time.perf_counter()
-        sweep = {}
-        for c in allowed:
-            os.sched_setaffinity(0, {c})
-            sweep[c] = min(machine_speed() for _ in range(3)) * 1e3
-        sweeps.append(sweep)
+        sweeps.append(loop_ms_per_cpu(allowed))
         time.sleep(max(0.0, period - (time.perf_counter() - t0)))
-    os.sched_setaffinity(0, set(allowed))
     fast = min(min(sw.values()) for sw in sweeps)
     per_cpu = {}
     for c in allowed:
@@ -296,12 +284,7 @@ def main() -> None:
     res["gpu_us"] = gpu_dma_us(batch, dev)
     # the mode: the fixed loop on the main thread's CPU now against the fastest CPU's now
     here = min(machine_speed() for _ in range(5)) * 1e3
-    allowed = os.sched_getaffinity(0)
-    best = here
-    for c in sorted(allowed):
-        os.sched_setaffinity(0, {c})
-        best = min(best, min(machine_speed() for _ in range(3)) * 1e3)
-    os.sched_setaffinity(0, allowed)
+    best = min(here, *loop_ms_per_cpu(sorted(os.sched_getaffinity(0))).values())
     res["mode"] = {"loop_here_ms": here, "loop_fastest_ms": best, "slow": here > 1.3 * best}
     res["pinned_pages_per_node"] = pinned_pages()
     if dev.startswith("cuda"):

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "bench"))
 import mtc_loader  # noqa: E402
 from bench_train import CameraSamples, collate_samples  # noqa: E402
+from workloads import count_tensors  # noqa: E402
 
 STAGES = ["ns_unpack_decode", "ns_unpack_copy", "ns_unpack_views", "ns_unpack_rebuild"]
 
@@ -139,10 +140,10 @@ def service(collate: mtc_loader.PackedCollate, ds: CameraSamples, dev: str, n: i
     after = mtc_loader.stats()
     st = pl.stats()
     out = {"service_cpu_ms_per_batch": st["service_cpu_ms_per_batch"],
-           "service_next_ms_per_batch": st.get("service_next_ms_per_batch", float("nan")),
+           "service_next_ms_per_batch": st["service_next_ms_per_batch"],
            "wait_ms_per_batch": st["wait_ms_per_batch"],
            "step_ms_per_batch": st["step_ms_per_batch"], "wall_ms_per_batch": wall * 1e3}
-    for key in STAGES if "unpacks" in after else []:
+    for key in STAGES:
         out["engine " + key[10:]] = (after[key] - before[key]) / k / 1e6
     del pl, loader
     return out
@@ -186,9 +187,6 @@ def sync(device: str) -> None:
 def engine_split(run: Callable[[], Any], device: str) -> dict[str, float]:
     """The engine's unpack split (ms per unpack) over what ``run()`` does."""
     before = mtc_loader.stats()
-    if "unpacks" not in before:  # an engine without the unpack counters
-        run()
-        return {}
     run()
     sync(device)
     after = mtc_loader.stats()
@@ -215,7 +213,7 @@ def main() -> int:
     w = a.width or (8 if cpu else 448)
     ds = CameraSamples(max(64, a.batches * a.samples), 16, h, w)
     one = collate_samples([ds[j] for j in range(a.samples)])
-    nbytes = sum(t.numel() * t.element_size() for t in _leaves(one))
+    leaves, nbytes = count_tensors(one)
     collate = mtc_loader.PackedCollate(collate_samples, arena_bytes=max(64 << 20, 4 * (a.batches + 8) * nbytes),
                                        min_packed_alignment_bytes=a.align)
     n = a.batches
@@ -225,7 +223,6 @@ def main() -> int:
     def fresh() -> list:
         return make_batches(collate, ds, n, a.samples)
 
-    leaves = len(_leaves(one))
     print(f"device {dev}, {a.samples} samples of {h}x{w} images: {leaves} leaves, {nbytes / 1e6:.1f} MB, "
           f"medians of {n} batches, thread CPU ms per batch", flush=True)
 
@@ -271,16 +268,6 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"device": dev, "leaves": leaves, "results": res}, f, indent=1)
     return 0
-
-
-def _leaves(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _leaves(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _leaves(v)]
-    return []
 
 
 if __name__ == "__main__":

@@ -85,10 +85,6 @@ def proc_status(*keys: str) -> list[int]:
     return [out[k] for k in keys]
 
 
-def rss_bytes() -> int:
-    return proc_status("VmRSS")[0]
-
-
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -152,7 +148,7 @@ class Recorder:
             time.sleep(0.02)
         self.epoch_ends.append({"epoch": epoch, "global_iter": global_it, "t": time.monotonic() - self.t0,
                                 "slots": self.arena_stats()["slots_in_use"], "fds": fds,
-                                "rss": rss_bytes()})
+                                "rss": proc_status("VmRSS")[0]})
 
 
 # --------------------------------------------------------------------------------- phases
@@ -303,14 +299,11 @@ def print_summary(summary: dict, bad: int) -> None:
                 continue
             d = r["div"]
             unit = " MiB" if d == MiB else ""
-            if r.get("judged") is False:
-                print(f"  {key:<10} start {r['start'] / d:10.1f}{unit}  end {r['end'] / d:10.1f}{unit}  "
-                      f"max {r['max'] / d:10.1f}{unit}  (part of rss, not judged)")
-                continue
+            verdict = ("(part of rss, not judged)" if r.get("judged") is False else
+                       f"{'flat' if r['flat'] else 'NOT FLAT'} (max dev {r.get('max_dev', 0) / d:.1f}, "
+                       f"trend {r.get('trend', 0) / d:+.1f}, bound {r.get('bound', 0) / d:.1f})")
             print(f"  {key:<10} start {r['start'] / d:10.1f}{unit}  end {r['end'] / d:10.1f}{unit}  "
-                  f"max {r['max'] / d:10.1f}{unit}  "
-                  f"{'flat' if r['flat'] else 'NOT FLAT'} (max dev {r.get('max_dev', 0) / d:.1f}, "
-                  f"trend {r.get('trend', 0) / d:+.1f}, bound {r.get('bound', 0) / d:.1f})")
+                  f"max {r['max'] / d:10.1f}{unit}  {verdict}")
     print(f"wrong batches: {bad}")
 
 

@@ -32,15 +32,27 @@ mkdir -p "$out"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py"
 for t in tests/test_loader.py tests/test_faults.py tests/test_fuzz.py; do [ -f "$t" ] && cuda_tests="$cuda_tests $t"; done
+# carried_wheels [WHEEL...]: the carried wheels missing here (all with FORCE_WHEELS=1) and the WHEELs
+# named, into /tmp/site, which goes on PYTHONPATH after this tree; build_here: the engine in place
+carried_wheels() {
+    local whl
+    [ -d .whl ] && whl="$(python3 tools/release/missing_wheels.py .whl ${FORCE_WHEELS:+--all}) $*"
+    [ -n "${whl// }" ] && echo "installing into /tmp/site: $(for w in $whl; do basename "$w"; done | tr '\n' ' ')" \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            $whl 2>&1 | grep -v "root user"
+    export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+build_here() {  # --force: a second build, its log appended
+    [ "${1:-}" = --force ] || : > "$out/build.log"
+    python3 setup.py build_ext --inplace -q "$@" >> "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+}
 # openmmlab_setup: OpenMMLab's stack on a machine with no index: the carried wheels (.whl) that
 # are missing here, and setuptools<81, into /tmp/site; mmcv 2.1.0 built from the carried sdist
 # with its CPU ops (no GPU visible to the build: what mmdet3d.structures imports; training a model
 # whose step calls no mmcv kernel needs no more); the engine in place. Exits on a failure.
 openmmlab_setup() {
     local site=/tmp/site
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" $(python3 tools/release/missing_wheels.py .whl) .whl/setuptools-*.whl 2>&1 | grep -v "root user"
-    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    carried_wheels .whl/setuptools-*.whl
     if ! python3 -c "import mmcv.ops" 2>/dev/null; then
         rm -rf /tmp/mmcv-2.1.0 && tar xzf .whl/mmcv-2.1.0.tar.gz -C /tmp
         local t0=$SECONDS
@@ -50,7 +62,7 @@ openmmlab_setup() {
         echo "mmcv built with its CPU ops in $(( SECONDS - t0 )) s"
         python3 -m pip install -q --no-index --no-deps --target "$site" /tmp/mmcv_wheel/mmcv-*.whl 2>&1 | grep -v "root user"
     fi
-    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    build_here
     python3 -W ignore -c "import torch, mmcv.ops, mmdet, mmdet3d.structures, mmdet3d.datasets, mmdet3d.models; print('torch', torch.__version__, '| mmcv',
         mmcv.__version__, '| mmdet', mmdet.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 \
         | tee "$out/openmmlab_versions.log" || exit 1
@@ -101,28 +113,16 @@ sanitize-prefetch)
         python3 -m pytest -q -p no:cacheprovider tests/test_prefetch_cuda.py -k "kept_alive or switches" >> "$out/sanitize.log" 2>&1
     echo "racecheck rc=$?"; grep -E "passed|failed|RACECHECK SUMMARY" "$out/sanitize.log" | tail -3 ;;
 frameworks)
-    site=/tmp/site
-    if [ -d .whl ]; then
-        whl=$(python3 tools/release/missing_wheels.py .whl ${FORCE_WHEELS:+--all})
-        if [ -n "$whl" ]; then
-            echo "installing into $site: $(for w in $whl; do basename "$w"; done | tr '\n' ' ')"
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-                $whl 2>&1 | grep -v "root user"
-        else
-            echo "every carried wheel's distribution is installed here; none installed"
-        fi
-        # the nvtx3 headers only (never an nvidia folder on the path, in front of torch's CUDA libraries)
-        for w in .whl/nvidia_nvtx_cu12-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/nvtx_wheel; done
-    fi
-    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+    carried_wheels
+    # the nvtx3 headers only (never an nvidia folder on the path, in front of torch's CUDA libraries)
+    for w in .whl/nvidia_nvtx_cu12-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/nvtx_wheel; done
     # the engine in place, with NVTX: its own search first (nvidia.nvtx, $CUDA_HOME/include), then the carried headers
-    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    build_here
     if ! python3 -c "from mtc_loader import _engine; assert _engine.nvtx_info()['compiled']" 2>/dev/null \
         && [ -f /tmp/nvtx_wheel/nvidia/nvtx/include/nvtx3/nvToolsExt.h ]; then
         echo "rebuilding the engine with the carried nvtx3 headers"
         export MTC_NVTX_INCLUDE=/tmp/nvtx_wheel/nvidia/nvtx/include  # test_nvtx.py builds its tool with them too
-        python3 setup.py build_ext --inplace -q --force \
-            >> "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+        build_here --force
     fi
     python3 - <<'PY' 2>&1 | tee "$out/versions.log" || exit 1
 import importlib.metadata as md
@@ -199,14 +199,8 @@ openmmlab-train)
     done
     tar -C /tmp -czf "$out/openmmlab_train.tgz" --exclude='*_records.json' --exclude='*_plan.json' openmmlab_train ;;
 mmengine)
-    site=/tmp/site
-    if [ -d .whl ]; then
-        whl=$(python3 tools/release/missing_wheels.py .whl)
-        [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$site" $whl 2>&1 | grep -v "root user"
-    fi
-    export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
-    python3 setup.py build_ext --inplace -q > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+    carried_wheels
+    build_here
     python3 -W ignore -c "import torch, mmengine, cv2, matplotlib, mtc_loader.mmengine; print('torch', torch.__version__, '| mmengine',
         mmengine.__version__, '| cv2', cv2.__version__, '| cuda:', torch.cuda.is_available())" 2>&1 | tee "$out/mmengine_versions.log"
     timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_mmengine.py tests/test_containers.py \

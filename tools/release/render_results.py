@@ -73,14 +73,15 @@ TRAIN_CONFIGS = {"launch": "launch-bound loop", "gpu": "GPU-bound loop"}
 # ------------------------------------------------------------------------------------ helpers
 
 def load(results: str, name: str) -> list[dict[str, Any]]:
-    """Every bench_NAME.json under results (one per process), in folder order."""
-    paths = sorted(glob.glob(os.path.join(results, "**", f"bench_{name}.json"), recursive=True))
+    """Every bench_NAME.json under results (one per process), in folder order; the models' section
+    reads bench_openmmlab_train_*.json, those with the paired figures."""
+    pattern = "openmmlab_train_*" if name == "models" else name
     out = []
-    for p in paths:
+    for p in sorted(glob.glob(os.path.join(results, "**", f"bench_{pattern}.json"), recursive=True)):
         with open(p) as f:
             d = json.load(f)
-        d["_path"] = p
-        out.append(d)
+        if name != "models" or ("paired" in d and "medians" in d):
+            out.append(d)
     return out
 
 
@@ -107,8 +108,7 @@ def pct(v: float) -> str:
     return f"{v * 100:.1f}%"
 
 
-def gbps(v: float) -> str:
-    return f"{v:.2f}"
+gbps = "{:.2f}".format
 
 
 def _command(cmd: str) -> str:
@@ -131,9 +131,7 @@ def provenance_line(runs: list[dict[str, Any]], what: str) -> str:
 def machine_line(runs: list[dict[str, Any]]) -> list[str]:
     """The machine (or machines) of the release run's tables, named once at the page's top."""
     machines = sorted({(r.get("provenance") or {}).get("machine", "unknown machine") for r in runs})
-    if not machines:
-        return ["**The machine:** no release run yet."]
-    return [f"**The machine:** {'; '.join(machines)}."]
+    return [f"**The machine:** {'; '.join(machines)}." if machines else "**The machine:** no release run yet."]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -160,23 +158,18 @@ def placeholder(name: str) -> list[str]:
 DRAW = [True]  # plots are drawn (not under --check, which only checks the page's text)
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot(name: str, docs: str, alt: str, draw: Callable[[Any], Any]) -> list[str]:
     """The markdown that shows docs/bench_NAME.png, drawn by draw(plt) (which returns the
     figure) from the numbers of the section's table. Under --check, or without matplotlib, an
     existing PNG is kept as it is."""
     path = os.path.join(docs, f"bench_{name}.png")
-    plt = _pyplot() if DRAW[0] else None
-    if plt is not None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        plt = None
+    if DRAW[0] and plt is not None:
         fig = draw(plt)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -190,17 +183,12 @@ def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: s
           log: bool = False, fmt: Callable[[float], str] = str, ref: Optional[float] = None) -> Any:
     """Horizontal bars, one block per group (a workload, a loop), one bar per method, each
     labelled with its value; ref draws a vertical line (the baseline, 1x or 100%)."""
-    labels, values, colors, ticks = [], [], [], []
-    methods: list[str] = []
-    for _, bars in groups:
-        for m, _v in bars:
-            if m not in methods:
-                methods.append(m)
+    values, colors, ticks = [], [], []
+    methods = list(dict.fromkeys(m for _, bars in groups for m, _ in bars))
     y = 0.0
     for g, bars in groups:
         start = y
         for m, v in bars:
-            labels.append(m)
             values.append((y, v))
             colors.append(f"C{methods.index(m) % 10}")
             y += 1
@@ -234,15 +222,8 @@ def _barh(plt: Any, groups: list[tuple[str, list[tuple[str, float]]]], xlabel: s
 # ----------------------------------------------------------------------------------- sections
 
 def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
-    names: list[str] = []
-    methods: list[str] = []
-    for r in runs:
-        for w, res in r["workloads"].items():
-            if w not in names:
-                names.append(w)
-            for m in res["methods"]:
-                if m not in methods:
-                    methods.append(m)
+    names = list(dict.fromkeys(w for r in runs for w in r["workloads"]))
+    methods = list(dict.fromkeys(m for r in runs for res in r["workloads"].values() for m in res["methods"]))
     header = ["workload", "tensors, bytes", "`.to()` ms"] + [COPY_LABELS.get(m, m) for m in methods if m != "to"]
     rows: list[list[str]] = []
     groups: list[tuple[str, list[tuple[str, float]]]] = []
@@ -260,11 +241,9 @@ def render_copy(runs: list[dict[str, Any]], docs: str) -> list[str]:
             row.append(spread(vals, ratio) if vals else "—")
             vals = [v for v in vals if v is not None]
             if vals:
-                bars = groups[-1][1] if groups and groups[-1][0] == row[0] else None
-                if bars is None:
+                if not groups or groups[-1][0] != row[0]:
                     groups.append((row[0], []))
-                    bars = groups[-1][1]
-                bars.append((COPY_LABELS.get(m, m), statistics.median(vals)))
+                groups[-1][1].append((COPY_LABELS.get(m, m), statistics.median(vals)))
         rows.append(row)
     out = plot("copy", docs, "start_copy against .to() per workload", lambda plt: _barh(
         plt, groups, "times faster than .to() (median over processes; log scale; 1 = .to())",
@@ -459,34 +438,24 @@ def render_models(runs: list[dict[str, Any]], docs: str) -> list[str]:
     return out
 
 
-def _load_models(results: str) -> list[dict[str, Any]]:
-    return [r for r in load(results, "openmmlab_train_*") if "paired" in r and "medians" in r]
-
-
 SECTIONS: dict[str, Callable[[list[dict[str, Any]], str], list[str]]] = {
     "copy": render_copy, "loader": render_loader, "train": render_train, "files": render_files,
     "models": render_models,
 }
-# the JSON each section reads: bench_NAME.json, or these
-LOADERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {"models": _load_models}
-
-
-def _runs(results: str, name: str) -> list[dict[str, Any]]:
-    return LOADERS[name](results) if name in LOADERS else load(results, name)
 
 
 def render(page: str, results: str) -> str:
     docs = os.path.dirname(os.path.abspath(page))
     with open(page) as f:
         text = f.read()
-    commits = {(r.get("provenance") or {}).get("commit", "unknown") for name in SECTIONS for r in _runs(results, name)}
+    runs = {name: load(results, name) for name in SECTIONS}
+    commits = {(r.get("provenance") or {}).get("commit", "unknown") for rs in runs.values() for r in rs}
     if len(commits) > 1:
         raise SystemExit(f"{results}: runs of several commits ({', '.join(sorted(commits))}): the page shows one "
                          "release run; run `tools/release/run_benchmarks.sh`, which empties the folder first")
-    bodies: dict[str, Callable[[], list[str]]] = {
-        "machine": lambda: machine_line([r for name in SECTIONS for r in _runs(results, name)])}
+    bodies: dict[str, Callable[[], list[str]]] = {"machine": lambda: machine_line(sum(runs.values(), []))}
     for name, fn in SECTIONS.items():
-        bodies[name] = (lambda fn=fn, name=name, runs=_runs(results, name): fn(runs, docs) if runs else placeholder(name))
+        bodies[name] = (lambda fn=fn, name=name: fn(runs[name], docs) if runs[name] else placeholder(name))
     for name, make in bodies.items():
         begin, end = f"<!-- BEGIN render:{name} -->", f"<!-- END render:{name} -->"
         if begin not in text or end not in text:
