@@ -409,7 +409,7 @@ class _Names:
         return f"[{i}]"
 
 
-def _same_kind(exc: BaseException, msg: str) -> BaseException:
+def same_kind(exc: BaseException, msg: str) -> BaseException:
     """An exception of ``exc``'s class with ``msg`` (a RuntimeError where that class cannot be
     built from a message)."""
     try:
@@ -444,7 +444,7 @@ def _unflatten_registered(kind: int, cls: type, context: Any, values: list[Any])
     try:
         return reg.unflatten(values, context)
     except Exception as e:
-        raise _same_kind(e, f"mtc_loader: the unflatten registered for {_qualname(cls)} raised "
+        raise same_kind(e, f"mtc_loader: the unflatten registered for {_qualname(cls)} raised "
                             f"{type(e).__name__}: {e} (unflatten must store the values without "
                             "checking them: mtc_loader also passes placeholders in the tensors' "
                             "places to describe a packed batch)") from e
@@ -664,5 +664,5 @@ def diagnose(leaf: Any, path: str, exc: BaseException | None) -> Any:
             who = "the flatten registered with torch.utils._pytree"
         detail = str(exc) if isinstance(exc, TypeError) and str(exc).startswith("the flatten") \
             else f"{who} raised {type(exc).__name__}: {exc}"
-        raise _same_kind(exc, f"mtc_loader: {path} (a {_qualname(type(leaf))}): {detail}") from exc
+        raise same_kind(exc, f"mtc_loader: {path} (a {_qualname(type(leaf))}): {detail}") from exc
     raise TypeError(f"mtc_loader: cannot copy {path} of type {type(leaf).__name__}")

@@ -217,7 +217,7 @@ class PackedCollate:
         try:
             reduction.ForkingPickler.dumps(self.collate_fn)
         except Exception as e:
-            raise _tree._same_kind(e, (
+            raise _tree.same_kind(e, (
                 f"mtc_loader: PackedCollate's collate_fn {self.collate_fn!r} cannot be pickled "
                 f"({type(e).__name__}: {e}), and a PackedCollate travels pickled to DataLoader workers "
                 "started by spawn or forkserver (and to processes of launchers such as "

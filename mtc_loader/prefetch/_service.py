@@ -18,7 +18,7 @@ import torch
 from .. import _engine, _trace
 from .._arena import consumed_here
 from .._packed import PackedBatch
-from .._tree import _same_kind
+from .._tree import same_kind
 from ._pipes import standins
 from ._resume import _NO_STATE, _FailedSnapshot
 from ._side import SideCopy, _copy_stream, _start
@@ -262,7 +262,7 @@ class _Service:
             result = fn(side._result)
         except Exception as e:
             name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-            raise _same_kind(e, f"mtc_loader: PrefetchLoader's transform {name} raised on batch "
+            raise same_kind(e, f"mtc_loader: PrefetchLoader's transform {name} raised on batch "
                                 f"{self.taken - 1} of the epoch: {type(e).__name__}: {e}") from e
         side._replace(result, self.consumer)
 
