@@ -1,17 +1,10 @@
-"""The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build
-(new, old, and prev where the pairs had a third arm), the pairs in order, their median; and the
-pairs compared: new less old within each pair that has both, the median of those differences and
-in how many pairs new came out higher. The processes of one pair ran one after the other, so the
-paired difference drifts less with the machine than the difference of the two medians; where
-the machine moves a figure from process to process, as it does the launch-bound loops', a
-difference of medians that half the pairs contradict is no difference.
+"""The pairs of tools/diagnostics/ab_pairs_gpu.sh side by side: one row per figure and build (new,
+old, and prev where the pairs had a third arm), each pair's value and their median; then new less
+old within each pair, the median of those differences and in how many pairs new came out higher
+(a pair's processes ran one after the other, so its difference drifts less with the machine).
 
-Usage::
-
-    python3 tools/diagnostics/ab_table.py OUTDIR/ab.log [more ab.log ...] [--markdown]
-
-Several logs (calls that shared one rotation, ``FIRST..LAST``) are read as one; a line that
-appears in two of them counts once. A figure an arm did not measure is left out of its row.
+Usage: ``python3 tools/diagnostics/ab_table.py OUTDIR/ab.log [more ab.log ...] [--markdown]``.
+Several logs (calls that shared one rotation) are read as one; a line in two of them counts once.
 """
 from __future__ import annotations
 

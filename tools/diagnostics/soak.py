@@ -1,35 +1,29 @@
 #!/usr/bin/env python3
 """Soak: many copies and many loader batches, watching for anything that grows.
 
-Two phases, one process:
+Two phases, one process. ``copy``: ``--copies`` calls of ``start_copy`` (default 100,000), two in
+flight, of a seed-like batch (132 small tensors) plus fresh numpy leaves the engine must copy (a
+negative-stride and a read-only array), to ``--device`` (cuda when available, else cpu).
+``loader``: ``--batches`` batches (default 10,000) through ``PrefetchLoader`` over a DataLoader
+with ``--workers`` workers (default 4) and ``PackedCollate(list)``, new workers every epoch of
+``--batches-per-epoch`` batches.
 
-1. ``copy``: ``--copies`` calls of ``mtc_loader.start_copy`` (default 100,000), two in flight,
-   of a seed-like batch (4 samples of the multi-camera meta-data, 132 small tensors) plus fresh
-   numpy leaves the engine must copy (a negative-stride and a read-only array), to ``--device``
-   (cuda when available, else cpu).
-2. ``loader``: ``--batches`` batches (default 10,000) through ``PrefetchLoader`` over a
-   ``DataLoader`` with ``--workers`` workers (default 4) and ``PackedCollate(list)``, small seed
-   batches, whole epochs of ``--batches-per-epoch`` batches (new workers every epoch).
+About ``--samples`` times per phase it records: resident memory (VmRSS, RssAnon, RssShmem: VmRSS
+takes in the arena's pages as slots are first used, bounded by ``--arena-bytes``, default 8 MiB),
+``stats()['pinned_bytes_held']``, the arena's ``slots_in_use``, the open descriptors, the time,
+and the reference count of one input tensor (a reference leak shows there first). After every
+epoch it records the arena's slots and the descriptors once the workers are gone (both must come
+back to their baseline). Sampled batches are checked bitwise against their reference.
 
-Every ``K`` iterations (about ``--samples`` samples per phase) it records: resident memory
-(VmRSS of /proc/self/status; RssAnon and RssShmem too: VmRSS includes the arena's pages once the
-main process has read them, which grows until every slot was used once and is bounded by
-``--arena-bytes``, default 8 MiB so that this warm-up ends early), ``stats()['pinned_bytes_held']``, the arena's ``slots_in_use``,
-the open file descriptors (``/proc/self/fd``), the time, and the reference count of one input
-tensor (a reference leak shows there first). After every epoch it also records the arena's slots
-and the descriptors once the epoch's workers are gone (both must come back to their baseline).
-Sampled batches are checked bitwise against their reference.
+**Flat**: over the last half of a phase's samples, every sample lies within ``max(2 % of their
+median, slack)`` of that median, and the least-squares trend over that half moves the series by
+less than the same bound. Slack: RSS 32 MiB, pinned 8 MiB, arena slots ``workers *
+prefetch_factor + depth + 2`` in an epoch and 0 at its end, descriptors 16 in an epoch and 2 at
+its end, reference count 0. Time per sample is reported, not judged.
 
-**Flat**: over the last 50 % of a phase's samples, every sample lies within
-``max(2 % of their median, slack)`` of that median, and the least-squares trend over that half
-changes the series by less than the same bound (no slow monotone growth). Slack per series:
-RSS 32 MiB, pinned 8 MiB, arena slots ``workers * prefetch_factor + depth + 2`` while an epoch
-runs and 0 at epoch ends, descriptors 16 while an epoch runs (workers' pipes) and 2 at epoch ends,
-reference count 0. Time per ``K`` iterations is reported, not judged.
-
-Writes ``soak.json`` and ``soak.png`` (4 panels vs iteration: RSS, pinned bytes, arena slots,
-descriptors) to ``--out`` (default ``bench/results``), prints a summary and exits with 1 if a
-series is not flat or a batch was wrong. ``--quick`` is a short run (10,000 copies, 1,000 batches).
+Writes ``soak.json`` and ``soak.png`` to ``--out`` (default ``bench/results``), prints a summary
+and exits with 1 if a series is not flat or a batch was wrong. ``--quick``: 10,000 copies, 1,000
+batches.
 
     python3 tools/diagnostics/soak.py                # on the GPU machine: a few minutes
     python3 tools/diagnostics/soak.py --quick --device cpu

@@ -2,8 +2,7 @@
 # The GPU machine's checks, in one place (see docs/benchmarks.md for the figures they produced).
 #   bash tools/release/gpu_checks.sh tests     # build in place; the whole test suite (CUDA tests run)
 #   bash tools/release/gpu_checks.sh sanitize  # compute-sanitizer memcheck + racecheck over the CUDA tests
-#   bash tools/release/gpu_checks.sh bench     # bench_copy.py and bench_loader.py
-#   bash tools/release/gpu_checks.sh soak      # tools/diagnostics/soak.py (100,000 start_copy, 10,000 loader batches)
+#   bash tools/release/gpu_checks.sh bench     # bench_copy.py and bench_loader.py; soak: tools/diagnostics/soak.py
 #   bash tools/release/gpu_checks.sh cuda      # build in place; the CUDA tests only (-m cuda)
 #   bash tools/release/gpu_checks.sh train     # bench_train.py (both loops) and bench_loader.py with a 5 ms step
 #   bash tools/release/gpu_checks.sh profile   # profile_stages.py and a helper-thread sweep of 16 x 16 MB
@@ -14,9 +13,9 @@
 #       of docs/benchmarks.md (~7 min on one H100) and a preview of the page
 #   bash tools/release/gpu_checks.sh openmmlab  # OpenMMLab's stack set up offline (mmcv 2.1.0 built
 #       with its CPU ops), then tests/test_openmmlab.py and bench/bench_openmmlab.py
-#   bash tools/release/gpu_checks.sh openmmlab-train  # that set-up, then bench_openmmlab_train.py
-#       per model of TRAIN_MODELS (yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs of TRAIN_ARMS (plain,switched; switched,ahead) each,
-#       sharing the time until TRAIN_DEADLINE_S (530) by weight (2 : 3 : 3)
+#   bash tools/release/gpu_checks.sh openmmlab-train  # that set-up, then bench_openmmlab_train.py per model of
+#       TRAIN_MODELS (yolov3 centerpoint mvfcos3d), TRAIN_PAIRS (6) pairs of TRAIN_ARMS (plain,switched; or
+#       switched,ahead) each, sharing the time until TRAIN_DEADLINE_S (530) by weight (2 : 3 : 3)
 #   bash tools/release/gpu_checks.sh mmengine  # the mmengine tests and bench/bench_mmengine.py
 # Wheels carried in .whl (tools/release/fetch_wheels.sh) go to /tmp/site where missing (no index;
 # FORCE_WHEELS=1: all). Dry runs without a GPU: FRAMEWORKS_ON_CPU=1, RELEASE_DEVICE=cpu
@@ -30,8 +29,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 [ -z "${NO_INSTALL:-}" ] && python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "root user" | tail -3
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py"
-for t in tests/test_loader.py tests/test_faults.py tests/test_fuzz.py; do [ -f "$t" ] && cuda_tests="$cuda_tests $t"; done
+cuda_tests="tests/test_copy_cuda.py tests/test_loader_cuda.py tests/test_loader.py tests/test_faults.py tests/test_fuzz.py"
 # carried_wheels [WHEEL...]: the carried wheels missing here (all with FORCE_WHEELS=1) and the WHEELs
 # named, into /tmp/site, which goes on PYTHONPATH after this tree; build_here: the engine in place
 carried_wheels() {

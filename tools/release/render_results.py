@@ -347,22 +347,28 @@ def render_train(runs: list[dict[str, Any]], docs: str) -> list[str]:
     return out
 
 
+def file_limits(r: dict[str, Any]) -> tuple[list[float], list[float], bool]:
+    """(warm, cold) limits of one files run in GB/s, and whether they are the limits (a parallel
+    memcpy, O_DIRECT at the best queue depth) rather than an older run's single-thread raw reads."""
+    if "limits_gbps" in r:
+        return r["limits_gbps"]["memcpy_warm"], r["limits_gbps"]["direct_cold_best"], True
+    return r["raw_read_gbps"]["buffered_warm"], r["raw_read_gbps"]["direct_cold"], False
+
+
 def plot_files(plt: Any, runs: list[dict[str, Any]], methods: list[str]) -> Any:
-    """A bar chart of GB/s per method (the table's), warm and cold page cache, with the raw reads
-    of the same run as dashed lines."""
+    """A bar chart of GB/s per method (the table's), warm and cold page cache, with the limits of
+    the same run as dashed lines."""
     b = runs[0]["bytes_per_batch"]
+    limits = [file_limits(r) for r in runs]
+    labels = (("parallel memcpy from the page cache", "O_DIRECT, best queue depth") if limits[0][2]
+              else ("raw read (buffered, warm)", "raw read (O_DIRECT, cold)"))
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    for k, (state, raw) in enumerate((("warm", "buffered_warm"), ("cold", "direct_cold"))):
-        limit = "limits_gbps" in runs[0]
-        if limit:
-            raw = "memcpy_warm" if k == 0 else "direct_cold_best"
+    for k, state in enumerate(("warm", "cold")):
         vals = [b / statistics.median([t for r in runs for t in r["epoch_s_per_batch"][m][state]]) / 1e9
                 for m in methods]
         ax.bar([i + k * 0.4 for i in range(len(methods))], vals, width=0.4, label=f"{state} page cache")
-        ax.axhline(statistics.median(v for r in runs for v in r["limits_gbps" if limit else "raw_read_gbps"][raw]),
-                   linestyle="--", color=f"C{k}", linewidth=1,
-                   label=(("parallel memcpy from the page cache" if k == 0 else "O_DIRECT, best queue depth") if limit
-                          else f"raw read ({'buffered, warm' if k == 0 else 'O_DIRECT, cold'})"))
+        ax.axhline(statistics.median(v for lim in limits for v in lim[k]), linestyle="--", color=f"C{k}",
+                   linewidth=1, label=labels[k])
     names = [FILES_LABELS.get(m, m).replace("*", "").replace("`", "").replace(", ", ",\n", 1) for m in methods]
     ax.set_xticks([i + 0.2 for i in range(len(methods))], names, fontsize=7)
     ax.set_ylabel("GB/s of files per batch")
@@ -381,11 +387,8 @@ def render_files(runs: list[dict[str, Any]], docs: str) -> list[str]:
         b = runs[0]["bytes_per_batch"]
         rows.append([FILES_LABELS.get(m, m), spread(warm, ms), gbps(b / statistics.median(warm) / 1e6),
                      spread(cold, ms), gbps(b / statistics.median(cold) / 1e6)])
-    limit = "limits_gbps" in runs[0]
-    raw_cold = [v for r in runs for v in (r["limits_gbps"]["direct_cold_best"] if limit
-                                          else r["raw_read_gbps"]["direct_cold"])]
-    raw_warm = [v for r in runs for v in (r["limits_gbps"]["memcpy_warm"] if limit
-                                          else r["raw_read_gbps"]["buffered_warm"])]
+    limits = [file_limits(r) for r in runs]
+    raw_warm, raw_cold, limit = [v for lim in limits for v in lim[0]], [v for lim in limits for v in lim[1]], limits[0][2]
     cfg = runs[0]["config"]
     reader = runs[0].get("reader", {}).get("mode", "?")
     header = ["method", "warm cache ms/batch", "warm GB/s", "cold cache ms/batch", "cold GB/s"]
