@@ -57,6 +57,23 @@ def run_child(code: str, **env: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(autouse=True)
+def _torch_settings_restored():
+    """A test that trains through mmengine's Runner in this process (``randomness=dict(
+    deterministic=True)``) turns torch's deterministic mode on process-wide; every later test
+    starts with the settings the session had (deterministic mode fills new memory, which torch
+    cannot do for every dtype)."""
+    import torch.utils.deterministic as deterministic
+
+    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = deterministic.fill_uninitialized_memory
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    yield
+    torch.use_deterministic_algorithms(det, warn_only=warn)
+    deterministic.fill_uninitialized_memory = fill
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _pread_fallback_warning(tmp_path_factory):
     """Where FileTensor reads fall back to pread without being asked to (a build without
